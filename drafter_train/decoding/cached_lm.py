@@ -1,0 +1,51 @@
+"""A causal LM plus its KV cache, addressed by position.
+
+The decoder never recomputes a prefix: after a rejection it crops the cache back to the last valid position and the
+next forward continues from there (HF derives positions from the cache length).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache, PreTrainedModel
+
+
+class CachedLM:
+    """Wraps an HF causal LM for incremental decoding of ONE sequence (batch size 1)."""
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.device = model.device
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = DynamicCache(config=self.model.config)
+        self.length = 0  # tokens whose keys/values are in the cache
+
+    def forward(self, tokens: Tensor, num_logits: int) -> Tensor:
+        """Feed tokens [n] after the cached prefix; return logits [num_logits, V] for the last positions.
+
+        `logits_to_keep` skips the LM head on positions nobody reads (the prefill of a long prompt, say),
+        which matters for large vocabularies.
+        """
+        out = self.model(
+            input_ids=tokens.view(1, -1),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=num_logits,
+        )
+        self.length += tokens.numel()
+        return out.logits[0, -num_logits:]
+
+    def crop(self, length: int) -> None:
+        """Keep only the first `length` cached positions (no-op if fewer are cached)."""
+        if length < self.length:
+            # transformers v5: crop() takes the (negative) number of tokens to drop.
+            self.cache.crop(length - self.length)
+            self.length = length
+
+
+def as_tensor(token_ids, device: torch.device) -> Tensor:
+    """list[int] or 1-D tensor -> 1-D long tensor on `device`."""
+    return torch.as_tensor(token_ids, dtype=torch.long, device=device).view(-1)

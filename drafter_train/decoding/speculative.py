@@ -1,0 +1,74 @@
+"""Draft-then-verify decoding (Leviathan et al. 2023; Chen et al. 2023) with KV caches on both models.
+
+Invariant between steps: `seq` = prompt + generated tokens; the target's cache holds seq[:-1] (the last token is fed
+with the next drafts), the drafter's cache holds some prefix of seq. One step:
+
+    drafts d_1..d_k  <- drafter.propose(seq)                     (k AR forwards, or one NAR pass)
+    logits [k+1, V]  <- target(seq[-1], d_1..d_k)                (ONE target pass)
+    n, t             <- verify(drafts, logits)                    (keep d_1..d_n, then t = correction or bonus)
+    seq              <- seq + d_1..d_n + t;  crop both caches to the valid prefix (no prefix recomputation)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from transformers import PreTrainedModel
+
+from drafter_train.decoding.autoregressive import DecodeResult
+from drafter_train.decoding.cached_lm import CachedLM, as_tensor
+from drafter_train.decoding.drafter import Drafter, Proposal
+from drafter_train.decoding.sampling import SamplingParams, choose_token
+from drafter_train.decoding.stats import DecodeStats
+from drafter_train.decoding.verify import Verifier
+
+
+def _stop_index(new_tokens: list[int], eos: set[int]) -> Optional[int]:
+    """Length to keep if an EOS is among `new_tokens` (EOS included), else None."""
+    for i, token in enumerate(new_tokens):
+        if token in eos:
+            return i + 1
+    return None
+
+
+@torch.inference_mode()
+def generate_speculative(
+    target: PreTrainedModel,
+    drafter: Drafter,
+    prompt_ids: Sequence[int],
+    draft_len: int,
+    verifier: Verifier,
+    max_new_tokens: int,
+    params: SamplingParams = SamplingParams(),
+    eos_token_ids: Sequence[int] = (),
+    generator: Optional[torch.Generator] = None,
+) -> DecodeResult:
+    """Speculative decoding of one sequence. EOS / max_new_tokens behave exactly as in `generate_autoregressive`."""
+    if draft_len < 1:
+        raise ValueError(f"draft_len must be >= 1, got {draft_len}")
+    lm, eos = CachedLM(target), set(eos_token_ids)
+    stats = DecodeStats(draft_len=draft_len)
+    drafter.reset()
+    # Prefill: the target's pass over the prompt yields the first token, as in the AR baseline.
+    first, _ = choose_token(lm.forward(as_tensor(prompt_ids, lm.device), 1)[-1], params, generator)
+    seq = torch.cat([as_tensor(prompt_ids, lm.device), first.view(1)])
+    tokens, stats.target_forward_passes = [int(first)], 1
+    while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+        # A step yields at most k+1 tokens: never draft past max_new_tokens (k == 0 is a plain target step).
+        k = min(draft_len, max_new_tokens - len(tokens) - 1)
+        proposal = drafter.propose(seq, k, params, generator) if k else Proposal(seq.new_empty(0))
+        logits = lm.forward(torch.cat([seq[-1:], proposal.tokens]), num_logits=k + 1)  # [k+1, V]
+        num_accepted, next_token = verifier(proposal, logits, generator)
+        stats.target_forward_passes += 1
+        if k:
+            stats.record_step(k, num_accepted)
+        lm.crop(seq.numel() + num_accepted)  # keep seq + accepted drafts; next_token is fed next step
+        drafter.rollback(seq.numel() + num_accepted)
+        new = torch.cat([proposal.tokens[:num_accepted], next_token.view(1)])
+        seq = torch.cat([seq, new])
+        new_list = new.tolist()
+        stop = _stop_index(new_list, eos)
+        tokens.extend(new_list[:stop])
+    stats.tokens_generated = len(tokens)
+    return DecodeResult(tokens=tokens, stats=stats)

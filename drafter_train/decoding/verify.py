@@ -1,0 +1,90 @@
+"""Verification rules: given k drafts and the target's logits at the k+1 positions they cover, decide how many
+drafts to keep and which token the target contributes (the correction at the first rejection, or the bonus token
+when all k are accepted). Each returns (num_accepted, next_token).
+
+Symbols: p_target = target's processed distribution, q_draft = drafter's processed distribution.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+from drafter_train.decoding.drafter import Proposal
+from drafter_train.decoding.sampling import SamplingParams, logits_to_probs, sample
+
+Verifier = Callable[[Proposal, Tensor, Optional[torch.Generator]], tuple[int, Tensor]]
+
+
+def _num_leading_true(ok: Tensor) -> int:
+    """ok: [k] bool -> length of the all-True prefix."""
+    return int(ok.long().cumprod(0).sum())
+
+
+def verify_greedy(proposal: Proposal, target_logits: Tensor, generator=None) -> tuple[int, Tensor]:
+    """Keep drafts while they equal the target's argmax. target_logits: [k+1, V]."""
+    k = proposal.draft_len
+    best = target_logits.argmax(-1)  # [k+1] target's greedy choice after each prefix
+    n = _num_leading_true(proposal.tokens == best[:k])
+    return n, best[n]  # best[n]: correction at the first mismatch, or the bonus token when n == k
+
+
+def make_sample_verifier(params: SamplingParams) -> Verifier:
+    """Speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2): lossless for any p_target."""
+
+    def verify_sample(proposal: Proposal, target_logits: Tensor, generator=None) -> tuple[int, Tensor]:
+        k = proposal.draft_len
+        p_target = logits_to_probs(target_logits, params)  # [k+1, V]
+        if k == 0:  # the decoder's last, shortened step: a plain target sample
+            return 0, sample(p_target[0], generator)
+        q_draft = proposal.q_draft  # [k, V], the drafts were sampled from it
+        rows = torch.arange(k, device=p_target.device)
+        p_d = p_target[rows, proposal.tokens]  # [k] p_target(draft_i)
+        q_d = q_draft[rows, proposal.tokens]  # [k] q_draft(draft_i) > 0
+        u = torch.rand(k, generator=generator, device=p_target.device)
+        n = _num_leading_true(u * q_d < p_d)  # accept draft_i with probability min(1, p/q)
+        if n == k:
+            return n, sample(p_target[k], generator)  # bonus token from p_target after all k drafts
+        residual = torch.clamp(p_target[n] - q_draft[n], min=0.0)  # resample from norm(max(0, p - q))
+        total = residual.sum()
+        # residual == 0 only if p == q at this row, where rejection has probability 0; float noise can still get
+        # here, and then p_target is the exact answer.
+        return n, sample(residual / total if total > 0 else p_target[n], generator)
+
+    return verify_sample
+
+
+def make_specdec_verifier(top_beta: int, tolerance: float) -> Verifier:
+    """SpecDec relaxed verification (Xia et al. 2022, arXiv:2203.16487, Sec. 3.2 "Spec-Verification").
+
+    Draft i is accepted iff, under the target's log-probs log P at its position,
+      (1) it is among the target's top-beta candidates, and
+      (2) log P(top-1) - log P(draft_i) <= tolerance;
+    verification stops at the first draft failing either test, and the target's top-1 token is emitted there
+    (or after all k drafts, as the bonus token). With top_beta=1 this is exactly greedy verification.
+    Not lossless: output may differ from AR greedy; the evaluator reports by how much.
+    """
+
+    def verify_specdec(proposal: Proposal, target_logits: Tensor, generator=None) -> tuple[int, Tensor]:
+        k = proposal.draft_len
+        logp = torch.log_softmax(target_logits.float(), dim=-1)  # [k+1, V]
+        top = torch.topk(logp[:k], min(top_beta, logp.shape[-1]), dim=-1)  # values/indices [k, beta]
+        in_top_beta = (top.indices == proposal.tokens[:, None]).any(-1)  # [k]
+        draft_logp = logp[torch.arange(k, device=logp.device), proposal.tokens]  # [k]
+        within_tolerance = top.values[:, 0] - draft_logp <= tolerance
+        n = _num_leading_true(in_top_beta & within_tolerance)
+        return n, logp[n].argmax(-1)
+
+    return verify_specdec
+
+
+def make_verifier(mode: str, params: SamplingParams, top_beta: int = 1, tolerance: float = 0.0) -> Verifier:
+    if mode == "greedy":
+        return verify_greedy
+    if mode == "sample":
+        return make_sample_verifier(params)
+    if mode == "specdec":
+        return make_specdec_verifier(top_beta, tolerance)
+    raise ValueError(f"verify: unknown mode {mode!r} (expected greedy, sample or specdec)")

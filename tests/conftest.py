@@ -1,0 +1,50 @@
+"""Shared fixtures: tiny models built in-process, and the optional real stories260K model from ../shared."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES_DEFAULT = REPO.parent / "shared" / "models" / "stories260K"
+
+
+def tiny_llama(vocab_size: int = 64, num_layers: int = 4, seed: int = 0, init: float = 0.3) -> LlamaForCausalLM:
+    """A 2-4 layer, hidden-64 Llama. A large init spreads the logits so greedy has no near-ties."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=init,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture
+def make_tiny_llama():
+    return tiny_llama
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> Path:
+    """../shared/models/stories260K, or $DRAFTER_TRAIN_STORIES260K; tests using it skip when it is absent."""
+    path = Path(os.environ.get("DRAFTER_TRAIN_STORIES260K", STORIES_DEFAULT))
+    if not (path / "config.json").exists():
+        pytest.skip(f"stories260K not found at {path} (set DRAFTER_TRAIN_STORIES260K)")
+    return path

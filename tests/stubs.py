@@ -1,0 +1,46 @@
+"""Stub "models" with hand-written logits: a bigram table maps the previous token to next-token logits.
+
+They plug into the real decoder (CachedLM calls them like HF models), so decoder tests can state exactly which
+drafts must be accepted.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from transformers import LlamaConfig
+
+
+class BigramLM(torch.nn.Module):
+    """logits(next | prefix) = table[last token of prefix]."""
+
+    def __init__(self, table: torch.Tensor):
+        super().__init__()
+        self.table = table.float()
+        self.config = LlamaConfig(vocab_size=table.shape[0], num_hidden_layers=1, hidden_size=8,
+                                  num_attention_heads=1, intermediate_size=8)
+
+    @property
+    def device(self) -> torch.device:
+        return self.table.device
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=0):
+        logits = self.table[input_ids]  # [1, n, V]
+        if logits_to_keep:
+            logits = logits[:, -logits_to_keep:]
+        return SimpleNamespace(logits=logits)
+
+
+def cycle_table(vocab: int, step: int, scale: float = 10.0) -> torch.Tensor:
+    """Greedy successor of x is (x + step) % vocab."""
+    table = torch.zeros(vocab, vocab)
+    table[torch.arange(vocab), (torch.arange(vocab) + step) % vocab] = scale
+    return table
+
+
+def greedy_table(successor: dict[int, int], vocab: int, scale: float = 10.0) -> torch.Tensor:
+    table = torch.zeros(vocab, vocab)
+    for x, y in successor.items():
+        table[x, y] = scale
+    return table
