@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
+# Before any HF import: huggingface_hub reads HF_HUB_OFFLINE once, at import time.
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES_DEFAULT = REPO.parent / "shared" / "models" / "stories260K"

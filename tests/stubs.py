@@ -44,3 +44,19 @@ def greedy_table(successor: dict[int, int], vocab: int, scale: float = 10.0) -> 
     for x, y in successor.items():
         table[x, y] = scale
     return table
+
+
+WORDS = "the a cat dog sat ran on mat and big small red blue house tree sun day night happy sad".split()
+SPECIALS = ["<unk>", "<s>", "</s>"]
+
+
+def word_tokenizer(words=WORDS):
+    """Word-level tokenizer that adds BOS like Llama's, with no pad token and no chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(words))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")

@@ -1,0 +1,125 @@
+"""Prompt sources for evaluation: a built-in set, or a local json / jsonl / txt file read with `datasets`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import datasets
+
+from drafter_train.errors import ConfigError
+
+# Short and varied on purpose: acceptance rates differ between free-form stories, factual answers and code, and an
+# evaluation over one kind of prompt would flatter or punish a drafter.
+DEFAULT_PROMPTS = [
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain why the sky is blue in simple terms.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a Python function that checks whether a string is a palindrome.",
+    "Give three tips for staying focused while studying.",
+    "Once upon a time, in a village at the edge of a great forest,",
+    "Summarise the water cycle in a few sentences.",
+    "What are the main causes of the seasons on Earth?",
+    "Write a haiku about autumn leaves.",
+    "How do I reverse a linked list? Explain the idea, then show code.",
+    "Describe how a bicycle works to a ten-year-old.",
+    "What is photosynthesis and why is it important?",
+    "Write a polite email asking a colleague to review a document by Friday.",
+    "List five healthy breakfast ideas.",
+    "Explain the difference between weather and climate.",
+    "Write a SQL query that returns the ten most recent orders from a table named orders.",
+    "The old robot woke up in an empty warehouse and",
+    "Why do cats purr?",
+    "Explain what a hash table is and when you would use one.",
+    "Write a limerick about a forgetful wizard.",
+    "What should I pack for a three-day hiking trip?",
+    "Explain recursion with a simple example.",
+    "How does a vaccine help the body fight disease?",
+    "Write a JavaScript function that removes duplicates from an array.",
+    "Give a short history of the printing press.",
+    "What is the Pythagorean theorem? Give an example.",
+    "Write a dialogue between a detective and a nervous witness.",
+    "Suggest a name for a small coffee shop and explain your choice.",
+    "How do airplanes stay in the air?",
+    "Explain what an API is to someone who does not program.",
+    "Write a bash command that counts the lines in every .txt file in a folder.",
+    "What are the benefits of regular exercise?",
+    "Describe a sunset over the ocean in vivid detail.",
+    "What is the difference between RAM and storage?",
+    "Write a short poem about friendship.",
+    "How do I make a simple tomato sauce?",
+    "Explain the rules of chess in a few sentences.",
+    "Translate 'Good morning, how are you?' into French and Spanish.",
+    "Why is it important to get enough sleep?",
+    "Write a function in C that returns the maximum of an array of integers.",
+]
+
+_SUFFIXES = (".json", ".jsonl", ".txt")
+# Column names tried in order when the user names none (common in instruction and prompt datasets).
+_TEXT_COLUMNS = ("prompt", "text", "instruction", "question")
+
+
+def load_prompts(path: Optional[str], num_prompts: int, field: Optional[str] = None) -> list[str]:
+    """The first ``num_prompts`` prompts (all of them if fewer exist; the caller reports the count).
+
+    ``path`` None gives the built-in set. Otherwise a local .json / .jsonl file (records, or a plain list of
+    strings) whose text column is ``field`` or the first of prompt/text/instruction/question, or a .txt file with
+    one prompt per non-empty line.
+    """
+    if path is None:
+        return list(DEFAULT_PROMPTS[:num_prompts])
+    file = _check_file(path)
+    rows = _read(file)
+    column = _text_column(rows.column_names, field, path)
+    prompts = [_as_prompt(value, column, path) for value in rows[column]]
+    prompts = [p for p in prompts if p]
+    if not prompts:
+        raise ConfigError(f"eval.prompts: no prompts in {path}")
+    return prompts[:num_prompts]
+
+
+def _check_file(path: str) -> Path:
+    file = Path(path).expanduser()
+    if not file.is_file():
+        reason = "not a file" if file.exists() else "no such file"
+        raise ConfigError(f"eval.prompts: {reason}: {path}")
+    if file.suffix.lower() not in _SUFFIXES:
+        raise ConfigError(f"eval.prompts: unsupported file type {file.suffix or '(none)'!r}, use one of {_SUFFIXES}")
+    if file.stat().st_size == 0:
+        # datasets fails on empty files with an unhelpful StopIteration / generation error.
+        raise ConfigError(f"eval.prompts: {path} is empty")
+    return file
+
+
+def _read(file: Path) -> datasets.Dataset:
+    # datasets reads a JSON list of strings as one "text" column, so no special case is needed for it.
+    builder = "text" if file.suffix.lower() == ".txt" else "json"
+    try:
+        return datasets.load_dataset(builder, data_files=str(file), split="train")
+    except (datasets.exceptions.DatasetsError, ValueError, StopIteration) as err:
+        cause = err.__cause__ or err
+        reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        raise ConfigError(f"eval.prompts: could not read {file} as {builder}: {reason}") from err
+
+
+def _text_column(columns: list[str], field: Optional[str], path: str) -> str:
+    if field is not None:
+        if field not in columns:
+            raise ConfigError(f"eval.prompt_field: {path} has no column {field!r} (columns: {', '.join(columns)})")
+        return field
+    for name in _TEXT_COLUMNS:
+        if name in columns:
+            return name
+    raise ConfigError(
+        f"eval.prompts: {path} has none of the columns {', '.join(_TEXT_COLUMNS)} "
+        f"(columns: {', '.join(columns)}); name one with eval.prompt_field"
+    )
+
+
+def _as_prompt(value: object, column: str, path: str) -> str:
+    """A stripped prompt; empty for missing values (blank lines, nulls), which the caller drops."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ConfigError(f"eval.prompt_field: column {column!r} of {path} holds {type(value).__name__}, not text")
+    return value.strip()

