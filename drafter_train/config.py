@@ -8,6 +8,7 @@ runs the checks) from a composed Hydra config.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
@@ -17,6 +18,9 @@ from drafter_train.errors import ConfigError
 VERIFY_MODES = ("greedy", "sample", "specdec")
 DTYPES = ("float32", "bfloat16")
 EMBEDDED_TARGET = "embedded:smollm2"
+# The repo's conf/ folder as an absolute path: Hydra reads a relative config_path as a package path when the
+# caller is a module (console scripts), and conf/ lives at the top of the repo, not inside the package.
+CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
 
 
 def _check(ok: bool, name: str, message: str) -> None:

@@ -66,6 +66,15 @@ def test_eos_inside_accepted_drafts_stops_exactly_like_ar():
     assert ar.tokens == [1, 2, 3, 4] and out.tokens == ar.tokens
 
 
+def test_stats_count_verification_even_past_eos():
+    # Drafts 1,2,3,4,5,0 are all accepted, but the output stops at EOS=2: alpha describes the verifier,
+    # tokens_generated the output.
+    table = cycle_table(6, 1)
+    out = spec(BigramLM(table), BigramLM(table.clone()), [0], draft_len=6, max_new_tokens=50, eos=[2])
+    assert out.tokens == [1, 2]
+    assert (out.stats.accepted, out.stats.proposed, out.stats.target_forward_passes) == (6, 6, 2)
+
+
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 5, 7])
 def test_max_new_tokens_is_exact(max_new_tokens):
     table = cycle_table(5, 1)

@@ -1,0 +1,184 @@
+"""`drafter-eval`: the AR baseline and the speculative decoder on the same prompts, in the same process.
+
+`evaluate_decoding` is the one implementation of the headline numbers (tau, acceptance, per-position acceptance,
+speedup); the trainer's checkpoint evaluation calls it too.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig, register_configs
+from drafter_train.data.prompts import load_prompts
+from drafter_train.decoding.autoregressive import DecodeResult, generate_autoregressive
+from drafter_train.decoding.drafter import ARDrafter, Drafter
+from drafter_train.decoding.sampling import SamplingParams
+from drafter_train.decoding.speculative import generate_speculative
+from drafter_train.decoding.stats import DecodeStats
+from drafter_train.decoding.verify import make_verifier
+from drafter_train.drafters.loading import load_drafter
+from drafter_train.errors import ConfigError, DrafterTrainError
+from drafter_train.targets import encode_prompt, load_target, model_identity
+
+
+def sampling_params(cfg: EvalConfig) -> SamplingParams:
+    """verify=sample samples at the configured temperature; greedy and specdec decode greedily."""
+    if cfg.verify == "sample":
+        return SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    return SamplingParams()
+
+
+def _timed(fn, device: torch.device) -> tuple[DecodeResult, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
+
+
+def evaluate_decoding(
+    target: PreTrainedModel,
+    drafter: Drafter,
+    prompt_ids: Sequence[Sequence[int]],
+    cfg: EvalConfig,
+    eos_token_ids: Sequence[int],
+    progress: bool = True,
+) -> dict:
+    """Decode every prompt with the AR baseline and speculatively (interleaved, so load changes hit both alike).
+
+    Returns the metrics defined in the README: tau, acceptance_rate, per_position_acceptance, speedup, ...
+    """
+    params = sampling_params(cfg)
+    verifier = make_verifier(cfg.verify, params, cfg.specdec_top_beta, cfg.specdec_tolerance)
+    ar_params = params  # specdec is compared with AR greedy, sample with AR sampling at the same settings
+
+    def run_ar(prompt, seed):
+        gen = torch.Generator(device=target.device).manual_seed(seed)
+        return generate_autoregressive(target, prompt, cfg.max_new_tokens, ar_params, eos_token_ids, gen)
+
+    def run_spec(prompt, seed):
+        gen = torch.Generator(device=target.device).manual_seed(seed)
+        return generate_speculative(
+            target, drafter, prompt, cfg.draft_len, verifier, cfg.max_new_tokens, params, eos_token_ids, gen
+        )
+
+    for _ in range(cfg.warmup):  # untimed: first calls pay allocator and kernel-selection costs
+        run_ar(prompt_ids[0], cfg.seed), run_spec(prompt_ids[0], cfg.seed)
+    spec_stats, ar_stats = DecodeStats(draft_len=cfg.draft_len), DecodeStats()
+    spec_time = ar_time = 0.0
+    matches = 0
+    bar = tqdm(prompt_ids, desc=f"eval draft_len={cfg.draft_len} {cfg.verify}", disable=not progress, unit="prompt")
+    for i, prompt in enumerate(bar):
+        ar, t_ar = _timed(lambda: run_ar(prompt, cfg.seed + i), target.device)
+        spec, t_spec = _timed(lambda: run_spec(prompt, cfg.seed + i), target.device)
+        ar_stats.merge(ar.stats)
+        spec_stats.merge(spec.stats)
+        ar_time, spec_time = ar_time + t_ar, spec_time + t_spec
+        matches += spec.tokens == ar.tokens
+        bar.set_postfix(tau=f"{spec_stats.tau:.2f}", speedup=f"{(ar_time / spec_time):.2f}")
+    spec_tps = spec_stats.tokens_generated / spec_time
+    ar_tps = ar_stats.tokens_generated / ar_time
+    return {
+        **spec_stats.summary(),
+        "draft_len": cfg.draft_len,
+        "verify": cfg.verify,
+        "num_prompts": len(prompt_ids),
+        "ar_tokens_generated": ar_stats.tokens_generated,
+        "spec_time_s": spec_time,
+        "ar_time_s": ar_time,
+        "spec_tokens_per_s": spec_tps,
+        "ar_tokens_per_s": ar_tps,
+        "speedup": spec_tps / ar_tps,
+        # Share of prompts whose speculative output is token-identical to the AR baseline's: must be 1.0 for
+        # greedy (lossless); for specdec it measures how far the relaxation moves the output; not defined when
+        # sampling (two independent samples).
+        "greedy_match": None if cfg.verify == "sample" else matches / len(prompt_ids),
+    }
+
+
+def print_table(metrics: dict, console: Optional[Console] = None) -> None:
+    table = Table(title="drafter-eval")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("tau", "acceptance_rate", "speedup", "spec_tokens_per_s", "ar_tokens_per_s", "greedy_match"):
+        value = metrics.get(key)
+        table.add_row(key, "-" if value is None else f"{value:.3f}")
+    table.add_row("per_position_acceptance", " ".join(f"{a:.2f}" for a in metrics["per_position_acceptance"]))
+    table.add_row("tokens / target passes", f"{metrics['tokens_generated']} / {metrics['target_forward_passes']}")
+    (console or Console(stderr=True)).print(table)
+
+
+def _check_writable(path: Path) -> None:
+    """Fail before the (long) evaluation rather than after it."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise ConfigError(f"eval.output: cannot write {path}: {err.strerror}") from None
+
+
+def run_eval_job(cfg: EvalJobConfig) -> dict:
+    """Load everything named by the config, evaluate, write metrics.json and return the metrics."""
+    output = Path(cfg.eval.output)
+    _check_writable(output)
+    target, tokenizer = load_target(cfg.target)
+    drafter = ARDrafter(load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype))
+    texts = load_prompts(cfg.eval.prompts, cfg.eval.num_prompts, cfg.eval.prompt_field)
+    prompt_ids = [encode_prompt(tokenizer, text, cfg.target.chat_template) for text in texts]
+    eos = eos_token_ids(target, tokenizer)
+    metrics = evaluate_decoding(target, drafter, prompt_ids, cfg.eval, eos)
+    metrics.update(target=model_identity(cfg.target), drafter=cfg.drafter.path, torch_threads=torch.get_num_threads())
+    metrics["config"] = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    output.write_text(json.dumps(metrics, indent=2))
+    return metrics
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
+    """EOS ids from the generation config (may list several, e.g. <|im_end|> and <|endoftext|>) and tokenizer."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
+
+
+def to_job_config(cfg: DictConfig) -> EvalJobConfig:
+    """Composed Hydra config -> dataclasses (runs every field check)."""
+    return OmegaConf.to_object(cfg)
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="eval")
+def _hydra_main(cfg: DictConfig) -> None:
+    try:
+        metrics = run_eval_job(to_job_config(cfg))
+    except DrafterTrainError as err:
+        print(f"drafter-eval: error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print_table(metrics)
+    print(f"metrics written to {Path(cfg.eval.output).resolve()}", file=sys.stderr)
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

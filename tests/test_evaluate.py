@@ -1,0 +1,132 @@
+"""drafter-eval end to end on tiny local folders: the documented override line, metric definitions, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from drafter_train.config import CONF_DIR, register_configs
+from drafter_train.drafters.truncated import cut_from_target
+from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
+from drafter_train.evaluate import run_eval_job
+from tests.conftest import tiny_llama
+from tests.stubs import SPECIALS, WORDS, word_tokenizer
+
+VOCAB = len(SPECIALS) + len(WORDS)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    """A tiny target, a drafter cut from it, a drafter with another vocabulary, and a prompt file."""
+    root = tmp_path_factory.mktemp("eval")
+    target = tiny_llama(vocab_size=VOCAB, num_layers=3)
+    for name, model in (
+        ("target", target),
+        ("drafter", cut_from_target(target, 1, share_weights=False)),
+        ("other_vocab", tiny_llama(vocab_size=VOCAB + 5, num_layers=1)),
+    ):
+        model.save_pretrained(root / name)
+        word_tokenizer().save_pretrained(root / name)
+    prompts = root / "prompts.txt"
+    prompts.write_text("the cat sat on the mat\nthe dog ran\na big red house\nthe sun and the tree\n")
+    return root
+
+
+def job(folders, *overrides):
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose(
+            "eval",
+            overrides=[
+                f"target.path={folders / 'target'}",
+                "target.chat_template=false",
+                f"drafter.path={folders / 'drafter'}",
+                f"eval.prompts={folders / 'prompts.txt'}",
+                f"eval.output={folders / 'metrics.json'}",
+                "eval.max_new_tokens=24",
+                "eval.num_prompts=4",
+                *overrides,
+            ],
+        )
+    return OmegaConf.to_object(cfg)
+
+
+def drafter_eval(*args, cwd):
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-c", "from drafter_train.evaluate import main; main()", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_cli_documented_override_line(folders, tmp_path):
+    result = drafter_eval(
+        f"target.path={folders / 'target'}", f"drafter.path={folders / 'drafter'}", "eval.draft_len=4",
+        "eval.verify=greedy", "eval.num_prompts=8", "eval.max_new_tokens=32", f"eval.prompts={folders / 'prompts.txt'}",
+        "eval.output=metrics.json", cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["num_prompts"] == 4  # the file holds 4 prompts; all are used
+    assert metrics["greedy_match"] == 1.0
+    assert len(metrics["per_position_acceptance"]) == 4
+    assert metrics["tau"] == pytest.approx(metrics["tokens_generated"] / metrics["target_forward_passes"])
+    assert metrics["speedup"] == pytest.approx(metrics["spec_tokens_per_s"] / metrics["ar_tokens_per_s"])
+    assert metrics["config"]["eval"]["draft_len"] == 4 and metrics["config"]["eval"]["max_new_tokens"] == 32
+    assert "tau" in result.stderr  # the closing table
+
+
+def test_metric_definitions_against_counts(folders):
+    metrics = run_eval_job(job(folders, "eval.draft_len=3"))
+    proposed, accepted = metrics["proposed_draft_tokens"], metrics["accepted_draft_tokens"]
+    assert metrics["acceptance_rate"] == pytest.approx(accepted / proposed)
+    assert metrics["tokens_generated"] == metrics["ar_tokens_generated"]  # same tokens as AR (lossless)
+    # Every pass yields (accepted drafts + 1) tokens, minus whatever follows an EOS (exact counts: test_decoding).
+    assert metrics["target_forward_passes"] >= metrics["tokens_generated"] - accepted
+    assert metrics["target_forward_passes"] < metrics["ar_tokens_generated"] or accepted == 0
+    assert json.loads((folders / "metrics.json").read_text())["tau"] == metrics["tau"]
+
+
+def test_drafter_equal_to_target_accepts_all(folders):
+    metrics = run_eval_job(job(folders, f"drafter.path={folders / 'target'}", "eval.draft_len=4"))
+    assert metrics["acceptance_rate"] == 1.0 and metrics["per_position_acceptance"] == [1.0] * 4
+    assert metrics["greedy_match"] == 1.0
+
+
+def test_truncated_baseline_and_modes(folders):
+    sample = run_eval_job(job(folders, "drafter.path=truncated:2", "eval.verify=sample", "eval.temperature=0.8"))
+    assert sample["greedy_match"] is None and 0 <= sample["acceptance_rate"] <= 1
+    specdec = run_eval_job(job(folders, "eval.verify=specdec", "eval.specdec_top_beta=1", "eval.specdec_tolerance=0"))
+    assert specdec["greedy_match"] == 1.0  # beta=1, tolerance 0 is greedy
+
+
+@pytest.mark.parametrize(
+    "overrides, error, words",
+    [
+        (("drafter.path=/no/such/drafter",), ModelNotFoundError, "/no/such/drafter"),
+        (("eval.draft_len=0",), ConfigError, "eval.draft_len"),
+        (("eval.verify=beam",), ConfigError, "eval.verify"),
+        (("drafter.path=truncated:9",), ConfigError, "truncated"),
+        (("eval.output=/proc/forbidden/metrics.json",), ConfigError, "eval.output"),
+    ],
+)
+def test_bad_input_is_one_clear_error(folders, overrides, error, words):
+    with pytest.raises(error, match=words.replace(".", r"\.")):
+        run_eval_job(job(folders, *overrides))
+
+
+def test_vocab_mismatch_is_refused(folders):
+    with pytest.raises(VocabMismatchError, match="vocabulary"):
+        run_eval_job(job(folders, f"drafter.path={folders / 'other_vocab'}"))
+
+
+def test_cli_error_is_one_line_without_traceback(folders, tmp_path):
+    result = drafter_eval(f"target.path={folders / 'target'}", f"drafter.path={folders / 'other_vocab'}", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip() and "Loading weights" not in line]
+    assert lines[-1].startswith("drafter-eval: error:") and "Traceback" not in result.stderr
