@@ -50,6 +50,20 @@ def _timed(fn, device: torch.device) -> tuple[DecodeResult, float]:
     return result, time.perf_counter() - start
 
 
+@torch.inference_mode()
+def divergence_margin(target: PreTrainedModel, prompt: Sequence[int], ar: list[int], spec: list[int]) -> float:
+    """Target's top-1 minus top-2 logit at the first position where the two greedy outputs differ.
+
+    Lossless greedy verification can only disagree with AR decoding where the target's own logits differ between a
+    1-token and a (k+1)-token forward (rounding, mostly in bfloat16) and that difference flips a near-tie; a margin
+    at the level of the dtype's rounding error shows that is what happened.
+    """
+    first = next((i for i, (a, b) in enumerate(zip(ar, spec)) if a != b), min(len(ar), len(spec)))
+    ids = torch.tensor([list(prompt) + ar[:first]], device=target.device)
+    top2 = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float().topk(2).values
+    return float(top2[0] - top2[1])
+
+
 def evaluate_decoding(
     target: PreTrainedModel,
     drafter: Drafter,
@@ -80,7 +94,7 @@ def evaluate_decoding(
         run_ar(prompt_ids[0], cfg.seed), run_spec(prompt_ids[0], cfg.seed)
     spec_stats, ar_stats = DecodeStats(draft_len=cfg.draft_len), DecodeStats()
     spec_time = ar_time = 0.0
-    matches = 0
+    matches, margins = 0, []
     bar = tqdm(prompt_ids, desc=f"eval draft_len={cfg.draft_len} {cfg.verify}", disable=not progress, unit="prompt")
     for i, prompt in enumerate(bar):
         ar, t_ar = _timed(lambda: run_ar(prompt, cfg.seed + i), target.device)
@@ -89,6 +103,8 @@ def evaluate_decoding(
         spec_stats.merge(spec.stats)
         ar_time, spec_time = ar_time + t_ar, spec_time + t_spec
         matches += spec.tokens == ar.tokens
+        if spec.tokens != ar.tokens and cfg.verify == "greedy":
+            margins.append(divergence_margin(target, prompt, ar.tokens, spec.tokens))
         bar.set_postfix(tau=f"{spec_stats.tau:.2f}", speedup=f"{(ar_time / spec_time):.2f}")
     spec_tps = spec_stats.tokens_generated / spec_time
     ar_tps = ar_stats.tokens_generated / ar_time
@@ -107,6 +123,9 @@ def evaluate_decoding(
         # greedy (lossless); for specdec it measures how far the relaxation moves the output; not defined when
         # sampling (two independent samples).
         "greedy_match": None if cfg.verify == "sample" else matches / len(prompt_ids),
+        # For each greedy mismatch: the target's top-1 minus top-2 logit where the outputs part (near 0 = a tie
+        # broken differently by rounding; see divergence_margin).
+        "greedy_mismatch_margins": margins,
     }
 
 

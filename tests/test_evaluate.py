@@ -130,3 +130,13 @@ def test_cli_error_is_one_line_without_traceback(folders, tmp_path):
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip() and "Loading weights" not in line]
     assert lines[-1].startswith("drafter-eval: error:") and "Traceback" not in result.stderr
+
+
+def test_divergence_margin_reads_the_target_at_the_first_difference(make_tiny_llama):
+    from drafter_train.evaluate import divergence_margin
+
+    target = make_tiny_llama(vocab_size=32)
+    prompt, ar = [1, 4, 5], [7, 8, 9]
+    logits = target(input_ids=__import__("torch").tensor([prompt + ar[:1]])).logits[0, -1]
+    top2 = logits.topk(2).values
+    assert divergence_margin(target, prompt, ar, [7, 3, 9]) == pytest.approx(float(top2[0] - top2[1]), abs=1e-5)
