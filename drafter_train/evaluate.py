@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig, register_configs
+from drafter_train.cli import one_line_errors
 from drafter_train.data.prompts import load_prompts
 from drafter_train.decoding.autoregressive import DecodeResult, generate_autoregressive
 from drafter_train.decoding.drafter import ARDrafter, Drafter
@@ -29,7 +30,7 @@ from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.verify import make_verifier
 from drafter_train.drafters.loading import load_drafter
-from drafter_train.errors import ConfigError, DrafterTrainError
+from drafter_train.errors import ConfigError
 from drafter_train.targets import encode_prompt, load_target, model_identity
 
 
@@ -185,11 +186,8 @@ def to_job_config(cfg: DictConfig) -> EvalJobConfig:
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="eval")
 def _hydra_main(cfg: DictConfig) -> None:
-    try:
+    with one_line_errors("drafter-eval"):
         metrics = run_eval_job(to_job_config(cfg))
-    except DrafterTrainError as err:
-        print(f"drafter-eval: error: {err}", file=sys.stderr)
-        sys.exit(2)
     print_table(metrics)
     print(f"metrics written to {Path(cfg.eval.output).resolve()}", file=sys.stderr)
 

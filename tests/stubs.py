@@ -60,3 +60,14 @@ def word_tokenizer(words=WORDS):
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def run_cli(module: str, *args: str, cwd):
+    """Run a console script's main() in a fresh interpreter, offline, and capture its output."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-c", f"from {module} import main; main()", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -17,7 +13,7 @@ from drafter_train.drafters.truncated import cut_from_target
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
 from drafter_train.evaluate import run_eval_job
 from tests.conftest import tiny_llama
-from tests.stubs import SPECIALS, WORDS, word_tokenizer
+from tests.stubs import SPECIALS, WORDS, run_cli, word_tokenizer
 
 VOCAB = len(SPECIALS) + len(WORDS)
 
@@ -59,9 +55,7 @@ def job(folders, *overrides):
 
 
 def drafter_eval(*args, cwd):
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-c", "from drafter_train.evaluate import main; main()", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return run_cli("drafter_train.evaluate", *args, cwd=cwd)
 
 
 def test_cli_documented_override_line(folders, tmp_path):

@@ -1,9 +1,13 @@
-"""Prompt sources for evaluation: a built-in set, or a local json / jsonl / txt file read with `datasets`."""
+"""Prompt sources for evaluation: a built-in set, or a local json / jsonl / txt file read with `datasets`.
+
+The file helpers (`read_prompt_table`, `find_column`, `column_texts`) are shared with `drafter-datagen`, which
+also reads parquet; their errors name the config section (``eval.`` or ``datagen.``) the bad value came from.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import datasets
 
@@ -54,9 +58,11 @@ DEFAULT_PROMPTS = [
     "Write a function in C that returns the maximum of an array of integers.",
 ]
 
+# File suffix -> `datasets` builder. Evaluation reads the text formats; datagen also reads parquet.
+BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parquet"}
 _SUFFIXES = (".json", ".jsonl", ".txt")
 # Column names tried in order when the user names none (common in instruction and prompt datasets).
-_TEXT_COLUMNS = ("prompt", "text", "instruction", "question")
+TEXT_COLUMNS = ("prompt", "text", "instruction", "question")
 
 
 def load_prompts(path: Optional[str], num_prompts: int, field: Optional[str] = None) -> list[str]:
@@ -68,58 +74,83 @@ def load_prompts(path: Optional[str], num_prompts: int, field: Optional[str] = N
     """
     if path is None:
         return list(DEFAULT_PROMPTS[:num_prompts])
-    file = _check_file(path)
-    rows = _read(file)
-    column = _text_column(rows.column_names, field, path)
-    prompts = [_as_prompt(value, column, path) for value in rows[column]]
-    prompts = [p for p in prompts if p]
+    rows = read_prompt_table(path, "eval", _SUFFIXES)
+    column = find_column(rows.column_names, field, TEXT_COLUMNS, path, "eval", "prompt_field")
+    prompts = [p for p in column_texts(rows, column, path, "eval", "prompt_field") if p]
     if not prompts:
         raise ConfigError(f"eval.prompts: no prompts in {path}")
     return prompts[:num_prompts]
 
 
-def _check_file(path: str) -> Path:
+def read_prompt_table(path: str, section: str, suffixes: Sequence[str] = tuple(BUILDERS)) -> datasets.Dataset:
+    """A local prompt file as a `datasets.Dataset`; errors are one line starting with ``{section}.prompts``."""
+    file = _check_file(path, section, suffixes)
+    return _read(file, section)
+
+
+def _check_file(path: str, section: str, suffixes: Sequence[str]) -> Path:
     file = Path(path).expanduser()
     if not file.is_file():
         reason = "not a file" if file.exists() else "no such file"
-        raise ConfigError(f"eval.prompts: {reason}: {path}")
-    if file.suffix.lower() not in _SUFFIXES:
-        raise ConfigError(f"eval.prompts: unsupported file type {file.suffix or '(none)'!r}, use one of {_SUFFIXES}")
+        raise ConfigError(f"{section}.prompts: {reason}: {path}")
+    if file.suffix.lower() not in suffixes:
+        raise ConfigError(
+            f"{section}.prompts: unsupported file type {file.suffix or '(none)'!r}, use one of {tuple(suffixes)}"
+        )
     if file.stat().st_size == 0:
         # datasets fails on empty files with an unhelpful StopIteration / generation error.
-        raise ConfigError(f"eval.prompts: {path} is empty")
+        raise ConfigError(f"{section}.prompts: {path} is empty")
     return file
 
 
-def _read(file: Path) -> datasets.Dataset:
+def _read(file: Path, section: str) -> datasets.Dataset:
     # datasets reads a JSON list of strings as one "text" column, so no special case is needed for it.
-    builder = "text" if file.suffix.lower() == ".txt" else "json"
+    builder = BUILDERS[file.suffix.lower()]
     try:
         return datasets.load_dataset(builder, data_files=str(file), split="train")
-    except (datasets.exceptions.DatasetsError, ValueError, StopIteration) as err:
+    except (datasets.exceptions.DatasetsError, ValueError, StopIteration, OSError) as err:
         cause = err.__cause__ or err
         reason = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
-        raise ConfigError(f"eval.prompts: could not read {file} as {builder}: {reason}") from err
+        raise ConfigError(f"{section}.prompts: could not read {file} as {builder}: {reason}") from err
 
 
-def _text_column(columns: list[str], field: Optional[str], path: str) -> str:
+def find_column(
+    columns: Sequence[str],
+    field: Optional[str],
+    candidates: Sequence[str],
+    path: str,
+    section: str,
+    field_key: str,
+    required: bool = True,
+) -> Optional[str]:
+    """``field`` if given (it must exist), else the first of ``candidates`` present; None only if not required."""
     if field is not None:
         if field not in columns:
-            raise ConfigError(f"eval.prompt_field: {path} has no column {field!r} (columns: {', '.join(columns)})")
+            raise ConfigError(
+                f"{section}.{field_key}: {path} has no column {field!r} (columns: {', '.join(columns)})"
+            )
         return field
-    for name in _TEXT_COLUMNS:
+    for name in candidates:
         if name in columns:
             return name
+    if not required:
+        return None
     raise ConfigError(
-        f"eval.prompts: {path} has none of the columns {', '.join(_TEXT_COLUMNS)} "
-        f"(columns: {', '.join(columns)}); name one with eval.prompt_field"
+        f"{section}.prompts: {path} has none of the columns {', '.join(candidates)} "
+        f"(columns: {', '.join(columns)}); name one with {section}.{field_key}"
     )
 
 
-def _as_prompt(value: object, column: str, path: str) -> str:
-    """A stripped prompt; empty for missing values (blank lines, nulls), which the caller drops."""
+def column_texts(rows: datasets.Dataset, column: str, path: str, section: str, field_key: str) -> list[str]:
+    """The column's values stripped; "" for missing values (blank lines, nulls), which callers drop."""
+    return [_as_text(value, column, path, section, field_key) for value in rows[column]]
+
+
+def _as_text(value: object, column: str, path: str, section: str, field_key: str) -> str:
     if value is None:
         return ""
     if not isinstance(value, str):
-        raise ConfigError(f"eval.prompt_field: column {column!r} of {path} holds {type(value).__name__}, not text")
+        raise ConfigError(
+            f"{section}.{field_key}: column {column!r} of {path} holds {type(value).__name__}, not text"
+        )
     return value.strip()

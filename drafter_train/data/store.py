@@ -1,0 +1,216 @@
+"""The datagen output folder: resumable shards of a `datasets` dataset, plus datagen.json and the eval prompts.
+
+Layout of ``output_dir``::
+
+    datagen.json          settings (target identity, generation, prompt source), counts, finished shards
+    eval_prompts.jsonl    {"prompt": text} per line: held out, never in any shard
+    shards/shard-00000/   `Dataset.save_to_disk` of training prompts [0, shard_size), then shard-00001 ...
+
+A shard folder only ever appears by renaming a complete temporary folder (``shards/.shard-NNNNN.tmp-PID``), so an
+existing ``shard-NNNNN`` is complete; a run killed mid-shard leaves only a temporary folder, which the next run
+deletes and redoes. One writer per output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import datasets
+
+from drafter_train.errors import ConfigError
+
+MANIFEST = "datagen.json"
+EVAL_PROMPTS = "eval_prompts.jsonl"
+SHARDS = "shards"
+FORMAT = "drafter-datagen/1"
+# datagen.json sections that must be identical for a rerun to continue the same data.
+COMPARED = ("format", "target", "generation", "prompts")
+_SHARD_NAME = re.compile(r"^shard-\d{5}$")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}"
+
+
+def features(store_topk: int) -> datasets.Features:
+    """Column types, explicit so that empty lists (no reference answer) still get a type."""
+    ids = datasets.List(datasets.Value("int32"))
+    columns = {
+        "prompt_index": datasets.Value("int64"),  # position among the training prompts
+        "prompt": datasets.Value("string"),
+        "prompt_ids": ids,
+        "response_ids": ids,
+        "reference_ids": ids,
+    }
+    if store_topk:
+        columns["topk_ids"] = datasets.List(ids)  # [T][k]
+        columns["topk_logits"] = datasets.List(datasets.List(datasets.Value("float32")))  # [T][k]
+    return datasets.Features(columns)
+
+
+class DatagenStore:
+    """Reads and writes one output folder; ``manifest`` is datagen.json's content (None before the first run)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.manifest: Optional[dict] = _read_json(root / MANIFEST)
+
+    @classmethod
+    def open(cls, output_dir: str) -> "DatagenStore":
+        """Fails with one line, before any model is loaded, when the folder cannot be written."""
+        root = Path(output_dir).expanduser()
+        try:
+            (root / SHARDS).mkdir(parents=True, exist_ok=True)
+            probe = root / f".write-test-{os.getpid()}"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(f"datagen.output_dir: cannot write {root}: {err.strerror or err}") from None
+        store = cls(root)
+        if store.manifest is None and store.finished_shards():
+            raise ConfigError(f"datagen.output_dir: {root} holds shards but no {MANIFEST}; use a new output_dir")
+        return store
+
+    def check_settings(self, settings: dict) -> None:
+        """Refuse to continue data made with other settings (only keys present in ``settings`` are compared)."""
+        if self.manifest is None:
+            return
+        changes = _differences(self.manifest, _plain(settings))
+        if changes:
+            raise ConfigError(
+                f"datagen.output_dir: {self.root} was written with other settings ({'; '.join(changes)}); "
+                "rerun with the same settings to resume, or use a new output_dir"
+            )
+
+    def start(self, manifest: dict, eval_prompts: Sequence[str]) -> None:
+        """Write the eval prompts and datagen.json; forget temporary folders of a killed run."""
+        for stale in (self.root / SHARDS).glob(".shard-*.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        lines = "".join(json.dumps({"prompt": text}, ensure_ascii=False) + "\n" for text in eval_prompts)
+        _write_atomic(self.root / EVAL_PROMPTS, lines)
+        self.manifest = dict(_plain(manifest), shards=[_shard_entry(p) for p in self._shard_paths()])
+        self._save()
+
+    def finished_shards(self) -> set[str]:
+        return {path.name for path in self._shard_paths()}
+
+    def write_shard(self, index: int, records: list[dict], store_topk: int) -> None:
+        """Save one shard: temporary folder first, then a rename (atomic on one file system)."""
+        name = shard_name(index)
+        tmp = self.root / SHARDS / f".{name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with _quiet_datasets():  # its "Saving the dataset" bar would break up datagen's own progress bar
+            datasets.Dataset.from_list(records, features=features(store_topk)).save_to_disk(str(tmp))
+        os.rename(tmp, self.root / SHARDS / name)
+        self.manifest["shards"].append(_shard_entry(self.root / SHARDS / name))
+        self._save()
+
+    def finish(self) -> None:
+        self.manifest["complete"] = len(self.manifest["shards"]) == self.manifest["counts"]["shards_total"]
+        self._save()
+
+    def response_tokens(self) -> int:
+        return sum(entry["response_tokens"] for entry in self.manifest["shards"])
+
+    def _shard_paths(self) -> list[Path]:
+        return sorted(p for p in (self.root / SHARDS).glob("shard-*") if p.is_dir() and _SHARD_NAME.match(p.name))
+
+    def _save(self) -> None:
+        self.manifest["shards"].sort(key=lambda entry: entry["name"])
+        _write_atomic(self.root / MANIFEST, json.dumps(self.manifest, indent=2, ensure_ascii=False) + "\n")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Readers for consumers (the trainer, the evaluator)
+
+
+def load_distill_dataset(data_dir: str | Path) -> datasets.Dataset:
+    """All finished shards of a datagen folder as one dataset, in prompt order (memory-mapped, not loaded).
+
+    An interrupted run gives the shards it finished; datagen.json's ``complete`` says whether that is all.
+    """
+    root = _datagen_folder(data_dir, "empty dataset")
+    paths = DatagenStore(root)._shard_paths()
+    if not paths:
+        raise ConfigError(f"{data_dir}: empty dataset (no finished shards in {root / SHARDS})")
+    return datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in paths])
+
+
+def load_eval_prompts(data_dir: str | Path) -> list[str]:
+    """The held-out evaluation prompts of a datagen folder, in order (may be empty: num_eval_prompts=0)."""
+    path = _datagen_folder(data_dir, "no eval prompts") / EVAL_PROMPTS
+    if not path.is_file():
+        raise ConfigError(f"{data_dir}: no {EVAL_PROMPTS}")
+    return [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _datagen_folder(data_dir: str | Path, problem: str) -> Path:
+    root = Path(data_dir).expanduser()
+    if not (root / MANIFEST).is_file():
+        raise ConfigError(f"{data_dir}: {problem} (no {MANIFEST}: not a drafter-datagen output folder)")
+    return root
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Helpers
+
+
+def _shard_entry(path: Path) -> dict:
+    """Counted from the shard itself: a run killed between the rename and the datagen.json update loses nothing."""
+    responses = datasets.load_from_disk(str(path))["response_ids"]
+    return {"name": path.name, "prompts": len(responses), "response_tokens": sum(len(r) for r in responses)}
+
+
+def _differences(old: dict, new: dict) -> list[str]:
+    changes = []
+    for section in COMPARED:
+        if section not in new:
+            continue
+        if not isinstance(new[section], dict):
+            if old.get(section) != new[section]:
+                changes.append(f"{section}: {old.get(section)!r} -> {new[section]!r}")
+            continue
+        before = old.get(section) or {}
+        changes += [
+            f"{section}.{key}: {before.get(key)!r} -> {value!r}"
+            for key, value in new[section].items()
+            if before.get(key) != value
+        ]
+    return changes
+
+
+@contextmanager
+def _quiet_datasets() -> Iterator[None]:
+    enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if enabled:
+            datasets.enable_progress_bars()
+
+
+def _plain(value: dict) -> dict:
+    """What the dict reads back as from JSON (tuples become lists), so comparisons with datagen.json are fair."""
+    return json.loads(json.dumps(value))
+
+
+def _read_json(path: Path) -> Optional[dict]:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"datagen.output_dir: cannot read {path}: {err}") from None
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text, encoding="utf-8")
+    os.replace(tmp, path)
