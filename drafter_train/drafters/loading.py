@@ -1,26 +1,70 @@
-"""Turn `drafter.path` into a drafter model that shares the target's vocabulary."""
+"""Turn a `DrafterConfig` into a drafter model that shares the target's vocabulary."""
 
 from __future__ import annotations
 
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+import copy
+
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_train.config import DrafterConfig
 from drafter_train.drafters.truncated import cut_from_target, parse_truncated
 from drafter_train.errors import ModelNotFoundError
 from drafter_train.targets import check_same_vocab, load_causal_lm, load_tokenizer
 
+SCRATCH = "scratch"
+
 
 def load_drafter(
-    cfg: DrafterConfig, target: PreTrainedModel, target_tok: PreTrainedTokenizerBase, dtype: str
+    cfg: DrafterConfig,
+    target: PreTrainedModel,
+    target_tok: PreTrainedTokenizerBase,
+    dtype: str,
+    for_training: bool = False,
 ) -> PreTrainedModel:
-    """`truncated:N` cuts the target; anything else loads a causal LM and checks its vocabulary."""
+    """`truncated:N` cuts the target, `scratch` builds a new small model, anything else loads a pretrained drafter.
+
+    for_training=True gives the drafter its own copy of any weights it shares with the target (the optimizer must
+    never write into the target) and applies the freeze options.
+    """
     num_layers = parse_truncated(cfg.path)
     if num_layers is not None:
-        return cut_from_target(target, num_layers)
-    drafter = load_causal_lm(cfg.path, dtype).to(target.device)
-    try:
-        drafter_tok = load_tokenizer(cfg.path)
-    except ModelNotFoundError:  # a drafter folder without tokenizer files: only the model vocab can be checked
-        drafter_tok = None
-    check_same_vocab(target, target_tok, drafter, drafter_tok)
+        drafter = cut_from_target(target, num_layers, share_weights=not for_training)
+    elif cfg.path == SCRATCH:
+        drafter = scratch_drafter(cfg, target)
+    else:
+        drafter = load_causal_lm(cfg.path, dtype).to(target.device)
+        check_same_vocab(target, target_tok, drafter, _tokenizer_or_none(cfg.path))
+    if for_training:
+        drafter.train()
+        drafter.requires_grad_(True)
+        freeze(drafter, cfg)
     return drafter
+
+
+def scratch_drafter(cfg: DrafterConfig, target: PreTrainedModel) -> PreTrainedModel:
+    """A new model of the target's class and vocabulary, sized by the drafter config."""
+    config = copy.deepcopy(target.config)
+    config.num_hidden_layers = cfg.num_layers
+    config.hidden_size = cfg.hidden_size
+    config.intermediate_size = cfg.intermediate_size
+    config.num_attention_heads = cfg.num_heads
+    config.num_key_value_heads = cfg.num_kv_heads
+    config.head_dim = cfg.hidden_size // cfg.num_heads
+    if getattr(config, "layer_types", None):
+        config.layer_types = config.layer_types[: cfg.num_layers]
+    return AutoModelForCausalLM.from_config(config, dtype=target.dtype).to(target.device)
+
+
+def freeze(drafter: PreTrainedModel, cfg: DrafterConfig) -> None:
+    """Freeze input embeddings and/or the LM head (tied weights freeze together: they are one tensor)."""
+    if cfg.freeze_embeddings:
+        drafter.get_input_embeddings().requires_grad_(False)
+    if cfg.freeze_lm_head and drafter.get_output_embeddings() is not None:
+        drafter.get_output_embeddings().requires_grad_(False)
+
+
+def _tokenizer_or_none(path: str):
+    try:
+        return load_tokenizer(path)
+    except ModelNotFoundError:  # a drafter folder without tokenizer files: only the model vocab can be checked
+        return None

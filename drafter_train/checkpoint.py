@@ -1,0 +1,110 @@
+"""Run folders and checkpoints: checkpoints/<run>/step-<N>/{drafter/, training_state.pt, metrics.json}.
+
+Each checkpoint is written into a hidden temporary folder and renamed into place, and `latest` / `best` are
+symlinks replaced atomically, so a crash at any moment leaves the previous checkpoint intact and pointed to.
+Pruning keeps the newest `keep_last` step folders and never deletes the one `best` points to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from drafter_train.errors import ConfigError
+
+_STEP = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class TrainState:
+    """Everything about progress that is not a tensor (resume restores it exactly)."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    best_tau: float = float("-inf")
+    best_step: int = -1
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, value in state.items():
+            setattr(self, key, value)
+
+
+def prepare_run_dir(output_root: str, run_name: str, resume: str) -> Path:
+    """Create (or reuse, under resume=auto) the run folder; fail early and in one line if that is impossible."""
+    run_dir = Path(output_root) / run_name
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"train.output_root: cannot write {run_dir}: {err.strerror}") from None
+    if resume == "never" and latest_checkpoint(run_dir) is not None:
+        raise ConfigError(f"train.resume: {run_dir} already has checkpoints; pick another train.run_name or resume=auto")
+    return run_dir
+
+
+def latest_checkpoint(run_dir: Path) -> Optional[Path]:
+    link = run_dir / "latest"
+    return link.resolve() if link.is_symlink() and link.resolve().is_dir() else None
+
+
+def _relink(run_dir: Path, name: str, step_dir: Path) -> None:
+    tmp = run_dir / f".{name}.tmp"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    tmp.symlink_to(step_dir.name)  # relative: the run folder can be moved or copied
+    os.replace(tmp, run_dir / name)
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+
+
+def save_checkpoint(run_dir: Path, drafter, tokenizer, training_state: dict, metrics: dict, step: int) -> Path:
+    """Write step-<step> atomically and point `latest` at it. `drafter` is the unwrapped model (or its state)."""
+    final = run_dir / f"step-{step}"
+    tmp = run_dir / f".step-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash mid-write
+    drafter.save_pretrained(tmp / "drafter")
+    tokenizer.save_pretrained(tmp / "drafter")
+    torch.save(training_state, tmp / "training_state.pt")
+    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if final.exists():  # re-saving a step (e.g. a resumed run's final step): replace it whole
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    _relink(run_dir, "latest", final)
+    return final
+
+
+def mark_best(run_dir: Path, step_dir: Path) -> None:
+    _relink(run_dir, "best", step_dir)
+
+
+def prune(run_dir: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step folders, sparing whatever `best` and `latest` point to."""
+    steps = sorted((int(m.group(1)), p) for p in run_dir.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
+    protected = {(run_dir / name).resolve() for name in ("best", "latest") if (run_dir / name).is_symlink()}
+    for _, path in steps[:-keep_last]:
+        if path.resolve() not in protected:
+            shutil.rmtree(path)
+
+
+def load_training_state(step_dir: Path) -> dict:
+    return torch.load(step_dir / "training_state.pt", weights_only=False)

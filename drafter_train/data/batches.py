@@ -1,0 +1,106 @@
+"""Training batches from the distillation dataset.
+
+A record is prompt_ids + response_ids. Losses only concern the positions that predict response tokens, so a batch
+carries, per row, the positions that predict each response token (`resp_pos`); the models' LM heads run on those
+positions only (the prompt can be longer than the response and the vocabulary is large).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from drafter_train.errors import ConfigError
+
+
+@dataclass
+class Batch:
+    input_ids: Tensor  # [B, T] right-padded prompt + response
+    attention_mask: Tensor  # [B, T]
+    resp_pos: Tensor  # [B, R] position whose logits predict response token j (0 where padded)
+    resp_mask: Tensor  # [B, R] bool, True for real response tokens
+    labels: Tensor  # [B, R] response tokens (0 where padded)
+    topk_ids: Optional[Tensor] = None  # [B, R, K] target's stored top-k ids (offline teacher)
+    topk_logits: Optional[Tensor] = None  # [B, R, K]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.resp_mask.sum())
+
+    def to(self, device) -> "Batch":
+        fields = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
+        return Batch(**fields)
+
+
+def _fit(prompt: list[int], response: list[int], max_seq_len: int) -> tuple[list[int], list[int]]:
+    """Drop prompt tokens from the left (the response is what is learned), keeping at least one."""
+    response = response[: max_seq_len - 1]
+    return prompt[max(0, len(prompt) - (max_seq_len - len(response))) :] or prompt[-1:], response
+
+
+def collate(records: Sequence[dict], response_key: str, max_seq_len: int, pad_id: int, topk: bool = False) -> Batch:
+    pairs = [_fit(list(r["prompt_ids"]), list(r[response_key]), max_seq_len) for r in records]
+    seq_len = max(len(p) + len(r) for p, r in pairs)
+    resp_len = max(max(len(r) for _, r in pairs), 1)
+    b = len(pairs)
+    input_ids = torch.full((b, seq_len), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(b, seq_len, dtype=torch.long)
+    resp_pos = torch.zeros(b, resp_len, dtype=torch.long)
+    labels = torch.zeros(b, resp_len, dtype=torch.long)
+    resp_mask = torch.zeros(b, resp_len, dtype=torch.bool)
+    for i, (prompt, response) in enumerate(pairs):
+        n_p, n_r = len(prompt), len(response)
+        input_ids[i, : n_p + n_r] = torch.tensor(prompt + response)
+        attention_mask[i, : n_p + n_r] = 1
+        resp_pos[i, :n_r] = torch.arange(n_p - 1, n_p + n_r - 1)  # logits at t predict token t + 1
+        labels[i, :n_r] = torch.tensor(response, dtype=torch.long)
+        resp_mask[i, :n_r] = True
+    batch = Batch(input_ids, attention_mask, resp_pos, resp_mask, labels)
+    if topk:
+        batch.topk_ids, batch.topk_logits = _stack_topk(records, [len(r) for _, r in pairs], resp_len)
+    return batch
+
+
+def _stack_topk(records: Sequence[dict], lengths: list[int], resp_len: int) -> tuple[Tensor, Tensor]:
+    k = len(records[0]["topk_ids"][0])
+    ids = torch.zeros(len(records), resp_len, k, dtype=torch.long)
+    logits = torch.zeros(len(records), resp_len, k)
+    for i, (record, n) in enumerate(zip(records, lengths)):
+        ids[i, :n] = torch.tensor(record["topk_ids"][:n], dtype=torch.long)
+        logits[i, :n] = torch.tensor(record["topk_logits"][:n], dtype=torch.float32)
+    return ids, logits
+
+
+class BatchStream:
+    """Seeded epoch permutations. The state (epoch, cursor) is checkpointed, so a resumed run draws exactly the
+    batches the uninterrupted run would have. With several processes each rank takes its own slice of every
+    global batch: data is sharded, not duplicated."""
+
+    def __init__(self, num_records: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+        self.global_batch = batch_size * world_size
+        if num_records < self.global_batch:
+            raise ConfigError(
+                f"train.batch_size: {num_records} training records cannot fill one batch of {self.global_batch}"
+            )
+        self.num_records, self.batch_size, self.seed = num_records, batch_size, seed
+        self.rank = rank
+        self.epoch, self.cursor = 0, 0
+
+    def _order(self) -> Tensor:
+        return torch.randperm(self.num_records, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+
+    def next_indices(self) -> list[int]:
+        if self.cursor + self.global_batch > self.num_records:  # drop the ragged tail: equal batches on all ranks
+            self.epoch, self.cursor = self.epoch + 1, 0
+        start = self.cursor + self.rank * self.batch_size
+        self.cursor += self.global_batch
+        return self._order()[start : start + self.batch_size].tolist()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = state["epoch"], state["cursor"]

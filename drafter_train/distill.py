@@ -1,0 +1,54 @@
+"""One distillation loss evaluation: drafter logits, teacher signal, loss (sum, token count)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from drafter_train.config import LossConfig
+from drafter_train.data.batches import Batch
+from drafter_train.losses import LossOutput, get_loss
+
+
+def response_logits(model: PreTrainedModel, batch: Batch) -> Tensor:
+    """Logits at the positions that predict response tokens: [B, R, V].
+
+    Runs the decoder stack on the whole sequence but the LM head only where a loss is taken.
+    """
+    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+    index = batch.resp_pos[..., None].expand(-1, -1, hidden.shape[-1])
+    logits = model.get_output_embeddings()(torch.gather(hidden, 1, index))
+    cap = getattr(model.config, "final_logit_softcapping", None)  # Gemma-2 style capping happens after the head
+    return torch.tanh(logits / cap) * cap if cap else logits
+
+
+def teacher_logits(target: PreTrainedModel, batch: Batch, loss: LossConfig) -> Optional[Tensor]:
+    """[B, R, V] target logits (online), a top-k reconstruction (offline), or None (ce)."""
+    if loss.name == "ce":
+        return None
+    if loss.teacher == "online":
+        with torch.no_grad():
+            return response_logits(target, batch).float()
+    # Offline: the target's top-k logits, -inf elsewhere, i.e. p_target renormalised over its top k.
+    vocab = target.get_output_embeddings().weight.shape[0]
+    dense = torch.full((*batch.topk_ids.shape[:2], vocab), float("-inf"), device=batch.topk_logits.device)
+    return dense.scatter_(-1, batch.topk_ids, batch.topk_logits)
+
+
+def distill_loss(
+    drafter: PreTrainedModel, target: PreTrainedModel, batch: Batch, loss: LossConfig, draft_len: int
+) -> LossOutput:
+    """The configured loss on one micro-batch, as (sum over response tokens, number of response tokens)."""
+    student = response_logits(drafter, batch)
+    fn = get_loss(loss.name)
+    if loss.name == "ce":
+        return fn(student, batch.labels, batch.resp_mask, temperature=loss.temperature)
+    options = {"temperature": loss.temperature}
+    if loss.name == "jsd":
+        options["beta"] = loss.beta
+    if loss.name in ("accepted_length", "reach_weighted_tvd"):
+        options["draft_len"] = draft_len
+    return fn(student, teacher_logits(target, batch, loss), batch.resp_mask, **options)

@@ -1,0 +1,67 @@
+"""Metrics out of a run: metrics.jsonl in the run folder (always) and accelerate's trackers (wandb / tensorboard).
+
+Only the main process writes; wandb runs offline by default (no network, no API key needed; `wandb sync` later).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+from accelerate import Accelerator
+
+from drafter_train.config import TrackerConfig
+
+
+def flat_config(config: dict, prefix: str = "") -> dict:
+    """Nested config -> {"train/lr": 0.001, ...} with scalar values (TensorBoard's hparams accept nothing else)."""
+    flat = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flat_config(value, f"{name}/"))
+        else:
+            flat[name] = value if isinstance(value, (int, float, str, bool)) else str(value)
+    return flat
+
+
+def log_with(cfg: TrackerConfig) -> Optional[str]:
+    """The `log_with` argument of Accelerator for this tracker config."""
+    return None if cfg.kind == "none" else cfg.kind
+
+
+class RunLogger:
+    def __init__(
+        self, accelerator: Accelerator, run_dir: Path, cfg: TrackerConfig, run_name: str, tags: list[str], config: dict
+    ):
+        self.accelerator, self.cfg = accelerator, cfg
+        self.path = run_dir / "metrics.jsonl"
+        if cfg.kind == "none":
+            return
+        init_kwargs = {}
+        if cfg.kind == "wandb":
+            init_kwargs["wandb"] = {"mode": cfg.mode, "dir": str(run_dir), "name": run_name, "tags": tags}
+        accelerator.init_trackers(cfg.project, config=flat_config(config), init_kwargs=init_kwargs)
+
+    def log(self, metrics: dict, step: int) -> None:
+        if not self.accelerator.is_main_process:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self.cfg.kind != "none":
+            self.accelerator.log(scalars, step=step)
+
+    def log_eval_table(self, rows: list[dict], step: int) -> None:
+        """Per-checkpoint eval history as a table (wandb only; other trackers get the scalars)."""
+        if self.cfg.kind != "wandb" or not self.accelerator.is_main_process or not rows:
+            return
+        columns = list(rows[0])
+        data = [[row.get(c) for c in columns] for row in rows]
+        self.accelerator.get_tracker("wandb").log_table("eval", columns=columns, data=data, step=step)
+
+    def finish(self) -> None:
+        if self.cfg.kind != "none":
+            self.accelerator.end_training()

@@ -1,0 +1,228 @@
+"""`drafter-train`: distil a drafter from the target's outputs, evaluating real speculative decoding at every
+checkpoint. `train(cfg)` is the whole recipe, top to bottom; `@hydra.main` only wraps it."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import set_seed
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from drafter_train.checkpoint import (
+    TrainState, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune, rng_state,
+    save_checkpoint, set_rng_state,
+)
+from drafter_train.config import CONF_DIR, DrafterConfig, TrainJobConfig, register_configs
+from drafter_train.cli import one_line_errors
+from drafter_train.data.batches import BatchStream, collate
+from drafter_train.data.prompts import load_prompts
+from drafter_train.decoding.drafter import ARDrafter
+from drafter_train.distill import distill_loss
+from drafter_train.drafters.loading import load_drafter
+from drafter_train.errors import ConfigError, DrafterTrainError
+from drafter_train.evaluate import eos_token_ids, evaluate_decoding
+from drafter_train.targets import encode_prompt, load_target
+from drafter_train.tracking import RunLogger, log_with
+
+
+class TrainingDivergedError(DrafterTrainError):
+    """The loss became NaN or infinite."""
+
+
+def every_n_steps(step: int, n: int, last: int) -> bool:
+    return step % n == 0 or step == last
+
+
+def load_training_data(cfg: TrainJobConfig):
+    """The distillation dataset, checked against what the config asks of it."""
+    from drafter_train.data.datagen import load_distill_dataset  # datasets import is slow; only when training
+
+    data = load_distill_dataset(cfg.train.data_dir)
+    column = "response_ids" if cfg.train.response == "target" else "reference_ids"
+    if column == "reference_ids":
+        data = data.filter(lambda r: len(r["reference_ids"]) > 0)
+    if len(data) == 0:
+        raise ConfigError(f"train.data_dir: {cfg.train.data_dir} has no records with {column}")
+    if cfg.loss.teacher == "offline" and cfg.loss.name != "ce" and "topk_ids" not in data.column_names:
+        raise ConfigError("loss.teacher=offline: the dataset has no stored logits (run datagen with store_topk > 0)")
+    return data, column
+
+
+def next_micro_batches(data, stream: BatchStream, response_key: str, cfg: TrainJobConfig, pad_id: int, device):
+    """The grad_accum micro-batches of one optimizer step, on `device`."""
+    offline = cfg.loss.teacher == "offline" and cfg.loss.name != "ce"
+    return [
+        collate(list(data.select(stream.next_indices())), response_key, cfg.train.max_seq_len, pad_id, offline).to(device)
+        for _ in range(cfg.train.grad_accum)
+    ]
+
+
+def eval_prompt_ids(cfg: TrainJobConfig, tokenizer) -> list[list[int]]:
+    """Held-out prompts: eval.prompts if set, else the ones drafter-datagen split off before training."""
+    path = cfg.eval.prompts or str(Path(cfg.train.data_dir) / "eval_prompts.jsonl")
+    texts = load_prompts(path, cfg.eval.num_prompts, cfg.eval.prompt_field)
+    return [encode_prompt(tokenizer, text, cfg.target.chat_template) for text in texts]
+
+
+def evaluate_checkpoint(accelerator, cfg, target, drafter, prompts, eos) -> dict:
+    """Real speculative decoding with the current drafter on the held-out prompts (main process only)."""
+    model = accelerator.unwrap_model(drafter)
+    model.eval()
+    metrics = evaluate_decoding(target, ARDrafter(model), prompts, cfg.eval, eos, progress=False)
+    model.train()
+    return metrics
+
+
+def train(cfg: TrainJobConfig) -> dict:
+    """Train a drafter as configured; returns the last checkpoint's metrics."""
+    tcfg = cfg.train
+    run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
+    # accelerate keeps one AcceleratorState per process: reset it (not the process group) so that consecutive jobs
+    # of a Hydra -m sweep, or tests, can change mixed precision or trackers.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    accelerator = Accelerator(
+        mixed_precision=tcfg.mixed_precision, log_with=log_with(cfg.tracker), project_dir=str(run_dir)
+    )
+    set_seed(tcfg.seed)
+    target, tokenizer = load_target(cfg.target)
+    target.to(accelerator.device)
+    data, response_key = load_training_data(cfg)
+    prompts, eos = eval_prompt_ids(cfg, tokenizer), eos_token_ids(target, tokenizer)
+
+    # ---- model, optimizer, schedule; resume restores all of it plus RNG and data position ----
+    state = TrainState()
+    resume_from = latest_checkpoint(run_dir) if tcfg.resume == "auto" else None
+    drafter_cfg = cfg.drafter
+    if resume_from is not None:
+        drafter_cfg = DrafterConfig(**{**cfg.drafter.__dict__, "path": str(resume_from / "drafter")})
+    drafter = load_drafter(drafter_cfg, target, tokenizer, cfg.target.dtype, for_training=True)
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+    scheduler = get_scheduler(tcfg.lr_schedule, optimizer, tcfg.warmup_steps, tcfg.max_steps)
+    stream = BatchStream(len(data), tcfg.batch_size, tcfg.seed, accelerator.process_index, accelerator.num_processes)
+    if resume_from is not None:
+        saved = load_training_state(resume_from)
+        optimizer.load_state_dict(saved["optimizer"])
+        scheduler.load_state_dict(saved["scheduler"])
+        stream.load_state_dict(saved["data"])
+        state.load_state_dict(saved["train_state"])
+        set_rng_state(saved["rng"])
+    drafter, optimizer = accelerator.prepare(drafter, optimizer)
+
+    run_name = tcfg.run_name
+    tags = [f"draft_len={cfg.drafter.draft_len}", f"loss={cfg.loss.name}", f"drafter={cfg.drafter.path}"]
+    logger = RunLogger(accelerator, run_dir, cfg.tracker, run_name, tags, OmegaConf.to_container(OmegaConf.structured(cfg)))
+    eval_history: list[dict] = []
+
+    def checkpoint_eval(step: int) -> dict:
+        metrics = evaluate_checkpoint(accelerator, cfg, target, drafter, prompts, eos)
+        row = {"step": step, **{k: metrics[k] for k in ("tau", "acceptance_rate", "speedup")}}
+        eval_history.append(row)
+        logger.log({f"eval/{k}": v for k, v in metrics.items() if k != "per_position_acceptance"}, step)
+        logger.log_eval_table(eval_history, step)
+        return metrics
+
+    if state.step == 0 and tcfg.eval_at_start and accelerator.is_main_process:
+        checkpoint_eval(0)  # the untrained drafter: the baseline the run must beat
+
+    # ---- the loop ----
+    bar = tqdm(total=tcfg.max_steps, initial=state.step, desc=f"train {run_name}", disable=not accelerator.is_main_process)
+    last = None
+    window_start, window_tokens = time.perf_counter(), 0
+    while state.step < tcfg.max_steps:
+        micro = next_micro_batches(data, stream, response_key, cfg, tokenizer.pad_token_id, accelerator.device)
+        # Normalise by the step's total response tokens over all micro-batches and ranks: exact under
+        # accumulation (DDP averages gradients over ranks, hence the world-size factor).
+        local_tokens = sum(b.num_tokens for b in micro)
+        total_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum"))
+        step_loss = 0.0
+        for i, batch in enumerate(micro):
+            sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(drafter)
+            with sync:
+                out = distill_loss(drafter, target, batch, cfg.loss, cfg.drafter.draft_len)
+                if not torch.isfinite(out.loss_sum):
+                    raise TrainingDivergedError(
+                        f"loss is {out.loss_sum.item()} at step {state.step + 1}; lower train.lr, keep "
+                        f"train.max_grad_norm > 0 or use train.mixed_precision=no (last good checkpoint: "
+                        f"{latest_checkpoint(run_dir)})"
+                    )
+                accelerator.backward(out.loss_sum * accelerator.num_processes / max(total_tokens, 1))
+                step_loss += out.loss_sum.item()
+        if tcfg.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(drafter.parameters(), tcfg.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.tokens_seen += total_tokens
+        window_tokens += total_tokens
+        bar.update(1)
+        loss_value = step_loss * accelerator.num_processes / max(total_tokens, 1)  # this rank's share, rescaled
+        if every_n_steps(state.step, tcfg.log_every, tcfg.max_steps):
+            elapsed = time.perf_counter() - window_start
+            logger.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
+                        "train/tokens_per_s": window_tokens / elapsed, "train/tokens_seen": state.tokens_seen},
+                       state.step)
+            bar.set_postfix(loss=f"{loss_value:.4f}")
+            window_start, window_tokens = time.perf_counter(), 0
+        if every_n_steps(state.step, tcfg.save_every, tcfg.max_steps):
+            last = save_and_evaluate(accelerator, cfg, run_dir, drafter, tokenizer, optimizer, scheduler, stream,
+                                     state, checkpoint_eval)
+            window_start = time.perf_counter()  # evaluation time is not training time
+    bar.close()
+    logger.finish()
+    return last or {}
+
+
+def save_and_evaluate(accelerator, cfg, run_dir, drafter, tokenizer, optimizer, scheduler, stream, state, evaluate):
+    """Evaluate the current drafter, write step-<N> (atomically), move `latest`/`best`, prune old steps."""
+    metrics = {}
+    if accelerator.is_main_process:
+        metrics = evaluate(state.step)
+        if metrics["tau"] > state.best_tau:
+            state.best_tau, state.best_step = metrics["tau"], state.step
+        training_state = {
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "data": stream.state_dict(),
+            "train_state": state.state_dict(), "rng": rng_state(),
+        }
+        step_dir = save_checkpoint(run_dir, accelerator.unwrap_model(drafter), tokenizer, training_state,
+                                   metrics, state.step)
+        if state.best_step == state.step:
+            mark_best(run_dir, step_dir)
+        prune(run_dir, cfg.train.keep_last)
+    accelerator.wait_for_everyone()
+    return metrics
+
+
+def to_job_config(cfg: DictConfig) -> TrainJobConfig:
+    return OmegaConf.to_object(cfg)
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
+def _hydra_main(cfg: DictConfig) -> float:
+    with one_line_errors("drafter-train"):
+        metrics = train(to_job_config(cfg))
+    tau = metrics.get("tau", math.nan)
+    print(f"final checkpoint: tau={tau:.3f} acceptance={metrics.get('acceptance_rate', math.nan):.3f} "
+          f"speedup={metrics.get('speedup', math.nan):.3f}", file=sys.stderr)
+    return tau
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

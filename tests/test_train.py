@@ -1,0 +1,282 @@
+"""drafter-train end to end on tiny models: datagen -> steps -> checkpoint evaluation, resume, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+import drafter_train.train as train_module
+from drafter_train.config import CONF_DIR, register_configs
+from drafter_train.data.datagen import run_datagen
+from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
+from drafter_train.train import TrainingDivergedError, train
+from tests.conftest import tiny_llama
+from tests.stubs import SPECIALS, WORDS, run_cli, word_tokenizer
+
+VOCAB = len(SPECIALS) + len(WORDS)
+SENTENCES = ["the cat sat on the mat", "a big dog ran", "the red sun", "small blue house and tree", "happy day"]
+
+
+def compose_cfg(name: str, overrides: list[str]):
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(name, overrides=overrides)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A tiny target folder, a drafter with a different vocabulary, and drafter-datagen output for the target."""
+    root = tmp_path_factory.mktemp("train")
+    tiny_llama(vocab_size=VOCAB, num_layers=3).save_pretrained(root / "target")
+    tiny_llama(vocab_size=VOCAB + 3, num_layers=1).save_pretrained(root / "other_vocab")
+    for name in ("target", "other_vocab"):
+        word_tokenizer().save_pretrained(root / name)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{s} {w}"}) + "\n" for s in SENTENCES for w in WORDS[:8]))
+    datagen = compose_cfg("datagen", [
+        f"target.path={root / 'target'}", "target.chat_template=false", f"datagen.prompts={prompts}",
+        "datagen.num_prompts=32", "datagen.num_eval_prompts=4", "datagen.max_new_tokens=16",
+        f"datagen.output_dir={root / 'data'}", "datagen.store_topk=8",
+    ])
+    run_datagen(OmegaConf.to_object(datagen), progress=False)
+    return root
+
+
+def train_cfg(root: Path, out: Path, *overrides: str):
+    return OmegaConf.to_object(compose_cfg("train", [
+        f"target.path={root / 'target'}", "target.chat_template=false", "drafter.path=truncated:1",
+        f"train.data_dir={root / 'data'}", f"train.output_root={out}", "train.max_steps=6", "train.batch_size=4",
+        "train.save_every=3", "train.log_every=1", "train.lr=3e-3", "train.warmup_steps=0", "eval.num_prompts=2",
+        "eval.max_new_tokens=8", "eval.warmup=0", *overrides,
+    ]))
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
+
+
+# ---- configs ------------------------------------------------------------------------------------------------------
+
+
+def _group(name):
+    return sorted(p.stem for p in (Path(CONF_DIR) / name).glob("*.yaml"))
+
+
+GROUPS = ("target", "drafter", "loss", "tracker", "experiment")
+REQUIRED = {"target=local": "target.path=/some/target", "drafter=path": "drafter.path=/some/drafter"}
+
+
+@pytest.mark.parametrize("choice", [f"{g}={o}" for g in GROUPS for o in _group(g)])
+def test_every_train_config_composes(choice):
+    """Each option of each group, with the defaults for the others."""
+    overrides = [choice] + ([REQUIRED[choice]] if choice in REQUIRED else [])
+    cfg = OmegaConf.to_object(compose_cfg("train", overrides))
+    assert cfg.eval.draft_len == cfg.drafter.draft_len
+
+
+@pytest.mark.parametrize("name", ["eval", "datagen"])
+def test_other_entry_configs_compose(name):
+    OmegaConf.to_object(compose_cfg(name, []))
+
+
+# ---- training ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loss", ["fkl", "ce", "tvd", "jsd", "accepted_length", "reach_weighted_tvd"])
+def test_tiny_run_loss_goes_down_and_checkpoints_are_evaluated(tiny_data, tmp_path, loss):
+    cfg = train_cfg(tiny_data, tmp_path, f"loss={loss}", "train.max_steps=12", "train.save_every=6")
+    metrics = train(cfg)
+    run_dir = tmp_path / cfg.train.run_name
+    by_step = losses(run_dir)
+    assert by_step[12] < by_step[1]
+    assert {"tau", "acceptance_rate", "per_position_acceptance", "speedup"} <= set(metrics)
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if "eval/tau" in r] == [0, 6, 12]  # untrained baseline + every checkpoint
+    assert (run_dir / "best").resolve().name.startswith("step-") and (run_dir / "latest").resolve().name == "step-12"
+
+
+def test_offline_teacher_matches_stored_logits(tiny_data, tmp_path):
+    metrics = train(train_cfg(tiny_data, tmp_path, "loss=fkl", "loss.teacher=offline"))
+    assert metrics["tau"] >= 1.0
+
+
+def test_training_raises_tau_on_stories260k(stories_path, tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("".join(f"{s} {i}\n" for i in range(12) for s in ("Once upon a time", "The little dog", "Lily saw")))
+    datagen = compose_cfg("datagen", [
+        f"target.path={stories_path}", "target.chat_template=false", f"datagen.prompts={prompts}",
+        "datagen.num_prompts=32", "datagen.num_eval_prompts=4", "datagen.max_new_tokens=32",
+        f"datagen.output_dir={tmp_path / 'data'}",
+    ])
+    run_datagen(OmegaConf.to_object(datagen), progress=False)
+    cfg = OmegaConf.to_object(compose_cfg("train", [
+        f"target.path={stories_path}", "target.chat_template=false", "drafter.path=truncated:2",
+        f"train.data_dir={tmp_path / 'data'}", f"train.output_root={tmp_path}", "train.max_steps=30",
+        "train.batch_size=4", "train.save_every=30", "train.log_every=1", "train.lr=3e-3", "eval.num_prompts=4",
+        "eval.max_new_tokens=32",
+    ]))
+    metrics = train(cfg)
+    run_dir = tmp_path / cfg.train.run_name
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    baseline = next(r["eval/tau"] for r in rows if r["step"] == 0 and "eval/tau" in r)
+    by_step = losses(run_dir)
+    assert by_step[30] < by_step[1]
+    assert metrics["tau"] > baseline + 0.3 and metrics["greedy_match"] == 1.0
+
+
+def test_interrupted_run_resumes_exactly(tiny_data, tmp_path, monkeypatch):
+    reference = train_cfg(tiny_data, tmp_path / "a")
+    train(reference)
+    calls = {"n": 0}
+    real_loss = train_module.distill_loss
+
+    def crash_in_step_5(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise KeyboardInterrupt
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "distill_loss", crash_in_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        train(train_cfg(tiny_data, tmp_path / "b"))
+    monkeypatch.setattr(train_module, "distill_loss", real_loss)
+    run_a, run_b = tmp_path / "a" / reference.train.run_name, tmp_path / "b" / reference.train.run_name
+    assert (run_b / "latest").resolve().name == "step-3"
+    train(train_cfg(tiny_data, tmp_path / "b"))  # resume=auto
+    for step in (4, 5, 6):
+        assert losses(run_b)[step] == pytest.approx(losses(run_a)[step], rel=1e-6, abs=1e-7)
+    weights_a = load_file(run_a / "step-6" / "drafter" / "model.safetensors")
+    weights_b = load_file(run_b / "step-6" / "drafter" / "model.safetensors")
+    for name in weights_a:
+        torch.testing.assert_close(weights_b[name], weights_a[name], rtol=1e-6, atol=1e-7)
+
+
+def test_gradient_accumulation_equals_big_batch(tiny_data, tmp_path):
+    big = train_cfg(tiny_data, tmp_path / "big", "train.max_steps=1", "train.save_every=1", "train.eval_at_start=false")
+    acc = train_cfg(tiny_data, tmp_path / "acc", "train.max_steps=1", "train.save_every=1", "train.batch_size=2",
+                    "train.grad_accum=2", "train.eval_at_start=false")
+    train(big), train(acc)
+    a = load_file(tmp_path / "big" / big.train.run_name / "step-1" / "drafter" / "model.safetensors")
+    b = load_file(tmp_path / "acc" / acc.train.run_name / "step-1" / "drafter" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
+
+
+def test_crash_while_writing_a_checkpoint_keeps_the_last_good_one(tiny_data, tmp_path, monkeypatch):
+    cfg = train_cfg(tiny_data, tmp_path, "train.max_steps=3")
+    train(cfg)
+    run_dir = tmp_path / cfg.train.run_name
+
+    def broken_save(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("drafter_train.checkpoint.torch.save", broken_save)
+    with pytest.raises(OSError):
+        train(train_cfg(tiny_data, tmp_path, "train.max_steps=6"))
+    assert (run_dir / "latest").resolve().name == "step-3"
+    assert (run_dir / "latest" / "drafter" / "model.safetensors").exists()
+    assert not (run_dir / "step-6").exists()
+
+
+def test_nan_loss_stops_with_a_clear_message(tiny_data, tmp_path, monkeypatch):
+    real_loss = train_module.distill_loss
+
+    def nan_loss(*args, **kwargs):
+        out = real_loss(*args, **kwargs)
+        return out._replace(loss_sum=out.loss_sum * float("nan"))
+
+    monkeypatch.setattr(train_module, "distill_loss", nan_loss)
+    with pytest.raises(TrainingDivergedError, match="loss is nan at step 1"):
+        train(train_cfg(tiny_data, tmp_path))
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "tensorboard"])
+def test_trackers_write_offline(tiny_data, tmp_path, tracker):
+    cfg = train_cfg(tiny_data, tmp_path, f"tracker={tracker}", "train.max_steps=3")
+    train(cfg)
+    run_dir = tmp_path / cfg.train.run_name
+    pattern = "wandb/offline-run-*" if tracker == "wandb" else "**/events.out.tfevents.*"
+    assert list(run_dir.glob(pattern)), list(run_dir.rglob("*"))
+
+
+# ---- bad input -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overrides, error, words", [
+    (["drafter=path", "drafter.path=OTHER"], VocabMismatchError, "vocabulary"),
+    (["target.path=/no/such/target"], ModelNotFoundError, "/no/such/target"),
+    (["train.output_root=/proc/forbidden"], ConfigError, "train.output_root"),
+    (["train.data_dir=EMPTY"], ConfigError, "empty"),
+])
+def test_bad_input_is_one_clear_error(tiny_data, tmp_path, overrides, error, words):
+    (tmp_path / "empty").mkdir()
+    overrides = [o.replace("OTHER", str(tiny_data / "other_vocab")).replace("EMPTY", str(tmp_path / "empty"))
+                 for o in overrides]
+    with pytest.raises(error, match=words):
+        train(train_cfg(tiny_data, tmp_path, *overrides))
+
+
+@pytest.mark.parametrize("override, field", [("drafter.draft_len=0", "drafter.draft_len"),
+                                             ("loss.name=kl", "loss.name"), ("train.batch_size=0", "train.batch_size")])
+def test_impossible_values_name_the_field(tiny_data, tmp_path, override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        train_cfg(tiny_data, tmp_path, override)
+
+
+# ---- pieces --------------------------------------------------------------------------------------------------------
+
+
+def test_stored_topk_lines_up_with_online_target_logits(tiny_data):
+    """Offline KD reads the target's logits at the same positions the online teacher computes them."""
+    from drafter_train.config import LossConfig
+    from drafter_train.data.batches import collate
+    from drafter_train.data.datagen import load_distill_dataset
+    from drafter_train.distill import teacher_logits
+    from drafter_train.targets import load_causal_lm
+
+    target = load_causal_lm(str(tiny_data / "target"))
+    records = list(load_distill_dataset(tiny_data / "data").select(range(4)))
+    batch = collate(records, "response_ids", 512, pad_id=0, topk=True)
+    online = teacher_logits(target, batch, LossConfig(name="fkl", teacher="online"))
+    offline = teacher_logits(target, batch, LossConfig(name="fkl", teacher="offline"))
+    mask = batch.resp_mask
+    stored = torch.gather(offline, -1, batch.topk_ids)[mask]
+    torch.testing.assert_close(stored, torch.gather(online, -1, batch.topk_ids)[mask], atol=1e-4, rtol=1e-4)
+    assert (online.argmax(-1)[mask] == batch.labels[mask]).all()  # greedy data: the response is the target's argmax
+
+
+def test_scratch_drafter_and_bf16_autocast_train(tiny_data, tmp_path):
+    cfg = train_cfg(tiny_data, tmp_path, "drafter=scratch", "drafter.num_layers=1", "drafter.hidden_size=32",
+                    "drafter.num_heads=2", "drafter.num_kv_heads=1", "drafter.intermediate_size=64",
+                    "train.mixed_precision=bf16", "train.max_steps=8", "train.save_every=8")
+    train(cfg)
+    by_step = losses(tmp_path / cfg.train.run_name)
+    assert by_step[8] < by_step[1]
+
+
+def test_keep_last_prunes_but_never_best(tiny_data, tmp_path):
+    cfg = train_cfg(tiny_data, tmp_path, "train.max_steps=8", "train.save_every=2", "train.keep_last=1")
+    train(cfg)
+    run_dir = tmp_path / cfg.train.run_name
+    steps = sorted(p.name for p in run_dir.glob("step-*"))
+    kept = {"step-8", (run_dir / "best").resolve().name}
+    assert set(steps) == kept
+
+
+def test_cli_trains_and_reports_errors_in_one_line(tiny_data, tmp_path):
+    base = [f"target.path={tiny_data / 'target'}",
+            "target.chat_template=false", "drafter.path=truncated:1", f"train.data_dir={tiny_data / 'data'}",
+            f"train.output_root={tmp_path}", "train.max_steps=2", "train.save_every=2", "train.batch_size=4",
+            "eval.num_prompts=1", "eval.max_new_tokens=4"]
+    ok = run_cli("drafter_train.train", *base, cwd=tmp_path)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert (tmp_path / "fkl-k4" / "latest" / "drafter" / "config.json").exists()
+    bad = run_cli("drafter_train.train", *base, "drafter.draft_len=0", cwd=tmp_path)
+    assert bad.returncode != 0 and "drafter.draft_len" in bad.stderr and "Traceback" not in bad.stderr
