@@ -4,6 +4,7 @@ checkpoint. `train(cfg)` is the whole recipe, top to bottom; `@hydra.main` only 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import sys
 import time
@@ -83,6 +84,41 @@ def evaluate_checkpoint(accelerator, cfg, target, drafter, prompts, eos) -> dict
     return metrics
 
 
+def restore(saved: dict, optimizer, scheduler, stream: BatchStream, state: TrainState) -> None:
+    """Put back everything a checkpoint holds besides the weights: the run continues exactly."""
+    optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    stream.load_state_dict(saved["data"])
+    state.load_state_dict(saved["train_state"])
+    set_rng_state(saved["rng"])
+
+
+def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJobConfig, step: int) -> tuple[float, int]:
+    """Forward/backward over the step's micro-batches, then clip. Returns (mean loss per token, tokens).
+
+    Each micro-batch's loss sum is divided by the step's total response tokens over all micro-batches and ranks,
+    so accumulation is exact; DDP averages gradients over ranks, hence the world-size factor.
+    """
+    local = torch.tensor(float(sum(b.num_tokens for b in micro)), device=accelerator.device)
+    total_tokens = int(accelerator.reduce(local, "sum"))
+    scale = accelerator.num_processes / max(total_tokens, 1)
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for i, batch in enumerate(micro):
+        sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(drafter)
+        with sync:
+            out = distill_loss(drafter, target, batch, cfg.loss, cfg.drafter.draft_len)
+            if not torch.isfinite(out.loss_sum):
+                raise TrainingDivergedError(
+                    f"loss is {out.loss_sum.item()} at step {step}; lower train.lr, keep train.max_grad_norm > 0 "
+                    "or use train.mixed_precision=no (the last checkpoint is intact: rerun to resume from it)"
+                )
+            accelerator.backward(out.loss_sum * scale)
+            loss_sum += out.loss_sum.detach()
+    if cfg.train.max_grad_norm > 0:
+        accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
+    return float(accelerator.reduce(loss_sum, "sum")) / max(total_tokens, 1), total_tokens
+
+
 def train(cfg: TrainJobConfig) -> dict:
     """Train a drafter as configured; returns the last checkpoint's metrics."""
     tcfg = cfg.train
@@ -112,12 +148,7 @@ def train(cfg: TrainJobConfig) -> dict:
     scheduler = get_scheduler(tcfg.lr_schedule, optimizer, tcfg.warmup_steps, tcfg.max_steps)
     stream = BatchStream(len(data), tcfg.batch_size, tcfg.seed, accelerator.process_index, accelerator.num_processes)
     if resume_from is not None:
-        saved = load_training_state(resume_from)
-        optimizer.load_state_dict(saved["optimizer"])
-        scheduler.load_state_dict(saved["scheduler"])
-        stream.load_state_dict(saved["data"])
-        state.load_state_dict(saved["train_state"])
-        set_rng_state(saved["rng"])
+        restore(load_training_state(resume_from), optimizer, scheduler, stream, state)
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
 
     run_name = tcfg.run_name
@@ -142,33 +173,14 @@ def train(cfg: TrainJobConfig) -> dict:
     window_start, window_tokens = time.perf_counter(), 0
     while state.step < tcfg.max_steps:
         micro = next_micro_batches(data, stream, response_key, cfg, tokenizer.pad_token_id, accelerator.device)
-        # Normalise by the step's total response tokens over all micro-batches and ranks: exact under
-        # accumulation (DDP averages gradients over ranks, hence the world-size factor).
-        local_tokens = sum(b.num_tokens for b in micro)
-        total_tokens = int(accelerator.reduce(torch.tensor(local_tokens, device=accelerator.device), "sum"))
-        step_loss = 0.0
-        for i, batch in enumerate(micro):
-            sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(drafter)
-            with sync:
-                out = distill_loss(drafter, target, batch, cfg.loss, cfg.drafter.draft_len)
-                if not torch.isfinite(out.loss_sum):
-                    raise TrainingDivergedError(
-                        f"loss is {out.loss_sum.item()} at step {state.step + 1}; lower train.lr, keep "
-                        f"train.max_grad_norm > 0 or use train.mixed_precision=no (last good checkpoint: "
-                        f"{latest_checkpoint(run_dir)})"
-                    )
-                accelerator.backward(out.loss_sum * accelerator.num_processes / max(total_tokens, 1))
-                step_loss += out.loss_sum.item()
-        if tcfg.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(drafter.parameters(), tcfg.max_grad_norm)
+        loss_value, step_tokens = accumulate_gradients(accelerator, drafter, target, micro, cfg, state.step + 1)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
-        state.tokens_seen += total_tokens
-        window_tokens += total_tokens
+        state.tokens_seen += step_tokens
+        window_tokens += step_tokens
         bar.update(1)
-        loss_value = step_loss * accelerator.num_processes / max(total_tokens, 1)  # this rank's share, rescaled
         if every_n_steps(state.step, tcfg.log_every, tcfg.max_steps):
             elapsed = time.perf_counter() - window_start
             logger.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
@@ -182,6 +194,8 @@ def train(cfg: TrainJobConfig) -> dict:
             window_start = time.perf_counter()  # evaluation time is not training time
     bar.close()
     logger.finish()
+    if last is None and latest_checkpoint(run_dir) is not None:  # resumed a finished run: report its last eval
+        last = json.loads((latest_checkpoint(run_dir) / "metrics.json").read_text())
     return last or {}
 
 

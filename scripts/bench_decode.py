@@ -23,7 +23,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 import torch  # noqa: E402
 
-from drafter_train.config import DrafterConfig, EvalConfig, TargetConfig  # noqa: E402
+from drafter_train.config import DrafterConfig, TargetConfig  # noqa: E402
 from drafter_train.data.prompts import load_prompts  # noqa: E402
 from drafter_train.decoding.autoregressive import generate_autoregressive  # noqa: E402
 from drafter_train.decoding.drafter import ARDrafter  # noqa: E402

@@ -1,0 +1,101 @@
+"""Distillation experiment: which training signal makes the best drafter for a target?
+
+Trains one drafter per variant with `drafter-train` (in-process, same data, same steps), then evaluates the
+untrained drafter and every variant's `best` checkpoint on the same held-out prompts with the same evaluator, and
+prints a markdown table: tau, acceptance, speedup, greedy_match, training tokens/s.
+
+    python scripts/distill_experiment.py --data data/smollm2-sharegpt --steps 150 --variants all
+
+Variants (all on the same cut drafter, draft_len and verification):
+  untrained      the cut drafter as is
+  ce-reference   plain LM training on the data's own answers (not the target's outputs)
+  ce-target      sequence-level KD: CE on the target's own continuations
+  tvd, fkl, jsd  token-level KD on online target logits
+  accepted_length  minus the expected accepted length per block of draft_len
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from drafter_train.config import CONF_DIR, register_configs  # noqa: E402
+from drafter_train.decoding.drafter import ARDrafter  # noqa: E402
+from drafter_train.drafters.loading import load_drafter  # noqa: E402
+from drafter_train.evaluate import eos_token_ids, evaluate_decoding  # noqa: E402
+from drafter_train.targets import load_target  # noqa: E402
+from drafter_train.train import eval_prompt_ids, train  # noqa: E402
+
+VARIANTS = {
+    "ce-reference": ["loss=ce", "train.response=reference"],
+    "ce-target": ["loss=ce"],
+    "tvd": ["loss=tvd"],
+    "fkl": ["loss=fkl"],
+    "jsd": ["loss=jsd"],
+    "accepted_length": ["loss=accepted_length"],
+}
+
+
+def compose_train(overrides: list[str]):
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return OmegaConf.to_object(compose("train", overrides=overrides))
+
+
+def training_tokens_per_s(run_dir: Path) -> float:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = [r["train/tokens_per_s"] for r in rows if "train/tokens_per_s" in r]
+    return sorted(rates)[len(rates) // 2] if rates else float("nan")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True, help="drafter-datagen output folder")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--variants", nargs="+", default=["all"], help=f"'all' or some of {list(VARIANTS)}")
+    parser.add_argument("--eval-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--output-root", default="checkpoints/experiment")
+    parser.add_argument("--overrides", nargs="*", default=[], help="extra drafter-train overrides for every variant")
+    args = parser.parse_args()
+    names = list(VARIANTS) if args.variants == ["all"] else args.variants
+    common = [f"train.data_dir={args.data}", f"train.output_root={args.output_root}", f"train.max_steps={args.steps}",
+              "train.eval_at_start=false", "eval.num_prompts=8", "eval.max_new_tokens=48", *args.overrides]
+    runs = {}
+    for name in names:
+        cfg = compose_train([*common, *VARIANTS[name], f"train.run_name={name}"])
+        train(cfg)
+        runs[name] = Path(args.output_root) / name
+
+    # Final evaluation: every drafter on the same held-out prompts, one process, same target instance.
+    cfg = compose_train([*common, f"eval.num_prompts={args.eval_prompts}", f"eval.max_new_tokens={args.max_new_tokens}"])
+    target, tokenizer = load_target(cfg.target)
+    prompts, eos = eval_prompt_ids(cfg, tokenizer), eos_token_ids(target, tokenizer)
+    rows = []
+    for name, drafter_cfg in [("untrained", cfg.drafter)] + [
+        (n, type(cfg.drafter)(**{**cfg.drafter.__dict__, "path": str(d / "best" / "drafter")})) for n, d in runs.items()
+    ]:
+        drafter = load_drafter(drafter_cfg, target, tokenizer, cfg.target.dtype)
+        metrics = evaluate_decoding(target, ARDrafter(drafter), prompts, cfg.eval, eos)
+        train_tps = training_tokens_per_s(runs[name]) if name in runs else float("nan")
+        rows.append({"variant": name, **metrics, "train_tokens_per_s": train_tps})
+        print(json.dumps({k: v for k, v in rows[-1].items() if k != "per_position_acceptance"}), flush=True)
+    Path(args.output_root).mkdir(parents=True, exist_ok=True)
+    (Path(args.output_root) / "results.json").write_text(json.dumps(rows, indent=2))
+    print("| variant | tau | acceptance | per-position acceptance | speedup | greedy_match | train tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        per_pos = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
+        print(f"| {r['variant']} | {r['tau']:.2f} | {r['acceptance_rate']:.3f} | {per_pos} | {r['speedup']:.2f} "
+              f"| {r['greedy_match']:.2f} | {r['train_tokens_per_s']:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
