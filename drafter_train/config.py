@@ -7,6 +7,7 @@ runs the checks) from a composed Hydra config.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -16,6 +17,7 @@ from hydra.core.config_store import ConfigStore
 from drafter_train.errors import ConfigError
 
 VERIFY_MODES = ("greedy", "sample", "specdec")
+_EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
 DTYPES = ("float32", "bfloat16")
 EMBEDDED_TARGET = "embedded:smollm2"
 # The repo's conf/ folder as an absolute path: Hydra reads a relative config_path as a package path when the
@@ -292,9 +294,65 @@ class TrainJobConfig:
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
 
 
+@dataclass
+class ExportConfig:
+    """What to export and where (`drafter-export`)."""
+
+    # A drafter-train run folder (checkpoints/<run>) ...
+    run_dir: Optional[str] = None
+    # ... or one step folder of a run (checkpoints/<run>/step-N); set exactly one of the two.
+    checkpoint: Optional[str] = None
+    # With run_dir: best (highest tau), latest, or step-N.
+    which: str = "best"
+    # Folder to write; must be new or empty unless overwrite=true (which only replaces an earlier export).
+    output_dir: Optional[str] = None
+    overwrite: bool = False
+    # Hub repo (user/name or org/name): named in the card's snippets, and the upload target with push=true.
+    repo_id: Optional[str] = None
+    # Upload the folder with huggingface_hub (token from HF_TOKEN or `hf auth login`).
+    push: bool = False
+    # Create the repo private (an existing repo keeps its visibility).
+    private: bool = True
+    # Hub id of the target for the card's transformers snippet when the run's target.path is a local folder.
+    target_id: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        # Checks that hold for the defaults too (the ConfigStore builds them); required inputs: require_inputs().
+        if not _EXPORT_WHICH.match(self.which):
+            raise ConfigError(f"export.which: must be best, latest or step-N, got {self.which!r}")
+        if self.push and not self.repo_id:
+            raise ConfigError("export.repo_id: export.push=true needs a repo id (user/name)")
+        if self.repo_id:
+            _check_repo_id(self.repo_id)
+
+    def require_inputs(self) -> None:
+        if bool(self.run_dir) == bool(self.checkpoint):
+            raise ConfigError("export.run_dir: set export.run_dir (a run folder) or export.checkpoint (a step "
+                              "folder), exactly one of them")
+        if not self.output_dir:
+            raise ConfigError("export.output_dir: name the folder to write the export to")
+
+
+@dataclass
+class ExportJobConfig:
+    """Top-level config of `drafter-export`."""
+
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+
+def _check_repo_id(repo_id: str) -> None:
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as err:
+        raise ConfigError(f"export.repo_id: {str(err).splitlines()[0]}") from None
+
+
 def register_configs() -> None:
     """Register the schemas so YAML files can extend them (called by the entry points, not at import)."""
     cs = ConfigStore.instance()
     cs.store(name="eval_schema", node=EvalJobConfig)
     cs.store(name="datagen_schema", node=DatagenJobConfig)
     cs.store(name="train_schema", node=TrainJobConfig)
+    cs.store(name="export_schema", node=ExportJobConfig)

@@ -152,6 +152,8 @@ def train(cfg: TrainJobConfig) -> dict:
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
 
     run_name = tcfg.run_name
+    if accelerator.is_main_process:  # the resolved config, whatever launched the run (CLI, -m sweep, a test)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     tags = [f"draft_len={cfg.drafter.draft_len}", f"loss={cfg.loss.name}", f"drafter={cfg.drafter.path}"]
     logger = RunLogger(accelerator, run_dir, cfg.tracker, run_name, tags, OmegaConf.to_container(OmegaConf.structured(cfg)))
     eval_history: list[dict] = []

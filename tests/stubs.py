@@ -71,3 +71,18 @@ def run_cli(module: str, *args: str, cwd):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
     cmd = [sys.executable, "-c", f"from {module} import main; main()", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+VOCAB = len(SPECIALS) + len(WORDS)
+SENTENCES = ["the cat sat on the mat", "a big dog ran", "the red sun", "small blue house and tree", "happy day"]
+
+
+def compose_cfg(name: str, overrides: list[str]):
+    """A composed (not yet validated) config of one of the entry points, as the CLI would build it."""
+    from hydra import compose, initialize_config_dir
+
+    from drafter_train.config import CONF_DIR, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose(name, overrides=overrides)

@@ -7,27 +7,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 import drafter_train.train as train_module
-from drafter_train.config import CONF_DIR, register_configs
+from drafter_train.config import CONF_DIR
 from drafter_train.data.datagen import run_datagen
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
 from drafter_train.train import TrainingDivergedError, train
 from tests.conftest import tiny_llama
-from tests.stubs import SPECIALS, WORDS, run_cli, word_tokenizer
-
-VOCAB = len(SPECIALS) + len(WORDS)
-SENTENCES = ["the cat sat on the mat", "a big dog ran", "the red sun", "small blue house and tree", "happy day"]
-
-
-def compose_cfg(name: str, overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose(name, overrides=overrides)
-
+from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, run_cli, word_tokenizer
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
@@ -81,7 +70,7 @@ def test_every_train_config_composes(choice):
     assert cfg.eval.draft_len == cfg.drafter.draft_len
 
 
-@pytest.mark.parametrize("name", ["eval", "datagen"])
+@pytest.mark.parametrize("name", ["eval", "datagen", "export"])
 def test_other_entry_configs_compose(name):
     OmegaConf.to_object(compose_cfg(name, []))
 
