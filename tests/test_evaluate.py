@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -131,6 +132,7 @@ def test_divergence_margin_reads_the_target_at_the_first_difference(make_tiny_ll
 
     target = make_tiny_llama(vocab_size=32)
     prompt, ar = [1, 4, 5], [7, 8, 9]
-    logits = target(input_ids=__import__("torch").tensor([prompt + ar[:1]])).logits[0, -1]
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([prompt + ar[:1]])).logits[0, -1]
     top2 = logits.topk(2).values
     assert divergence_margin(target, prompt, ar, [7, 3, 9]) == pytest.approx(float(top2[0] - top2[1]), abs=1e-5)
