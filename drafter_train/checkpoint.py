@@ -55,6 +55,32 @@ def prepare_run_dir(output_root: str, run_name: str, resume: str) -> Path:
     return run_dir
 
 
+# What a run is: resuming with any of these changed would continue a different experiment under the same name.
+RUN_IDENTITY = ("target", "drafter", "loss", "train.data_dir", "train.response", "train.batch_size",
+                "train.grad_accum", "train.seed", "train.lr", "train.lr_schedule", "train.max_seq_len")
+
+
+def check_same_run(run_dir: Path, config: dict) -> None:
+    """Refuse to resume a run whose saved config.yaml differs from `config` in what defines the run."""
+    from omegaconf import OmegaConf
+
+    saved_path = run_dir / "config.yaml"
+    if latest_checkpoint(run_dir) is None or not saved_path.exists():
+        return
+    saved = OmegaConf.to_container(OmegaConf.load(saved_path))
+    changed = [key for key in RUN_IDENTITY if _get(saved, key) != _get(config, key)]
+    if changed:
+        detail = ", ".join(f"{k}: {_get(saved, k)!r} -> {_get(config, k)!r}" for k in changed)
+        raise ConfigError(f"train.resume: {run_dir} holds a run with other settings ({detail}); "
+                          "pick another train.run_name, or train.resume=never")
+
+
+def _get(config: dict, dotted: str):
+    for part in dotted.split("."):
+        config = config.get(part) if isinstance(config, dict) else None
+    return config
+
+
 def latest_checkpoint(run_dir: Path) -> Optional[Path]:
     link = run_dir / "latest"
     return link.resolve() if link.is_symlink() and link.resolve().is_dir() else None

@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from drafter_train.checkpoint import (
-    TrainState, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune, rng_state,
+    TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune, rng_state,
     save_checkpoint, set_rng_state,
 )
 from drafter_train.config import CONF_DIR, DrafterConfig, TrainJobConfig, register_configs
@@ -123,6 +123,8 @@ def train(cfg: TrainJobConfig) -> dict:
     """Train a drafter as configured; returns the last checkpoint's metrics."""
     tcfg = cfg.train
     run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
+    if tcfg.resume == "auto":
+        check_same_run(run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)))
     # accelerate keeps one AcceleratorState per process: reset it (not the process group) so that consecutive jobs
     # of a Hydra -m sweep, or tests, can change mixed precision or trackers.
     AcceleratorState._reset_state(reset_partial_state=False)

@@ -147,6 +147,13 @@ def test_interrupted_run_resumes_exactly(tiny_data, tmp_path, monkeypatch):
         torch.testing.assert_close(weights_b[name], weights_a[name], rtol=1e-6, atol=1e-7)
 
 
+def test_resuming_with_other_settings_is_refused(tiny_data, tmp_path):
+    train(train_cfg(tiny_data, tmp_path, "train.max_steps=3", "train.run_name=r"))
+    with pytest.raises(ConfigError, match=r"train\.resume: .*loss"):
+        train(train_cfg(tiny_data, tmp_path, "train.max_steps=6", "train.run_name=r", "loss=tvd"))
+    train(train_cfg(tiny_data, tmp_path, "train.max_steps=6", "train.run_name=r"))  # more steps: a plain resume
+
+
 def test_gradient_accumulation_equals_big_batch(tiny_data, tmp_path):
     big = train_cfg(tiny_data, tmp_path / "big", "train.max_steps=1", "train.save_every=1", "train.eval_at_start=false")
     acc = train_cfg(tiny_data, tmp_path / "acc", "train.max_steps=1", "train.save_every=1", "train.batch_size=2",
