@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from omegaconf import OmegaConf
 
 from drafter_train.errors import ConfigError
 
@@ -62,8 +63,6 @@ RUN_IDENTITY = ("target", "drafter", "loss", "train.data_dir", "train.response",
 
 def check_same_run(run_dir: Path, config: dict) -> None:
     """Refuse to resume a run whose saved config.yaml differs from `config` in what defines the run."""
-    from omegaconf import OmegaConf
-
     saved_path = run_dir / "config.yaml"
     if latest_checkpoint(run_dir) is None or not saved_path.exists():
         return
@@ -123,11 +122,16 @@ def mark_best(run_dir: Path, step_dir: Path) -> None:
     _relink(run_dir, "best", step_dir)
 
 
+def step_dirs(run_dir: Path) -> list[Path]:
+    """The run's step-<N> folders, oldest first."""
+    steps = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _STEP.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(steps)]
+
+
 def prune(run_dir: Path, keep_last: int) -> None:
     """Delete all but the newest `keep_last` step folders, sparing whatever `best` and `latest` point to."""
-    steps = sorted((int(m.group(1)), p) for p in run_dir.iterdir() if (m := _STEP.match(p.name)) and p.is_dir())
     protected = {(run_dir / name).resolve() for name in ("best", "latest") if (run_dir / name).is_symlink()}
-    for _, path in steps[:-keep_last]:
+    for path in step_dirs(run_dir)[:-keep_last]:
         if path.resolve() not in protected:
             shutil.rmtree(path)
 

@@ -214,9 +214,15 @@ class LossConfig:
         _check(0 <= self.beta <= 1, "loss.beta", f"must be in [0, 1], got {self.beta}")
         if self.name != "ce":
             _check(self.teacher != "none", "loss.teacher", f"loss {self.name} needs target logits (online/offline)")
-        if self.teacher == "offline":
+        if self.uses_stored_logits:
             # Stored top-k logits give p = 0 outside the top k, where log p is -inf: rkl's q log(q/p) blows up.
             _check(self.name != "rkl", "loss.teacher", "rkl needs full target logits: use loss.teacher=online")
+
+
+    @property
+    def uses_stored_logits(self) -> bool:
+        """Whether batches must carry the top-k logits drafter-datagen stored (ce needs no target logits)."""
+        return self.teacher == "offline" and self.name != "ce"
 
 
 @dataclass

@@ -79,11 +79,11 @@ def evaluate_decoding(
     """
     params = sampling_params(cfg)
     verifier = make_verifier(cfg.verify, params, cfg.specdec_top_beta, cfg.specdec_tolerance)
-    ar_params = params  # specdec is compared with AR greedy, sample with AR sampling at the same settings
 
     def run_ar(prompt, seed):
         gen = torch.Generator(device=target.device).manual_seed(seed)
-        return generate_autoregressive(target, prompt, cfg.max_new_tokens, ar_params, eos_token_ids, gen)
+        # The baseline decodes with the same params: AR greedy for greedy/specdec, AR sampling for sample.
+        return generate_autoregressive(target, prompt, cfg.max_new_tokens, params, eos_token_ids, gen)
 
     def run_spec(prompt, seed):
         gen = torch.Generator(device=target.device).manual_seed(seed)

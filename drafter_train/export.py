@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -20,12 +19,12 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from drafter_train.checkpoint import step_dirs
 from drafter_train.cli import one_line_errors
 from drafter_train.config import CONF_DIR, ExportConfig, register_configs
 from drafter_train.errors import ConfigError, DrafterTrainError
 from drafter_train.model_card import MARKER, looks_local, model_card, read_run_info, step_text
 
-_STEP = re.compile(r"^step-(\d+)$")
 # Keys that describe how a file was loaded on the training machine, not the model.
 _LOAD_TIME_KEYS = {"_name_or_path", "name_or_path", "_commit_hash", "is_local", "local_files_only"}
 # The files whose text the export writes or rewrites (card and configs): the ones scanned for leaked paths.
@@ -70,10 +69,10 @@ def resolve_checkpoint(cfg: ExportConfig) -> Path:
 
 
 def _missing_reason(run_dir: Path, which: str) -> str:
-    steps = sorted((int(m.group(1)), p.name) for p in run_dir.iterdir() if (m := _STEP.match(p.name)))
+    steps = step_dirs(run_dir)
     if not steps:
         return f"{run_dir} has no checkpoints yet (is it a drafter-train run folder?)"
-    kept = ", ".join(name for _, name in steps)
+    kept = ", ".join(p.name for p in steps)
     if which == "best":
         return f"{run_dir} has no best checkpoint yet (kept: {kept}); use export.which=latest or step-N"
     return f"no such checkpoint in {run_dir} (kept: {kept})"

@@ -4,6 +4,7 @@ checkpoint. `train(cfg)` is the whole recipe, top to bottom; `@hydra.main` only 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import sys
@@ -23,9 +24,10 @@ from drafter_train.checkpoint import (
     TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune, rng_state,
     save_checkpoint, set_rng_state,
 )
-from drafter_train.config import CONF_DIR, DrafterConfig, TrainJobConfig, register_configs
+from drafter_train.config import CONF_DIR, TrainJobConfig, register_configs
 from drafter_train.cli import one_line_errors
 from drafter_train.data.batches import BatchStream, collate
+from drafter_train.data.store import load_distill_dataset
 from drafter_train.data.prompts import load_prompts
 from drafter_train.decoding.drafter import ARDrafter
 from drafter_train.distill import distill_loss
@@ -46,24 +48,22 @@ def every_n_steps(step: int, n: int, last: int) -> bool:
 
 def load_training_data(cfg: TrainJobConfig):
     """The distillation dataset, checked against what the config asks of it."""
-    from drafter_train.data.datagen import load_distill_dataset  # datasets import is slow; only when training
-
     data = load_distill_dataset(cfg.train.data_dir)
     column = "response_ids" if cfg.train.response == "target" else "reference_ids"
     if column == "reference_ids":
         data = data.filter(lambda r: len(r["reference_ids"]) > 0)
     if len(data) == 0:
         raise ConfigError(f"train.data_dir: {cfg.train.data_dir} has no records with {column}")
-    if cfg.loss.teacher == "offline" and cfg.loss.name != "ce" and "topk_ids" not in data.column_names:
+    if cfg.loss.uses_stored_logits and "topk_ids" not in data.column_names:
         raise ConfigError("loss.teacher=offline: the dataset has no stored logits (run datagen with store_topk > 0)")
     return data, column
 
 
 def next_micro_batches(data, stream: BatchStream, response_key: str, cfg: TrainJobConfig, pad_id: int, device):
     """The grad_accum micro-batches of one optimizer step, on `device`."""
-    offline = cfg.loss.teacher == "offline" and cfg.loss.name != "ce"
+    topk = cfg.loss.uses_stored_logits
     return [
-        collate(list(data.select(stream.next_indices())), response_key, cfg.train.max_seq_len, pad_id, offline).to(device)
+        collate(list(data.select(stream.next_indices())), response_key, cfg.train.max_seq_len, pad_id, topk).to(device)
         for _ in range(cfg.train.grad_accum)
     ]
 
@@ -123,8 +123,9 @@ def train(cfg: TrainJobConfig) -> dict:
     """Train a drafter as configured; returns the last checkpoint's metrics."""
     tcfg = cfg.train
     run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
+    config = OmegaConf.to_container(OmegaConf.structured(cfg))  # plain dict: saved, compared, tracked
     if tcfg.resume == "auto":
-        check_same_run(run_dir, OmegaConf.to_container(OmegaConf.structured(cfg)))
+        check_same_run(run_dir, config)
     # accelerate keeps one AcceleratorState per process: reset it (not the process group) so that consecutive jobs
     # of a Hydra -m sweep, or tests, can change mixed precision or trackers.
     AcceleratorState._reset_state(reset_partial_state=False)
@@ -143,7 +144,7 @@ def train(cfg: TrainJobConfig) -> dict:
     resume_from = latest_checkpoint(run_dir) if tcfg.resume == "auto" else None
     drafter_cfg = cfg.drafter
     if resume_from is not None:
-        drafter_cfg = DrafterConfig(**{**cfg.drafter.__dict__, "path": str(resume_from / "drafter")})
+        drafter_cfg = dataclasses.replace(cfg.drafter, path=str(resume_from / "drafter"))
     drafter = load_drafter(drafter_cfg, target, tokenizer, cfg.target.dtype, for_training=True)
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
@@ -155,9 +156,9 @@ def train(cfg: TrainJobConfig) -> dict:
 
     run_name = tcfg.run_name
     if accelerator.is_main_process:  # the resolved config, whatever launched the run (CLI, -m sweep, a test)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config))
     tags = [f"draft_len={cfg.drafter.draft_len}", f"loss={cfg.loss.name}", f"drafter={cfg.drafter.path}"]
-    logger = RunLogger(accelerator, run_dir, cfg.tracker, run_name, tags, OmegaConf.to_container(OmegaConf.structured(cfg)))
+    logger = RunLogger(accelerator, run_dir, cfg.tracker, run_name, tags, config)
     eval_history: list[dict] = []
 
     def checkpoint_eval(step: int) -> dict:

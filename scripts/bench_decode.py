@@ -13,6 +13,7 @@ counted with a forward hook for HF too) and whether all three outputs are token-
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -35,8 +36,8 @@ from drafter_train.targets import encode_prompt, load_target  # noqa: E402
 
 STORIES = os.environ.get("DRAFTER_TRAIN_STORIES260K", str(Path(__file__).resolve().parents[2] / "shared/models/stories260K"))
 TARGETS = {
-    "smollm2": (TargetConfig(), "truncated:2", None, True),
-    "stories260k": (TargetConfig(path=STORIES, chat_template=False), "truncated:4", "stories", False),
+    "smollm2": (TargetConfig(), "truncated:2", None),
+    "stories260k": (TargetConfig(path=STORIES, chat_template=False), "truncated:4", "stories"),
 }
 STORY_PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to play", "Tom saw a big", "One day, a girl"]
 
@@ -100,8 +101,8 @@ def run_repeat(target, drafter, prompts, draft_len, max_new_tokens, eos):
 
 
 def bench(target_name, dtype, args):
-    target_cfg, drafter_path, prompt_kind, _ = TARGETS[target_name]
-    target_cfg = TargetConfig(**{**target_cfg.__dict__, "dtype": dtype})
+    target_cfg, drafter_path, prompt_kind = TARGETS[target_name]
+    target_cfg = dataclasses.replace(target_cfg, dtype=dtype)
     target, tokenizer = load_target(target_cfg)
     drafter_path = args.drafter or drafter_path
     drafter = load_drafter(DrafterConfig(path=drafter_path), target, tokenizer, dtype)

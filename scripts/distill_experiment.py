@@ -17,6 +17,7 @@ Variants (all on the same cut drafter, draft_len and verification):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -80,7 +81,7 @@ def main():
     prompts, eos = eval_prompt_ids(cfg, tokenizer), eos_token_ids(target, tokenizer)
     rows = []
     for name, drafter_cfg in [("untrained", cfg.drafter)] + [
-        (n, type(cfg.drafter)(**{**cfg.drafter.__dict__, "path": str(d / "best" / "drafter")})) for n, d in runs.items()
+        (n, dataclasses.replace(cfg.drafter, path=str(d / "best" / "drafter"))) for n, d in runs.items()
     ]:
         drafter = load_drafter(drafter_cfg, target, tokenizer, cfg.target.dtype)
         metrics = evaluate_decoding(target, ARDrafter(drafter), prompts, cfg.eval, eos)

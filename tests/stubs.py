@@ -86,3 +86,9 @@ def compose_cfg(name: str, overrides: list[str]):
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return compose(name, overrides=overrides)
+
+
+def save_tiny(model, folder) -> None:
+    """A model folder the loaders accept: weights + config + the word tokenizer."""
+    model.save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)

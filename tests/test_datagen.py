@@ -8,10 +8,8 @@ import json
 import datasets
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from drafter_train.config import CONF_DIR, register_configs
 from drafter_train.data import datagen
 from drafter_train.data.datagen import load_distill_dataset, load_eval_prompts, run_datagen
 from drafter_train.data.prompts import load_prompts
@@ -21,9 +19,8 @@ from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.errors import ConfigError
 from drafter_train.targets import load_target
 from tests.conftest import tiny_llama
-from tests.stubs import SPECIALS, WORDS, run_cli, word_tokenizer
+from tests.stubs import VOCAB, WORDS, compose_cfg, run_cli, save_tiny, word_tokenizer
 
-VOCAB = len(SPECIALS) + len(WORDS)
 EOS = 2
 # Varied lengths (batches mix lengths, so left padding is exercised), one blank, one duplicate, one too long.
 ROWS = [
@@ -40,32 +37,18 @@ ROWS = [
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("datagen")
-    tiny_llama(vocab_size=VOCAB, num_layers=2, init=0.3).save_pretrained(root / "target")
-    word_tokenizer().save_pretrained(root / "target")
+    save_tiny(tiny_llama(vocab_size=VOCAB, num_layers=2, init=0.3), root / "target")
     (root / "prompts.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
     return root
 
 
 def job(folders, out, *overrides):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose(
-            "datagen",
-            overrides=[
-                f"target.path={folders / 'target'}",
-                "target.chat_template=false",
-                f"datagen.prompts={folders / 'prompts.jsonl'}",
-                f"datagen.output_dir={out}",
-                "datagen.num_eval_prompts=2",
-                "datagen.num_prompts=10",
-                "datagen.max_prompt_tokens=12",
-                "datagen.max_new_tokens=12",
-                "datagen.batch_size=3",
-                "datagen.shard_size=4",
-                *overrides,
-            ],
-        )
-    return OmegaConf.to_object(cfg)
+    return OmegaConf.to_object(compose_cfg("datagen", [
+        f"target.path={folders / 'target'}", "target.chat_template=false", f"datagen.prompts={folders / 'prompts.jsonl'}",
+        f"datagen.output_dir={out}", "datagen.num_eval_prompts=2", "datagen.num_prompts=10",
+        "datagen.max_prompt_tokens=12", "datagen.max_new_tokens=12", "datagen.batch_size=3", "datagen.shard_size=4",
+        *overrides,
+    ]))
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,14 @@ import json
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from drafter_train.config import CONF_DIR, register_configs
 from drafter_train.drafters.truncated import cut_from_target
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
 from drafter_train.evaluate import run_eval_job
 from tests.conftest import tiny_llama
-from tests.stubs import SPECIALS, WORDS, run_cli, word_tokenizer
+from tests.stubs import VOCAB, compose_cfg, run_cli, save_tiny
 
-VOCAB = len(SPECIALS) + len(WORDS)
 
 
 @pytest.fixture(scope="module")
@@ -29,30 +26,18 @@ def folders(tmp_path_factory):
         ("drafter", cut_from_target(target, 1, share_weights=False)),
         ("other_vocab", tiny_llama(vocab_size=VOCAB + 5, num_layers=1)),
     ):
-        model.save_pretrained(root / name)
-        word_tokenizer().save_pretrained(root / name)
+        save_tiny(model, root / name)
     prompts = root / "prompts.txt"
     prompts.write_text("the cat sat on the mat\nthe dog ran\na big red house\nthe sun and the tree\n")
     return root
 
 
 def job(folders, *overrides):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose(
-            "eval",
-            overrides=[
-                f"target.path={folders / 'target'}",
-                "target.chat_template=false",
-                f"drafter.path={folders / 'drafter'}",
-                f"eval.prompts={folders / 'prompts.txt'}",
-                f"eval.output={folders / 'metrics.json'}",
-                "eval.max_new_tokens=24",
-                "eval.num_prompts=4",
-                *overrides,
-            ],
-        )
-    return OmegaConf.to_object(cfg)
+    return OmegaConf.to_object(compose_cfg("eval", [
+        f"target.path={folders / 'target'}", "target.chat_template=false", f"drafter.path={folders / 'drafter'}",
+        f"eval.prompts={folders / 'prompts.txt'}", f"eval.output={folders / 'metrics.json'}", "eval.max_new_tokens=24",
+        "eval.num_prompts=4", *overrides,
+    ]))
 
 
 def drafter_eval(*args, cwd):

@@ -22,7 +22,7 @@ from drafter_train.export import (
 )
 from drafter_train.train import train
 from tests.conftest import tiny_llama
-from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, run_cli, word_tokenizer
+from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, run_cli, save_tiny
 
 DRAFT_LEN = 3
 
@@ -31,8 +31,7 @@ DRAFT_LEN = 3
 def tiny_run(tmp_path_factory):
     """A 3-step drafter-train run (checkpoint + evaluation every step) with the .hydra/config.yaml Hydra writes."""
     root = tmp_path_factory.mktemp("export")
-    tiny_llama(vocab_size=VOCAB, num_layers=3).save_pretrained(root / "target")
-    word_tokenizer().save_pretrained(root / "target")
+    save_tiny(tiny_llama(vocab_size=VOCAB, num_layers=3), root / "target")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{s} {w}"}) + "\n" for s in SENTENCES for w in WORDS[:4]))
     run_datagen(OmegaConf.to_object(compose_cfg("datagen", [

@@ -16,16 +16,14 @@ from drafter_train.data.datagen import run_datagen
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
 from drafter_train.train import TrainingDivergedError, train
 from tests.conftest import tiny_llama
-from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, run_cli, word_tokenizer
+from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, run_cli, save_tiny
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
     """A tiny target folder, a drafter with a different vocabulary, and drafter-datagen output for the target."""
     root = tmp_path_factory.mktemp("train")
-    tiny_llama(vocab_size=VOCAB, num_layers=3).save_pretrained(root / "target")
-    tiny_llama(vocab_size=VOCAB + 3, num_layers=1).save_pretrained(root / "other_vocab")
-    for name in ("target", "other_vocab"):
-        word_tokenizer().save_pretrained(root / name)
+    save_tiny(tiny_llama(vocab_size=VOCAB, num_layers=3), root / "target")
+    save_tiny(tiny_llama(vocab_size=VOCAB + 3, num_layers=1), root / "other_vocab")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{s} {w}"}) + "\n" for s in SENTENCES for w in WORDS[:8]))
     datagen = compose_cfg("datagen", [

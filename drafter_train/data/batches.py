@@ -7,6 +7,7 @@ positions only (the prompt can be longer than the response and the vocabulary is
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -31,8 +32,8 @@ class Batch:
         return int(self.resp_mask.sum())
 
     def to(self, device) -> "Batch":
-        fields = {k: (v.to(device) if isinstance(v, Tensor) else v) for k, v in self.__dict__.items()}
-        return Batch(**fields)
+        moved = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(self, **{k: v.to(device) for k, v in moved.items() if isinstance(v, Tensor)})
 
 
 def _fit(prompt: list[int], response: list[int], max_seq_len: int) -> tuple[list[int], list[int]]:
