@@ -55,6 +55,9 @@ class TargetConfig:
 class DrafterConfig:
     """The model that proposes draft tokens (what is evaluated, or what training starts from)."""
 
+    # ar: a small causal LM proposing one token per forward. nar: a SpecDec Spec-Drafter proposing all draft_len
+    # tokens in one forward (drafters/nar.py). A saved drafter folder is loaded as whatever kind it holds.
+    kind: str = "ar"
     # "truncated:N": the target's first N layers with its embeddings, final norm and LM head (untrained, it is the
     # baseline; trained, it starts from the target's own representations). "scratch": a new model of the target's
     # architecture built from the fields below, on the target's tokenizer. Anything else: a local folder or hub id
@@ -72,10 +75,24 @@ class DrafterConfig:
     # target, so freezing keeps the drafter's token space aligned with the target's and halves optimizer memory.
     freeze_embeddings: bool = True
     freeze_lm_head: bool = True
+    # nar only. Of the drafter's layers, how many only encode the context (SpecDec's encoder); the mask queries
+    # pass through the rest (its decoder). 0 = every layer sees the queries.
+    encoder_layers: int = 0
+    # nar training: draft blocks (random start positions in the response) trained per sequence in one forward;
+    # 0 = a block at every response position.
+    blocks_per_sequence: int = 8
+    # nar training, GLAT glancing (SpecDec sec. 3.2): reveal this fraction of the wrongly predicted tokens of a
+    # block to its queries, and learn the rest. 0 = off.
+    glancing_ratio: float = 0.0
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "drafter.path", "must name a folder, a hub id, scratch or truncated:N")
+        _check(self.kind in ("ar", "nar"), "drafter.kind", f"must be ar or nar, got {self.kind!r}")
         _check(self.draft_len >= 1, "drafter.draft_len", f"must be >= 1, got {self.draft_len}")
+        _check(self.encoder_layers >= 0, "drafter.encoder_layers", f"must be >= 0, got {self.encoder_layers}")
+        _check(self.blocks_per_sequence >= 0, "drafter.blocks_per_sequence",
+               f"must be >= 0, got {self.blocks_per_sequence}")
+        _check(0 <= self.glancing_ratio <= 1, "drafter.glancing_ratio", f"must be in [0, 1], got {self.glancing_ratio}")
         _check(self.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {self.num_layers}")
         _check(self.hidden_size % self.num_heads == 0, "drafter.hidden_size", "must be divisible by num_heads")
         _check(self.num_heads % self.num_kv_heads == 0, "drafter.num_heads", "must be divisible by num_kv_heads")

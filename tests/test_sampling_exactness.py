@@ -10,10 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_train.decoding.drafter import ARDrafter
+from drafter_train.decoding.drafter import make_drafter
 from drafter_train.decoding.sampling import SamplingParams, logits_to_probs, sample
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
+from drafter_train.drafters.nar import SpecDrafter
 from drafter_train.drafters.truncated import cut_from_target
 from tests.stubs import BigramLM
 
@@ -36,7 +37,7 @@ def sampled_counts(target, drafter_model, prompt, vocab, verifier, params, runs,
     generator = torch.Generator().manual_seed(1234)
     for _ in range(runs):
         out = generate_speculative(
-            target, ARDrafter(drafter_model), prompt, draft_len, verifier, num_tokens, params, generator=generator
+            target, make_drafter(drafter_model), prompt, draft_len, verifier, num_tokens, params, generator=generator
         )
         counts[torch.arange(num_tokens), torch.tensor(out.tokens)] += 1
     return counts
@@ -118,6 +119,17 @@ def enumerate_marginals(model, prompt, num_tokens, vocab, params):
 def test_speculative_sampling_matches_tiny_llama_distribution(make_tiny_llama):
     target = make_tiny_llama(vocab_size=8, num_layers=4, init=0.4)
     drafter = cut_from_target(target, 1)
+    params, prompt, num_tokens = SamplingParams(temperature=1.0), [1, 5, 3], 3
+    counts = sampled_counts(target, drafter, prompt, 8, make_verifier("sample", params), params, 1200, num_tokens, 2)
+    exact = enumerate_marginals(target, prompt, num_tokens, 8, params)
+    pvalues = [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)]
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_speculative_sampling_with_nar_drafter_matches_tiny_llama_distribution(make_tiny_llama):
+    """A Spec-Drafter's k drafts come from one pass; q_draft[r] is still what draft r was drawn from."""
+    target = make_tiny_llama(vocab_size=8, num_layers=4, init=0.4)
+    drafter = SpecDrafter.from_target(target, 1, 0, 2).eval()
     params, prompt, num_tokens = SamplingParams(temperature=1.0), [1, 5, 3], 3
     counts = sampled_counts(target, drafter, prompt, 8, make_verifier("sample", params), params, 1200, num_tokens, 2)
     exact = enumerate_marginals(target, prompt, num_tokens, 8, params)

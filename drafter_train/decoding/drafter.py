@@ -16,6 +16,8 @@ from transformers import PreTrainedModel
 
 from drafter_train.decoding.cached_lm import CachedLM
 from drafter_train.decoding.sampling import SamplingParams, choose_token
+from drafter_train.drafters.nar import NARCaches, SpecDrafter
+from drafter_train.errors import ConfigError
 
 
 @dataclass
@@ -70,3 +72,38 @@ class ARDrafter:
 
     def rollback(self, num_valid: int) -> None:
         self.lm.crop(num_valid)
+
+
+class NARDrafter:
+    """A Spec-Drafter (drafters/nar.py): all drafts of a proposal from ONE forward pass.
+
+    The k per-position distributions do not depend on each other's draws, so q_draft[r] is exactly the
+    distribution draft r was drawn from, whatever was drawn before it: speculative sampling stays lossless.
+    """
+
+    def __init__(self, model: SpecDrafter):
+        self.model = model
+        self.reset()
+
+    def reset(self) -> None:
+        self.caches = NARCaches(self.model)
+
+    def propose(
+        self, seq: Tensor, draft_len: int, params: SamplingParams, generator: Optional[torch.Generator]
+    ) -> Proposal:
+        if draft_len > self.model.draft_len:
+            raise ConfigError(
+                f"eval.draft_len: this Spec-Drafter has {self.model.draft_len} mask queries, cannot draft {draft_len}"
+            )
+        logits = self.model.draft_logits(seq[self.caches.length :], self.caches)  # [model draft_len, V]
+        drafts = [choose_token(logits[r], params, generator) for r in range(draft_len)]
+        q_draft = None if params.greedy else torch.stack([q for _, q in drafts])
+        return Proposal(tokens=torch.stack([token for token, _ in drafts]), q_draft=q_draft)
+
+    def rollback(self, num_valid: int) -> None:
+        self.caches.crop(num_valid)  # drafts never enter the cache, so this only matters for shorter sequences
+
+
+def make_drafter(model: PreTrainedModel) -> Drafter:
+    """The decoder-side drafter for a model: one NAR pass per proposal for a Spec-Drafter, else AR."""
+    return NARDrafter(model) if isinstance(model, SpecDrafter) else ARDrafter(model)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
+import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_train.config import DrafterConfig
+from drafter_train.drafters.nar import MODEL_TYPE, SpecDrafter, spec_config
 from drafter_train.drafters.truncated import cut_from_target, parse_truncated
-from drafter_train.errors import ModelNotFoundError
+from drafter_train.errors import ConfigError, ModelNotFoundError
 from drafter_train.targets import check_same_vocab, load_causal_lm, load_tokenizer
 
 SCRATCH = "scratch"
@@ -27,13 +31,18 @@ def load_drafter(
     never write into the target) and applies the freeze options.
     """
     num_layers = parse_truncated(cfg.path)
-    if num_layers is not None:
+    if num_layers is not None and cfg.kind == "nar":
+        drafter = SpecDrafter.from_target(target, num_layers, cfg.encoder_layers, cfg.draft_len)
+    elif num_layers is not None:
         drafter = cut_from_target(target, num_layers, share_weights=not for_training)
     elif cfg.path == SCRATCH:
         drafter = scratch_drafter(cfg, target)
     else:
-        drafter = load_causal_lm(cfg.path, dtype).to(target.device)
+        drafter = _load_folder(cfg.path, dtype).to(target.device)
         check_same_vocab(target, target_tok, drafter, _tokenizer_or_none(cfg.path))
+    if for_training and isinstance(drafter, SpecDrafter) and drafter.draft_len != cfg.draft_len:
+        raise ConfigError(f"drafter.draft_len: {cfg.path} has {drafter.draft_len} mask queries; train it with "
+                          f"drafter.draft_len={drafter.draft_len}")
     if for_training:
         drafter.train()
         drafter.requires_grad_(True)
@@ -42,7 +51,7 @@ def load_drafter(
 
 
 def scratch_drafter(cfg: DrafterConfig, target: PreTrainedModel) -> PreTrainedModel:
-    """A new model of the target's class and vocabulary, sized by the drafter config."""
+    """A new model of the target's class and vocabulary (a Spec-Drafter on it for kind=nar), sized by the config."""
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = cfg.num_layers
     config.hidden_size = cfg.hidden_size
@@ -52,7 +61,25 @@ def scratch_drafter(cfg: DrafterConfig, target: PreTrainedModel) -> PreTrainedMo
     config.head_dim = cfg.hidden_size // cfg.num_heads
     if getattr(config, "layer_types", None):
         config.layer_types = config.layer_types[: cfg.num_layers]
+    if cfg.kind == "nar":
+        spec = spec_config(config, cfg.num_layers, cfg.encoder_layers, cfg.draft_len)
+        return SpecDrafter(spec).to(dtype=target.dtype, device=target.device)
     return AutoModelForCausalLM.from_config(config, dtype=target.dtype).to(target.device)
+
+
+def _load_folder(path: str, dtype: str) -> PreTrainedModel:
+    """A saved drafter, whatever its kind: a Spec-Drafter folder (model_type spec_drafter) or a causal LM."""
+    if _model_type(path) == MODEL_TYPE:
+        drafter = SpecDrafter.from_pretrained(path, dtype=getattr(torch, dtype)).eval()  # "float32" -> torch.float32
+        return drafter.requires_grad_(False)  # as load_causal_lm: training turns gradients back on
+    return load_causal_lm(path, dtype)
+
+
+def _model_type(path: str) -> str | None:
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return None  # a hub id or a folder load_causal_lm will explain
+    return json.loads(config_file.read_text()).get("model_type")
 
 
 def freeze(drafter: PreTrainedModel, cfg: DrafterConfig) -> None:
