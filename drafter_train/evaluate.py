@@ -24,7 +24,7 @@ from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig, register_c
 from drafter_train.cli import one_line_errors
 from drafter_train.data.prompts import load_prompts
 from drafter_train.decoding.autoregressive import DecodeResult, generate_autoregressive
-from drafter_train.decoding.drafter import ARDrafter, Drafter
+from drafter_train.decoding.drafter import Drafter, make_drafter
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.stats import DecodeStats
@@ -65,6 +65,14 @@ def divergence_margin(target: PreTrainedModel, prompt: Sequence[int], ar: list[i
     return float(top2[0] - top2[1])
 
 
+@torch.inference_mode()
+def target_logprob_sum(target: PreTrainedModel, prompt: Sequence[int], tokens: list[int]) -> float:
+    """Sum of the target's log-probabilities (float32) of `tokens` after `prompt`: how likely it finds the output."""
+    ids = torch.tensor([list(prompt) + tokens], device=target.device)
+    logits = target(input_ids=ids, logits_to_keep=len(tokens) + 1).logits[0, :-1].float()
+    return float(logits.log_softmax(-1).gather(-1, ids[0, -len(tokens):, None]).sum())
+
+
 def evaluate_decoding(
     target: PreTrainedModel,
     drafter: Drafter,
@@ -96,6 +104,7 @@ def evaluate_decoding(
     spec_stats, ar_stats = DecodeStats(draft_len=cfg.draft_len), DecodeStats()
     spec_time = ar_time = 0.0
     matches, margins = 0, []
+    logprob = {"spec": 0.0, "ar": 0.0}  # verify=specdec: how far the relaxed output moves from AR greedy
     bar = tqdm(prompt_ids, desc=f"eval draft_len={cfg.draft_len} {cfg.verify}", disable=not progress, unit="prompt")
     for i, prompt in enumerate(bar):
         ar, t_ar = _timed(lambda: run_ar(prompt, cfg.seed + i), target.device)
@@ -106,6 +115,9 @@ def evaluate_decoding(
         matches += spec.tokens == ar.tokens
         if spec.tokens != ar.tokens and cfg.verify == "greedy":
             margins.append(divergence_margin(target, prompt, ar.tokens, spec.tokens))
+        if cfg.verify == "specdec":
+            logprob["spec"] += target_logprob_sum(target, prompt, spec.tokens)
+            logprob["ar"] += target_logprob_sum(target, prompt, ar.tokens)
         bar.set_postfix(tau=f"{spec_stats.tau:.2f}", speedup=f"{(ar_time / spec_time):.2f}")
     spec_tps = spec_stats.tokens_generated / spec_time
     ar_tps = ar_stats.tokens_generated / ar_time
@@ -127,6 +139,10 @@ def evaluate_decoding(
         # For each greedy mismatch: the target's top-1 minus top-2 logit where the outputs part (near 0 = a tie
         # broken differently by rounding; see divergence_margin).
         "greedy_mismatch_margins": margins,
+        # verify=specdec only: the target's mean log-likelihood per generated token of the speculative output and of
+        # the AR greedy output (the relaxation accepts tokens the target ranks lower: the first falls below the second).
+        "spec_target_logprob": logprob["spec"] / spec_stats.tokens_generated if cfg.verify == "specdec" else None,
+        "ar_target_logprob": logprob["ar"] / ar_stats.tokens_generated if cfg.verify == "specdec" else None,
     }
 
 
@@ -134,7 +150,8 @@ def print_table(metrics: dict, console: Optional[Console] = None) -> None:
     table = Table(title="drafter-eval")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in ("tau", "acceptance_rate", "speedup", "spec_tokens_per_s", "ar_tokens_per_s", "greedy_match"):
+    for key in ("tau", "acceptance_rate", "speedup", "spec_tokens_per_s", "ar_tokens_per_s", "greedy_match",
+                "spec_target_logprob", "ar_target_logprob"):
         value = metrics.get(key)
         table.add_row(key, "-" if value is None else f"{value:.3f}")
     table.add_row("per_position_acceptance", " ".join(f"{a:.2f}" for a in metrics["per_position_acceptance"]))
@@ -157,7 +174,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     output = Path(cfg.eval.output)
     _check_writable(output)
     target, tokenizer = load_target(cfg.target)
-    drafter = ARDrafter(load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype))
+    drafter = make_drafter(load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype))
     texts = load_prompts(cfg.eval.prompts, cfg.eval.num_prompts, cfg.eval.prompt_field)
     prompt_ids = [encode_prompt(tokenizer, text, cfg.target.chat_template) for text in texts]
     eos = eos_token_ids(target, tokenizer)
