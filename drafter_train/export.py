@@ -121,8 +121,9 @@ def check_no_leaks(folder: Path, needles: set[str]) -> None:
 # Writing the folder
 
 
-def copy_drafter(step_dir: Path, out: Path, draft_len: int) -> None:
-    """Weights, config and tokenizer files of the checkpoint's drafter/, configs scrubbed, generation config set."""
+def copy_drafter(step_dir: Path, out: Path, draft_len: int, nar: bool = False) -> None:
+    """Weights, config and tokenizer files of the checkpoint's drafter/, configs scrubbed, generation config set
+    (for AR drafters: transformers' assisted generation cannot drive a Spec-Drafter)."""
     src = step_dir / "drafter"
     if not list(src.glob("*.safetensors")):
         raise ConfigError(f"export.checkpoint: {src} has no .safetensors weights")
@@ -132,7 +133,8 @@ def copy_drafter(step_dir: Path, out: Path, draft_len: int) -> None:
             shutil.copyfile(path, out / path.name)
     _rewrite_json(out / "config.json", scrub)
     _rewrite_json(out / "tokenizer_config.json", lambda d: scrub(d, recursive=False))  # added tokens stay intact
-    write_generation_config(out / "generation_config.json", draft_len)
+    if not nar:
+        write_generation_config(out / "generation_config.json", draft_len)
 
 
 def _rewrite_json(path: Path, fix) -> None:
@@ -242,7 +244,7 @@ def export(cfg: ExportConfig) -> ExportResult:
     tmp = out.parent / f".{out.name}.export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export
     try:
-        copy_drafter(step_dir, tmp, info.draft_len)
+        copy_drafter(step_dir, tmp, info.draft_len, info.nar)
         (tmp / "README.md").write_text(model_card(info, cfg.repo_id or f"path/to/{out.name}", cfg.target_id))
         check_no_leaks(tmp, _local_strings(info.config) | _local_inputs(cfg) | {str(step_dir.parent), str(out)})
         _move_into_place(tmp, out)

@@ -15,6 +15,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from drafter_train.drafters.nar import MODEL_TYPE as NAR_MODEL_TYPE
 from drafter_train.errors import ConfigError
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -34,6 +35,7 @@ class RunInfo:
     metrics: dict
     history: list[dict]
     draft_len: int
+    nar: bool = False  # a Spec-Drafter (drafters/nar.py): not usable as transformers' assistant_model
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -51,7 +53,8 @@ def read_run_info(step_dir: Path) -> RunInfo:
     if not draft_len:
         raise ConfigError(f"export.checkpoint: {step_dir} records no draft length (no metrics.json, no run config)")
     step = int(m.group(1)) if (m := _STEP.match(step_dir.name)) else None
-    return RunInfo(step_dir, step, config, metrics, eval_history(run_dir / "metrics.jsonl"), int(draft_len))
+    nar = _read_json(step_dir / "drafter" / "config.json").get("model_type") == NAR_MODEL_TYPE
+    return RunInfo(step_dir, step, config, metrics, eval_history(run_dir / "metrics.jsonl"), int(draft_len), nar)
 
 
 def _read_json(path: Path) -> dict:
@@ -219,6 +222,8 @@ def _history_section(info: RunInfo) -> str:
 
 def _usage_section(info: RunInfo, target_path: str, target_hub: str, drafter_ref: str) -> str:
     chat = " target.chat_template=false" if info.config.get("target", {}).get("chat_template") is False else ""
+    if info.nar:
+        return _nar_usage(info, target_path, target_hub, drafter_ref, chat)
     return f"""With transformers (assisted generation; this folder's generation config drafts {info.draft_len} tokens
 per target pass, the draft length it was trained for):
 
@@ -240,11 +245,41 @@ drafter-eval target.path={target_path}{chat} drafter=path drafter.path={drafter_
 ```"""
 
 
+def _nar_usage(info: RunInfo, target_path: str, target_hub: str, drafter_ref: str, chat: str) -> str:
+    return f"""A non-autoregressive Spec-Drafter (SpecDec): {info.draft_len} mask queries predict {info.draft_len} draft
+tokens in one forward pass. transformers' assisted generation only drives autoregressive drafters, so decode with
+drafter_train's lossless speculative decoder (with drafter_train installed; importing `drafter_train.drafters.nar`
+registers the model with transformers' Auto classes):
+
+```python
+import drafter_train.drafters.nar  # noqa: F401  registers model_type "spec_drafter"
+from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+from drafter_train.decoding.drafter import NARDrafter
+from drafter_train.decoding.speculative import generate_speculative
+from drafter_train.decoding.verify import make_verifier
+from drafter_train.decoding.sampling import SamplingParams
+
+tokenizer = AutoTokenizer.from_pretrained("{target_hub}")
+target = AutoModelForCausalLM.from_pretrained("{target_hub}")
+drafter = NARDrafter(AutoModel.from_pretrained("{drafter_ref}"))
+prompt = tokenizer("Tell me a story.")["input_ids"]
+out = generate_speculative(target, drafter, prompt, {info.draft_len}, make_verifier("greedy", SamplingParams()), 64)
+print(tokenizer.decode(out.tokens))
+```
+
+Measured against plain decoding:
+
+```bash
+drafter-eval target.path={target_path}{chat} drafter=path drafter.path={drafter_ref} eval.draft_len={info.draft_len}
+```"""
+
+
 def model_card(info: RunInfo, drafter_ref: str, target_id: Optional[str] = None) -> str:
     """README.md: what the drafter was trained for and on, what it measured, and how to use it."""
     target, target_path, hub = target_names(info, target_id)
+    kind_tag = "- spec-drafter\n- non-autoregressive\n" if info.nar else "- assisted-generation\n"
     front = "---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags:\n- speculative-decoding\n" \
-            "- assisted-generation\n- drafter\n- drafter-train\n---\n"
+            f"{kind_tag}- drafter\n- drafter-train\n---\n"
     sections = [
         f"# Drafter for {target}\n\nA draft model for speculative decoding of {target}, trained with "
         f"drafter_train. {MARKER} from checkpoint step {step_text(info)}.",
