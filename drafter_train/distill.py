@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -43,12 +43,20 @@ def distill_loss(
 ) -> LossOutput:
     """The configured loss on one micro-batch, as (sum over response tokens, number of response tokens)."""
     student = response_logits(drafter, batch)
+    return apply_loss(loss, student, batch.labels, batch.resp_mask, lambda: teacher_logits(target, batch, loss),
+                      draft_len)
+
+
+def apply_loss(
+    loss: LossConfig, student: Tensor, labels: Tensor, mask: Tensor, teacher: Callable[[], Tensor], draft_len: int
+) -> LossOutput:
+    """student [B, T, V], labels/mask [B, T]; `teacher()` gives the [B, T, V] teacher logits (not called for ce)."""
     fn = get_loss(loss.name)
     if loss.name == "ce":
-        return fn(student, batch.labels, batch.resp_mask, temperature=loss.temperature)
+        return fn(student, labels, mask, temperature=loss.temperature)
     options = {"temperature": loss.temperature}
     if loss.name == "jsd":
         options["beta"] = loss.beta
     if loss.name in ("accepted_length", "reach_weighted_tvd"):
         options["draft_len"] = draft_len
-    return fn(student, teacher_logits(target, batch, loss), batch.resp_mask, **options)
+    return fn(student, teacher(), mask, **options)

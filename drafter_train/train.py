@@ -29,11 +29,13 @@ from drafter_train.cli import one_line_errors
 from drafter_train.data.batches import BatchStream, collate
 from drafter_train.data.store import load_distill_dataset
 from drafter_train.data.prompts import load_prompts
-from drafter_train.decoding.drafter import ARDrafter
+from drafter_train.decoding.drafter import make_drafter
 from drafter_train.distill import distill_loss
 from drafter_train.drafters.loading import load_drafter
+from drafter_train.drafters.nar import SpecDrafter
 from drafter_train.errors import ConfigError, DrafterTrainError
 from drafter_train.evaluate import eos_token_ids, evaluate_decoding
+from drafter_train.nar_distill import nar_distill_loss, to_blocks
 from drafter_train.targets import encode_prompt, load_target
 from drafter_train.tracking import RunLogger, log_with
 
@@ -59,13 +61,15 @@ def load_training_data(cfg: TrainJobConfig):
     return data, column
 
 
-def next_micro_batches(data, stream: BatchStream, response_key: str, cfg: TrainJobConfig, pad_id: int, device):
-    """The grad_accum micro-batches of one optimizer step, on `device`."""
+def next_micro_batches(data, stream: BatchStream, response_key: str, cfg: TrainJobConfig, pad_id: int, device,
+                       nar: bool):
+    """The grad_accum micro-batches of one optimizer step, on `device` (cut into draft blocks for nar)."""
     topk = cfg.loss.uses_stored_logits
-    return [
-        collate(list(data.select(stream.next_indices())), response_key, cfg.train.max_seq_len, pad_id, topk).to(device)
+    batches = [
+        collate(list(data.select(stream.next_indices())), response_key, cfg.train.max_seq_len, pad_id, topk)
         for _ in range(cfg.train.grad_accum)
     ]
+    return [(to_blocks(b, cfg.drafter) if nar else b).to(device) for b in batches]
 
 
 def eval_prompt_ids(cfg: TrainJobConfig, tokenizer) -> list[list[int]]:
@@ -79,7 +83,7 @@ def evaluate_checkpoint(accelerator, cfg, target, drafter, prompts, eos) -> dict
     """Real speculative decoding with the current drafter on the held-out prompts (main process only)."""
     model = accelerator.unwrap_model(drafter)
     model.eval()
-    metrics = evaluate_decoding(target, ARDrafter(model), prompts, cfg.eval, eos, progress=False)
+    metrics = evaluate_decoding(target, make_drafter(model), prompts, cfg.eval, eos, progress=False)
     model.train()
     return metrics
 
@@ -91,6 +95,13 @@ def restore(saved: dict, optimizer, scheduler, stream: BatchStream, state: Train
     stream.load_state_dict(saved["data"])
     state.load_state_dict(saved["train_state"])
     set_rng_state(saved["rng"])
+
+
+def micro_batch_loss(drafter, target, batch, cfg: TrainJobConfig):
+    """One micro-batch's loss (sum, tokens): over draft blocks for a Spec-Drafter, over response tokens else."""
+    if batch.context_lens is not None:
+        return nar_distill_loss(drafter, target, batch, cfg.loss, cfg.drafter)
+    return distill_loss(drafter, target, batch, cfg.loss, cfg.drafter.draft_len)
 
 
 def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJobConfig, step: int) -> tuple[float, int]:
@@ -106,7 +117,7 @@ def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJo
     for i, batch in enumerate(micro):
         sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(drafter)
         with sync:
-            out = distill_loss(drafter, target, batch, cfg.loss, cfg.drafter.draft_len)
+            out = micro_batch_loss(drafter, target, batch, cfg)
             if not torch.isfinite(out.loss_sum):
                 raise TrainingDivergedError(
                     f"loss is {out.loss_sum.item()} at step {step}; lower train.lr, keep train.max_grad_norm > 0 "
@@ -146,6 +157,7 @@ def train(cfg: TrainJobConfig) -> dict:
     if resume_from is not None:
         drafter_cfg = dataclasses.replace(cfg.drafter, path=str(resume_from / "drafter"))
     drafter = load_drafter(drafter_cfg, target, tokenizer, cfg.target.dtype, for_training=True)
+    nar = isinstance(drafter, SpecDrafter)  # trained on draft blocks, one forward for all k drafts
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     scheduler = get_scheduler(tcfg.lr_schedule, optimizer, tcfg.warmup_steps, tcfg.max_steps)
@@ -157,7 +169,7 @@ def train(cfg: TrainJobConfig) -> dict:
     run_name = tcfg.run_name
     if accelerator.is_main_process:  # the resolved config, whatever launched the run (CLI, -m sweep, a test)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config))
-    tags = [f"draft_len={cfg.drafter.draft_len}", f"loss={cfg.loss.name}", f"drafter={cfg.drafter.path}"]
+    tags = [f"draft_len={cfg.drafter.draft_len}", f"loss={cfg.loss.name}", f"drafter={cfg.drafter.kind}:{cfg.drafter.path}"]
     logger = RunLogger(accelerator, run_dir, cfg.tracker, run_name, tags, config)
     eval_history: list[dict] = []
 
@@ -177,7 +189,7 @@ def train(cfg: TrainJobConfig) -> dict:
     last = None
     window_start, window_tokens = time.perf_counter(), 0
     while state.step < tcfg.max_steps:
-        micro = next_micro_batches(data, stream, response_key, cfg, tokenizer.pad_token_id, accelerator.device)
+        micro = next_micro_batches(data, stream, response_key, cfg, tokenizer.pad_token_id, accelerator.device, nar)
         loss_value, step_tokens = accumulate_gradients(accelerator, drafter, target, micro, cfg, state.step + 1)
         optimizer.step()
         scheduler.step()

@@ -94,7 +94,8 @@ def test_offline_teacher_matches_stored_logits(tiny_data, tmp_path):
     assert metrics["tau"] >= 1.0
 
 
-def test_training_raises_tau_on_stories260k(stories_path, tmp_path):
+def stories_run(stories_path, tmp_path, *overrides: str) -> tuple[dict, float, Path]:
+    """datagen on stories260K (32 prompts x 32 tokens), then train; returns (last metrics, untrained tau, run dir)."""
     prompts = tmp_path / "p.txt"
     prompts.write_text("".join(f"{s} {i}\n" for i in range(12) for s in ("Once upon a time", "The little dog", "Lily saw")))
     datagen = compose_cfg("datagen", [
@@ -107,22 +108,31 @@ def test_training_raises_tau_on_stories260k(stories_path, tmp_path):
         f"target.path={stories_path}", "target.chat_template=false", "drafter.path=truncated:2",
         f"train.data_dir={tmp_path / 'data'}", f"train.output_root={tmp_path}", "train.max_steps=30",
         "train.batch_size=4", "train.save_every=30", "train.log_every=1", "train.lr=3e-3", "eval.num_prompts=4",
-        "eval.max_new_tokens=32",
+        "eval.max_new_tokens=32", *overrides,
     ]))
     metrics = train(cfg)
     run_dir = tmp_path / cfg.train.run_name
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     baseline = next(r["eval/tau"] for r in rows if r["step"] == 0 and "eval/tau" in r)
+    return metrics, baseline, run_dir
+
+
+def test_training_raises_tau_on_stories260k(stories_path, tmp_path):
+    metrics, baseline, run_dir = stories_run(stories_path, tmp_path)
     by_step = losses(run_dir)
     assert by_step[30] < by_step[1]
     assert metrics["tau"] > baseline + 0.3 and metrics["greedy_match"] == 1.0
 
 
-def test_interrupted_run_resumes_exactly(tiny_data, tmp_path, monkeypatch):
-    reference = train_cfg(tiny_data, tmp_path / "a")
+@pytest.mark.parametrize("kind, loss_fn", [("ar", "distill_loss"), ("nar", "nar_distill_loss")])
+def test_interrupted_run_resumes_exactly(tiny_data, tmp_path, monkeypatch, kind, loss_fn):
+    """Interrupted in step 5, resumed from step-3: the same losses and weights as the uninterrupted run (for nar
+    too, whose random block positions come from the checkpointed RNG)."""
+    drafter = (f"drafter={'nar' if kind == 'nar' else 'truncated'}", "drafter.path=truncated:1")
+    reference = train_cfg(tiny_data, tmp_path / "a", *drafter)
     train(reference)
     calls = {"n": 0}
-    real_loss = train_module.distill_loss
+    real_loss = getattr(train_module, loss_fn)
 
     def crash_in_step_5(*args, **kwargs):
         calls["n"] += 1
@@ -130,13 +140,13 @@ def test_interrupted_run_resumes_exactly(tiny_data, tmp_path, monkeypatch):
             raise KeyboardInterrupt
         return real_loss(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, "distill_loss", crash_in_step_5)
+    monkeypatch.setattr(train_module, loss_fn, crash_in_step_5)
     with pytest.raises(KeyboardInterrupt):
-        train(train_cfg(tiny_data, tmp_path / "b"))
-    monkeypatch.setattr(train_module, "distill_loss", real_loss)
+        train(train_cfg(tiny_data, tmp_path / "b", *drafter))
+    monkeypatch.setattr(train_module, loss_fn, real_loss)
     run_a, run_b = tmp_path / "a" / reference.train.run_name, tmp_path / "b" / reference.train.run_name
     assert (run_b / "latest").resolve().name == "step-3"
-    train(train_cfg(tiny_data, tmp_path / "b"))  # resume=auto
+    train(train_cfg(tiny_data, tmp_path / "b", *drafter))  # resume=auto
     for step in (4, 5, 6):
         assert losses(run_b)[step] == pytest.approx(losses(run_a)[step], rel=1e-6, abs=1e-7)
     weights_a = load_file(run_a / "step-6" / "drafter" / "model.safetensors")
@@ -271,6 +281,6 @@ def test_cli_trains_and_reports_errors_in_one_line(tiny_data, tmp_path):
             "eval.num_prompts=1", "eval.max_new_tokens=4"]
     ok = run_cli("drafter_train.train", *base, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
-    assert (tmp_path / "fkl-k4" / "latest" / "drafter" / "config.json").exists()
+    assert (tmp_path / "ar-fkl-k4" / "latest" / "drafter" / "config.json").exists()
     bad = run_cli("drafter_train.train", *base, "drafter.draft_len=0", cwd=tmp_path)
     assert bad.returncode != 0 and "drafter.draft_len" in bad.stderr and "Traceback" not in bad.stderr

@@ -26,6 +26,9 @@ class Batch:
     labels: Tensor  # [B, R] response tokens (0 where padded)
     topk_ids: Optional[Tensor] = None  # [B, R, K] target's stored top-k ids (offline teacher)
     topk_logits: Optional[Tensor] = None  # [B, R, K]
+    # Spec-Drafter training (nar_distill.to_blocks): the context length of each of n draft blocks; the response
+    # fields above then hold the blocks' positions, R = n * draft_len.
+    context_lens: Optional[Tensor] = None  # [B, n]
 
     @property
     def num_tokens(self) -> int:
