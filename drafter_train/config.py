@@ -107,8 +107,9 @@ class EvalConfig:
     prompts: Optional[str] = None
     # Column holding the prompt text in json/jsonl files (first of prompt/text/instruction/question if None).
     prompt_field: Optional[str] = None
-    # Where metrics.json is written.
-    output: str = "metrics.json"
+    # Where metrics.json is written; unset: metrics.json in the Hydra job's output folder (so each job of a
+    # `drafter-eval -m` sweep writes its own), or in the current folder outside Hydra.
+    output: Optional[str] = None
     # Seed for sampling and for the order of anything random.
     seed: int = 0
     # Untimed warm-up generations before timing (first calls pay one-off allocation costs).
