@@ -347,6 +347,29 @@ class ExportJobConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
 
 
+@dataclass
+class ReportConfig:
+    """A sweep report (`drafter-report`): a markdown table and a plot of tau and speedup against draft length."""
+
+    # A `-m` sweep folder (drafter-train's or drafter-eval's), a folder of drafter-train run folders (each
+    # reported through its best checkpoint), or one run folder.
+    input: Optional[str] = None
+    # Where report.md and report.png are written (unset: the input folder).
+    output_dir: Optional[str] = None
+
+    def require_inputs(self) -> None:
+        _check(bool(self.input), "report.input", "name the sweep or run folder to report on")
+
+
+@dataclass
+class ReportJobConfig:
+    """Top-level config of `drafter-report`."""
+
+    report: ReportConfig = field(default_factory=ReportConfig)
+    # The report (table and plot) is also logged to this tracker, as a run of its own.
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+
+
 def _check_repo_id(repo_id: str) -> None:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -363,3 +386,4 @@ def register_configs() -> None:
     cs.store(name="datagen_schema", node=DatagenJobConfig)
     cs.store(name="train_schema", node=TrainJobConfig)
     cs.store(name="export_schema", node=ExportJobConfig)
+    cs.store(name="report_schema", node=ReportJobConfig)
