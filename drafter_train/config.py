@@ -124,8 +124,9 @@ class EvalConfig:
     prompts: Optional[str] = None
     # Column holding the prompt text in json/jsonl files (first of prompt/text/instruction/question if None).
     prompt_field: Optional[str] = None
-    # Where metrics.json is written.
-    output: str = "metrics.json"
+    # Where metrics.json is written; unset: metrics.json in the Hydra job's output folder (so each job of a
+    # `drafter-eval -m` sweep writes its own), or in the current folder outside Hydra.
+    output: Optional[str] = None
     # Seed for sampling and for the order of anything random.
     seed: int = 0
     # Untimed warm-up generations before timing (first calls pay one-off allocation costs).
@@ -363,6 +364,29 @@ class ExportJobConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
 
 
+@dataclass
+class ReportConfig:
+    """A sweep report (`drafter-report`): a markdown table and a plot of tau and speedup against draft length."""
+
+    # A `-m` sweep folder (drafter-train's or drafter-eval's), a folder of drafter-train run folders (each
+    # reported through its best checkpoint), or one run folder.
+    input: Optional[str] = None
+    # Where report.md and report.png are written (unset: the input folder).
+    output_dir: Optional[str] = None
+
+    def require_inputs(self) -> None:
+        _check(bool(self.input), "report.input", "name the sweep or run folder to report on")
+
+
+@dataclass
+class ReportJobConfig:
+    """Top-level config of `drafter-report`."""
+
+    report: ReportConfig = field(default_factory=ReportConfig)
+    # The report (table and plot) is also logged to this tracker, as a run of its own.
+    tracker: TrackerConfig = field(default_factory=TrackerConfig)
+
+
 def _check_repo_id(repo_id: str) -> None:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -379,3 +403,4 @@ def register_configs() -> None:
     cs.store(name="datagen_schema", node=DatagenJobConfig)
     cs.store(name="train_schema", node=TrainJobConfig)
     cs.store(name="export_schema", node=ExportJobConfig)
+    cs.store(name="report_schema", node=ReportJobConfig)

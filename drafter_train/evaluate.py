@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 
 import hydra
 import torch
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 from rich.table import Table
@@ -169,9 +170,16 @@ def _check_writable(path: Path) -> None:
         raise ConfigError(f"eval.output: cannot write {path}: {err.strerror}") from None
 
 
+def metrics_path(cfg: EvalConfig) -> Path:
+    """eval.output, else metrics.json in the Hydra job's output folder (one per -m sweep job; cwd outside Hydra)."""
+    if cfg.output:
+        return Path(cfg.output)
+    return Path(HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else ".") / "metrics.json"
+
+
 def run_eval_job(cfg: EvalJobConfig) -> dict:
     """Load everything named by the config, evaluate, write metrics.json and return the metrics."""
-    output = Path(cfg.eval.output)
+    output = metrics_path(cfg.eval)
     _check_writable(output)
     target, tokenizer = load_target(cfg.target)
     drafter = make_drafter(load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype))
@@ -206,7 +214,7 @@ def _hydra_main(cfg: DictConfig) -> None:
     with one_line_errors("drafter-eval"):
         metrics = run_eval_job(to_job_config(cfg))
     print_table(metrics)
-    print(f"metrics written to {Path(cfg.eval.output).resolve()}", file=sys.stderr)
+    print(f"metrics written to {metrics_path(cfg.eval).resolve()}", file=sys.stderr)
 
 
 def main() -> None:

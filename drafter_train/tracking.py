@@ -32,6 +32,11 @@ def log_with(cfg: TrackerConfig) -> Optional[str]:
     return None if cfg.kind == "none" else cfg.kind
 
 
+def wandb_init_kwargs(cfg: TrackerConfig, folder: Path, name: str, tags: list[str]) -> dict:
+    """wandb.init arguments: the run's files (wandb/offline-run-*) go into `folder`."""
+    return {"mode": cfg.mode, "dir": str(folder), "name": name, "tags": tags}
+
+
 class RunLogger:
     def __init__(
         self, accelerator: Accelerator, run_dir: Path, cfg: TrackerConfig, run_name: str, tags: list[str], config: dict
@@ -40,9 +45,7 @@ class RunLogger:
         self.path = run_dir / "metrics.jsonl"
         if cfg.kind == "none":
             return
-        init_kwargs = {}
-        if cfg.kind == "wandb":
-            init_kwargs["wandb"] = {"mode": cfg.mode, "dir": str(run_dir), "name": run_name, "tags": tags}
+        init_kwargs = {"wandb": wandb_init_kwargs(cfg, run_dir, run_name, tags)} if cfg.kind == "wandb" else {}
         accelerator.init_trackers(cfg.project, config=flat_config(config), init_kwargs=init_kwargs)
 
     def log(self, metrics: dict, step: int) -> None:
@@ -65,3 +68,23 @@ class RunLogger:
     def finish(self) -> None:
         if self.cfg.kind != "none":
             self.accelerator.end_training()
+
+
+def log_report(cfg: TrackerConfig, folder: Path, columns: list[str], rows: list[list], markdown: str,
+               image: Path) -> None:
+    """A sweep report as a tracker run of its own, written into `folder`: wandb gets a Table and an Image,
+    TensorBoard the markdown as text and the image. Called by one process only, outside any Accelerator."""
+    if cfg.kind == "wandb":
+        import wandb
+
+        run = wandb.init(project=cfg.project, **wandb_init_kwargs(cfg, folder, "sweep-report", ["report"]))
+        run.log({"report/table": wandb.Table(columns=columns, data=rows), "report/plot": wandb.Image(str(image))})
+        run.finish()
+    elif cfg.kind == "tensorboard":
+        import numpy as np
+        from PIL import Image
+        from torch.utils.tensorboard import SummaryWriter
+
+        with SummaryWriter(str(folder / cfg.project)) as writer:  # where accelerate's tracker puts a run's events
+            writer.add_text("report/table", markdown)
+            writer.add_image("report/plot", np.asarray(Image.open(image).convert("RGB")), dataformats="HWC")

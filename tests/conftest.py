@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 # Before any HF import: huggingface_hub reads HF_HUB_OFFLINE once, at import time.
@@ -36,6 +37,29 @@ def tiny_llama(vocab_size: int = 64, num_layers: int = 4, seed: int = 0, init: f
         pad_token_id=0,
     )
     return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory):
+    """A tiny target folder, a drafter with a different vocabulary, and drafter-datagen output for the target
+    (prompts.jsonl, data/ with stored top-8 logits and held-out eval prompts)."""
+    from omegaconf import OmegaConf
+
+    from drafter_train.data.datagen import run_datagen
+    from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, save_tiny
+
+    root = tmp_path_factory.mktemp("train")
+    save_tiny(tiny_llama(vocab_size=VOCAB, num_layers=3), root / "target")
+    save_tiny(tiny_llama(vocab_size=VOCAB + 3, num_layers=1), root / "other_vocab")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{s} {w}"}) + "\n" for s in SENTENCES for w in WORDS[:8]))
+    datagen = compose_cfg("datagen", [
+        f"target.path={root / 'target'}", "target.chat_template=false", f"datagen.prompts={prompts}",
+        "datagen.num_prompts=32", "datagen.num_eval_prompts=4", "datagen.max_new_tokens=16",
+        f"datagen.output_dir={root / 'data'}", "datagen.store_topk=8",
+    ])
+    run_datagen(OmegaConf.to_object(datagen), progress=False)
+    return root
 
 
 @pytest.fixture

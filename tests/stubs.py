@@ -77,15 +77,16 @@ VOCAB = len(SPECIALS) + len(WORDS)
 SENTENCES = ["the cat sat on the mat", "a big dog ran", "the red sun", "small blue house and tree", "happy day"]
 
 
-def compose_cfg(name: str, overrides: list[str]):
-    """A composed (not yet validated) config of one of the entry points, as the CLI would build it."""
+def compose_cfg(name: str, overrides: list[str], return_hydra_config: bool = False):
+    """A composed (not yet validated) config of one of the entry points, as the CLI would build it (with its
+    `hydra` node if asked: callbacks, sweep folder)."""
     from hydra import compose, initialize_config_dir
 
     from drafter_train.config import CONF_DIR, register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return compose(name, overrides=overrides)
+        return compose(name, overrides=overrides, return_hydra_config=return_hydra_config)
 
 
 def save_tiny(model, folder) -> None:

@@ -15,24 +15,7 @@ from drafter_train.config import CONF_DIR
 from drafter_train.data.datagen import run_datagen
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
 from drafter_train.train import TrainingDivergedError, train
-from tests.conftest import tiny_llama
-from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, run_cli, save_tiny
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory):
-    """A tiny target folder, a drafter with a different vocabulary, and drafter-datagen output for the target."""
-    root = tmp_path_factory.mktemp("train")
-    save_tiny(tiny_llama(vocab_size=VOCAB, num_layers=3), root / "target")
-    save_tiny(tiny_llama(vocab_size=VOCAB + 3, num_layers=1), root / "other_vocab")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{s} {w}"}) + "\n" for s in SENTENCES for w in WORDS[:8]))
-    datagen = compose_cfg("datagen", [
-        f"target.path={root / 'target'}", "target.chat_template=false", f"datagen.prompts={prompts}",
-        "datagen.num_prompts=32", "datagen.num_eval_prompts=4", "datagen.max_new_tokens=16",
-        f"datagen.output_dir={root / 'data'}", "datagen.store_topk=8",
-    ])
-    run_datagen(OmegaConf.to_object(datagen), progress=False)
-    return root
+from tests.stubs import compose_cfg, run_cli
 
 
 def train_cfg(root: Path, out: Path, *overrides: str):
