@@ -25,7 +25,7 @@ from drafter_train.data.batches import collate
 from drafter_train.train import train
 from tests.conftest import tiny_llama
 from tests.stubs import compose_cfg, save_tiny, word_tokenizer
-from tests.test_train import losses, stories_run, tiny_data, train_cfg  # noqa: F401  (tiny_data is a fixture)
+from tests.test_train import losses, stories_run, train_cfg
 
 
 def spec(target, num_layers=2, encoder_layers=0, draft_len=4, seed=0):
@@ -239,7 +239,7 @@ def test_every_nar_option_composes():
 @pytest.mark.parametrize("extra", [["loss=ce"], ["loss=fkl", "drafter.glancing_ratio=0.5"],
                                    ["loss=reach_weighted_tvd", "drafter.path=truncated:2", "drafter.encoder_layers=1"],
                                    ["loss=accepted_length", "loss.teacher=offline"]])
-def test_tiny_nar_run_trains_checkpoints_and_reloads(tiny_data, tmp_path, extra):  # noqa: F811
+def test_tiny_nar_run_trains_checkpoints_and_reloads(tiny_data, tmp_path, extra):
     cfg = train_cfg(tiny_data, tmp_path, "drafter=nar", "train.max_steps=12", "train.save_every=6", *extra)
     metrics = train(cfg)
     run_dir = tmp_path / cfg.train.run_name
@@ -258,7 +258,7 @@ def test_nar_training_raises_tau_on_stories260k(stories_path, tmp_path):
     assert metrics["tau"] > baseline + 0.4 and metrics["greedy_match"] == 1.0
 
 
-def test_exported_nar_drafter_loads_and_decodes_losslessly(tiny_data, tmp_path):  # noqa: F811
+def test_exported_nar_drafter_loads_and_decodes_losslessly(tiny_data, tmp_path):
     """drafter-export on a NAR run: a folder AutoModel loads (after the import that registers the class), with a card
     that points at the project's decoder instead of assisted generation, and greedy output equal to the target's."""
     from drafter_train.export import ExportConfig, export

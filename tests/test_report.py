@@ -153,7 +153,7 @@ def test_train_multirun_trains_each_job_and_reports_through_the_callback(tiny_da
     assert result.returncode == 0, result.stderr[-3000:]
     best = {}
     for draft_len in (1, 2):
-        run_dir = out / f"fkl-k{draft_len}"  # the run names of conf/train.yaml: ${loss.name}-k${drafter.draft_len}
+        run_dir = out / f"ar-fkl-k{draft_len}"  # conf/train.yaml: ${drafter.kind}-${loss.name}-k${drafter.draft_len}
         assert (run_dir / "config.yaml").is_file() and (run_dir / "metrics.jsonl").is_file()
         assert (run_dir / "step-2" / "drafter" / "model.safetensors").is_file()
         best[draft_len] = json.loads((run_dir / "best" / "metrics.json").read_text())
