@@ -279,3 +279,17 @@ def test_exported_nar_drafter_loads_and_decodes_losslessly(tiny_data, tmp_path):
     ar = generate_autoregressive(target, prompt, 20)
     spec_out = generate_speculative(target, make_drafter(drafter), prompt, 4, make_verifier("greedy", SamplingParams()), 20)
     assert isinstance(drafter, SpecDrafter) and spec_out.tokens == ar.tokens
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_nar_drafter_is_the_size_of_the_ar_drafter_cut_from_the_same_layers(tied):
+    """Same layers, same (tied or not, as in the target) embeddings and head, plus draft_len query vectors."""
+    from drafter_train.drafters.truncated import cut_from_target
+
+    target = tiny_llama(num_layers=4)
+    target.config.tie_word_embeddings = tied
+    if tied:
+        target.tie_weights()
+    count = lambda model: sum(p.numel() for p in model.parameters())  # noqa: E731  (shared tensors count once)
+    nar, ar = spec(target, num_layers=2, draft_len=4), cut_from_target(target, 2)
+    assert count(nar) == count(ar) + 4 * target.config.hidden_size

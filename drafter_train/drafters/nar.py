@@ -91,6 +91,9 @@ class SpecDrafter(PreTrainedModel):
     config_class = SpecDrafterConfig
     base_model_prefix = "spec_drafter"
     _no_split_modules = []
+    # Applied when config.tie_word_embeddings (the target's own setting): one tensor, as in the target, so a
+    # Spec-Drafter has the parameter count of the AR drafter cut from the same layers (plus draft_len queries).
+    _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"}
 
     def __init__(self, config: SpecDrafterConfig):
         super().__init__(config)
@@ -215,6 +218,7 @@ def spec_config(backbone: PretrainedConfig, num_layers: int, encoder_layers: int
     return SpecDrafterConfig(backbone=backbone.to_dict(), encoder_layers=encoder_layers,
                              decoder_layers=num_layers - encoder_layers, draft_len=draft_len,
                              vocab_size=backbone.vocab_size, eos_token_id=backbone.eos_token_id,
+                             tie_word_embeddings=bool(getattr(backbone, "tie_word_embeddings", False)),
                              bos_token_id=backbone.bos_token_id, pad_token_id=getattr(backbone, "pad_token_id", None))
 
 
