@@ -42,12 +42,13 @@ def make_accelerator(tcfg: TrainConfig, log_with: Optional[str], run_dir: Path) 
     GradientState._reset_state()
     # DeepSpeed on CPU would pick its own backend (ccl) and fail (DDP on CPU picks gloo itself; a backend given to
     # a run that is not distributed at all makes accelerate fail).
-    deepspeed_on_cpu = os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not torch.cuda.is_available()
+    deepspeed_on_cpu = asks_for_deepspeed() and not torch.cuda.is_available()
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else []
     accelerator = Accelerator(
         mixed_precision=tcfg.mixed_precision, log_with=log_with, project_dir=str(run_dir), kwargs_handlers=handlers
     )
-    # `accelerate launch --use_deepspeed` exports its own accumulation count, which Accelerator() prefers.
+    # accelerator.accumulate() counts micro-batches against this (accelerate launch --use_deepspeed would impose
+    # its own count).
     accelerator.gradient_accumulation_steps = tcfg.grad_accum
     check_launch(accelerator)
     # Under ZeRO-3, accelerate registers its DeepSpeed config with transformers (whatever zero3_init_flag says), and
@@ -81,9 +82,14 @@ def check_launch(accelerator: Accelerator) -> None:
             f"accelerate launch: {launched} processes were started but accelerate runs {accelerator.num_processes} "
             "as one job (on CPU, DDP needs ACCELERATE_USE_CPU=1 in the environment)"
         )
-    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true" and not uses_deepspeed(accelerator):
+    if asks_for_deepspeed() and not uses_deepspeed(accelerator):
         raise ConfigError("accelerate launch: DeepSpeed was asked for but accelerate runs "
                           f"{accelerator.distributed_type} (unset ACCELERATE_USE_CPU for DeepSpeed launches)")
+
+
+def asks_for_deepspeed() -> bool:
+    """Whether accelerate launch was given a DeepSpeed config (what Accelerator() then makes of it may differ)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
 
 
 def uses_deepspeed(accelerator: Accelerator) -> bool:

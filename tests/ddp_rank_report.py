@@ -29,7 +29,8 @@ def main(report_dir: Path, overrides: list[str]) -> None:
     def reporting_save(accelerator, *args):
         metrics = save(accelerator, *args)
         drafter, state = args[2], args[-2]
-        weights = {k: v.detach().clone() for k, v in hf_model_of(accelerator.unwrap_model(drafter)).state_dict().items()}
+        drafter_state = hf_model_of(accelerator.unwrap_model(drafter)).state_dict()
+        weights = {k: v.detach().clone() for k, v in drafter_state.items()}
         report = {"num_processes": accelerator.num_processes, "drawn": list(drawn), "weights": weights}
         torch.save(report, report_dir / f"rank{accelerator.process_index}-step{state.step}.pt")
         return metrics

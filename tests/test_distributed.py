@@ -150,10 +150,11 @@ def test_ddp_launch_command_runs_two_ranks_in_one_run_dir(tiny_data, one_process
     assert_matches_one_process(run_dir, one_process)
 
 
-def test_zero2_sweep_job_resumes_the_previous_one_and_matches_one_process(tiny_data, one_process, tmp_path):
+def test_zero2_sweep_with_accumulation_resumes_and_matches_one_process(tiny_data, one_process, tmp_path):
     """A Hydra -m sweep inside one launch: job 1 trains 2 steps, job 2 resumes its checkpoint (optimizer partitions
-    included) to step 4. Checkpoints every step with keep_last=1 exercise latest/best and pruning."""
-    args = overrides(tiny_data, tmp_path / "out", 2, "train.save_every=1", "train.keep_last=1")
+    included) to step 4. 2 ranks x batch 1 x grad_accum 2: DeepSpeed's accumulation is the trainer's. Checkpoints
+    every step with keep_last=1 exercise latest/best and pruning."""
+    args = overrides(tiny_data, tmp_path / "out", 1, "train.grad_accum=2", "train.save_every=1", "train.keep_last=1")
     accelerate_launch("zero2_cpu.yaml", ["--multirun", *args, "train.max_steps=2,4"], cwd=tmp_path)
     run_dir = tmp_path / "out" / RUN
     assert_one_job_of_two_ranks(run_dir, DistributedType.DEEPSPEED.value, launches=2)
