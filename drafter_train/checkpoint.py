@@ -102,11 +102,28 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
 
 
-def save_checkpoint(run_dir: Path, drafter, tokenizer, training_state: dict, metrics: dict, step: int) -> Path:
-    """Write step-<step> atomically and point `latest` at it. `drafter` is the unwrapped model (or its state)."""
-    final = run_dir / f"step-{step}"
-    tmp = run_dir / f".step-{step}.tmp"
+def partial_checkpoint(run_dir: Path, step: int) -> Path:
+    """The hidden folder step-<step> is written into before it is renamed into place (the same path on every rank)."""
+    return run_dir / f".step-{step}.tmp"
+
+
+def start_checkpoint(run_dir: Path, step: int) -> Path:
+    """An empty partial_checkpoint folder (main process), for other ranks to add their shards to before saving."""
+    tmp = partial_checkpoint(run_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crash mid-write
+    tmp.mkdir()
+    return tmp
+
+
+def save_checkpoint(
+    run_dir: Path, drafter, tokenizer, training_state: dict, metrics: dict, step: int, started: bool = False
+) -> Path:
+    """Write step-<step> atomically and point `latest` at it. `drafter` is the unwrapped HF model with full weights.
+
+    started=True: start_checkpoint() made the folder and all ranks have written their shards into it.
+    """
+    final = run_dir / f"step-{step}"
+    tmp = partial_checkpoint(run_dir, step) if started else start_checkpoint(run_dir, step)
     drafter.save_pretrained(tmp / "drafter")
     tokenizer.save_pretrained(tmp / "drafter")
     torch.save(training_state, tmp / "training_state.pt")

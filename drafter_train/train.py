@@ -3,7 +3,6 @@ checkpoint. `train(cfg)` is the whole recipe, top to bottom; `@hydra.main` only 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -13,8 +12,6 @@ from pathlib import Path
 
 import hydra
 import torch
-from accelerate import Accelerator
-from accelerate.state import AcceleratorState, GradientState
 from accelerate.utils import set_seed
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -22,7 +19,7 @@ from transformers import get_scheduler
 
 from drafter_train.checkpoint import (
     TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune, rng_state,
-    save_checkpoint, set_rng_state,
+    partial_checkpoint, save_checkpoint, set_rng_state, start_checkpoint,
 )
 from drafter_train.config import CONF_DIR, TrainJobConfig, register_configs
 from drafter_train.cli import one_line_errors
@@ -30,7 +27,10 @@ from drafter_train.data.batches import BatchStream, collate
 from drafter_train.data.store import load_distill_dataset
 from drafter_train.data.prompts import load_prompts
 from drafter_train.decoding.drafter import make_drafter
-from drafter_train.distill import distill_loss
+from drafter_train.distill import distill_loss, training_module
+from drafter_train.distributed import (
+    full_drafter, load_sharded_state, make_accelerator, optimizer_state, save_sharded_state,
+)
 from drafter_train.drafters.loading import load_drafter
 from drafter_train.drafters.nar import SpecDrafter
 from drafter_train.errors import ConfigError, DrafterTrainError
@@ -79,9 +79,9 @@ def eval_prompt_ids(cfg: TrainJobConfig, tokenizer) -> list[list[int]]:
     return [encode_prompt(tokenizer, text, cfg.target.chat_template) for text in texts]
 
 
-def evaluate_checkpoint(accelerator, cfg, target, drafter, prompts, eos) -> dict:
-    """Real speculative decoding with the current drafter on the held-out prompts (main process only)."""
-    model = accelerator.unwrap_model(drafter)
+def evaluate_checkpoint(cfg, target, model, prompts, eos) -> dict:
+    """Real speculative decoding with the current drafter (full weights, see full_drafter) on the held-out prompts
+    (main process only)."""
     model.eval()
     metrics = evaluate_decoding(target, make_drafter(model), prompts, cfg.eval, eos, progress=False)
     model.train()
@@ -89,8 +89,10 @@ def evaluate_checkpoint(accelerator, cfg, target, drafter, prompts, eos) -> dict
 
 
 def restore(saved: dict, optimizer, scheduler, stream: BatchStream, state: TrainState) -> None:
-    """Put back everything a checkpoint holds besides the weights: the run continues exactly."""
-    optimizer.load_state_dict(saved["optimizer"])
+    """Put back everything a checkpoint holds besides the weights: the run continues exactly. (Under DeepSpeed the
+    optimizer state is partitioned and comes back after prepare: load_sharded_state.)"""
+    if saved["optimizer"] is not None:
+        optimizer.load_state_dict(saved["optimizer"])
     scheduler.load_state_dict(saved["scheduler"])
     stream.load_state_dict(saved["data"])
     state.load_state_dict(saved["train_state"])
@@ -108,15 +110,16 @@ def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJo
     """Forward/backward over the step's micro-batches, then clip. Returns (mean loss per token, tokens).
 
     Each micro-batch's loss sum is divided by the step's total response tokens over all micro-batches and ranks,
-    so accumulation is exact; DDP averages gradients over ranks, hence the world-size factor.
+    so accumulation is exact. accelerator.backward divides by grad_accum and DDP / DeepSpeed average gradients over
+    ranks, hence both factors. `accumulate` skips the gradient all-reduce (and DeepSpeed's optimizer step) until
+    the step's last micro-batch.
     """
     local = torch.tensor(float(sum(b.num_tokens for b in micro)), device=accelerator.device)
     total_tokens = int(accelerator.reduce(local, "sum"))
-    scale = accelerator.num_processes / max(total_tokens, 1)
+    scale = len(micro) * accelerator.num_processes / max(total_tokens, 1)
     loss_sum = torch.zeros((), device=accelerator.device)
-    for i, batch in enumerate(micro):
-        sync = contextlib.nullcontext() if i == len(micro) - 1 else accelerator.no_sync(drafter)
-        with sync:
+    for batch in micro:
+        with accelerator.accumulate(drafter):
             out = micro_batch_loss(drafter, target, batch, cfg)
             if not torch.isfinite(out.loss_sum):
                 raise TrainingDivergedError(
@@ -137,15 +140,9 @@ def train(cfg: TrainJobConfig) -> dict:
     config = OmegaConf.to_container(OmegaConf.structured(cfg))  # plain dict: saved, compared, tracked
     if tcfg.resume == "auto":
         check_same_run(run_dir, config)
-    # accelerate keeps one AcceleratorState per process: reset it (not the process group) so that consecutive jobs
-    # of a Hydra -m sweep, or tests, can change mixed precision or trackers.
-    AcceleratorState._reset_state(reset_partial_state=False)
-    GradientState._reset_state()
-    accelerator = Accelerator(
-        mixed_precision=tcfg.mixed_precision, log_with=log_with(cfg.tracker), project_dir=str(run_dir)
-    )
+    accelerator = make_accelerator(tcfg, log_with(cfg.tracker), run_dir)
     set_seed(tcfg.seed)
-    target, tokenizer = load_target(cfg.target)
+    target, tokenizer = load_target(cfg.target)  # never prepared: no-grad, full weights on every rank
     target.to(accelerator.device)
     data, response_key = load_training_data(cfg)
     prompts, eos = eval_prompt_ids(cfg, tokenizer), eos_token_ids(target, tokenizer)
@@ -156,15 +153,18 @@ def train(cfg: TrainJobConfig) -> dict:
     drafter_cfg = cfg.drafter
     if resume_from is not None:
         drafter_cfg = dataclasses.replace(cfg.drafter, path=str(resume_from / "drafter"))
-    drafter = load_drafter(drafter_cfg, target, tokenizer, cfg.target.dtype, for_training=True)
+    drafter = training_module(load_drafter(drafter_cfg, target, tokenizer, cfg.target.dtype, for_training=True))
     nar = isinstance(drafter, SpecDrafter)  # trained on draft blocks, one forward for all k drafts
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     scheduler = get_scheduler(tcfg.lr_schedule, optimizer, tcfg.warmup_steps, tcfg.max_steps)
     stream = BatchStream(len(data), tcfg.batch_size, tcfg.seed, accelerator.process_index, accelerator.num_processes)
-    if resume_from is not None:
-        restore(load_training_state(resume_from), optimizer, scheduler, stream, state)
+    saved = load_training_state(resume_from) if resume_from is not None else None
+    if saved is not None:
+        restore(saved, optimizer, scheduler, stream, state)
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
+    if saved is not None:
+        load_sharded_state(accelerator, resume_from, saved)
 
     run_name = tcfg.run_name
     if accelerator.is_main_process:  # the resolved config, whatever launched the run (CLI, -m sweep, a test)
@@ -173,16 +173,22 @@ def train(cfg: TrainJobConfig) -> dict:
     logger = RunLogger(accelerator, run_dir, cfg.tracker, run_name, tags, config)
     eval_history: list[dict] = []
 
-    def checkpoint_eval(step: int) -> dict:
-        metrics = evaluate_checkpoint(accelerator, cfg, target, drafter, prompts, eos)
+    logger.log({"launch/num_processes": accelerator.num_processes,
+                "launch/distributed_type": accelerator.distributed_type.value}, state.step)
+
+    def checkpoint_eval(step: int, model) -> dict:
+        metrics = evaluate_checkpoint(cfg, target, model, prompts, eos)
         row = {"step": step, **{k: metrics[k] for k in ("tau", "acceptance_rate", "speedup")}}
         eval_history.append(row)
         logger.log({f"eval/{k}": v for k, v in metrics.items() if k != "per_position_acceptance"}, step)
         logger.log_eval_table(eval_history, step)
         return metrics
 
-    if state.step == 0 and tcfg.eval_at_start and accelerator.is_main_process:
-        checkpoint_eval(0)  # the untrained drafter: the baseline the run must beat
+    if state.step == 0 and tcfg.eval_at_start:  # the untrained drafter: the baseline the run must beat
+        model = full_drafter(accelerator, drafter)  # all ranks: a collective under ZeRO-3
+        if accelerator.is_main_process:
+            checkpoint_eval(0, model)
+        accelerator.wait_for_everyone()
 
     # ---- the loop ----
     bar = tqdm(total=tcfg.max_steps, initial=state.step, desc=f"train {run_name}", disable=not accelerator.is_main_process)
@@ -217,18 +223,27 @@ def train(cfg: TrainJobConfig) -> dict:
 
 
 def save_and_evaluate(accelerator, cfg, run_dir, drafter, tokenizer, optimizer, scheduler, stream, state, evaluate):
-    """Evaluate the current drafter, write step-<N> (atomically), move `latest`/`best`, prune old steps."""
+    """Evaluate the current drafter, write step-<N> (atomically), move `latest`/`best`, prune old steps.
+
+    Every rank calls this: gathering ZeRO-3 weights and writing DeepSpeed's optimizer partitions are collective;
+    evaluation, the HF drafter folder, links and pruning happen on the main process only.
+    """
+    model = full_drafter(accelerator, drafter)
+    if accelerator.is_main_process:
+        start_checkpoint(run_dir, state.step)
+    accelerator.wait_for_everyone()
+    save_sharded_state(accelerator, partial_checkpoint(run_dir, state.step))
+    accelerator.wait_for_everyone()
     metrics = {}
     if accelerator.is_main_process:
-        metrics = evaluate(state.step)
+        metrics = evaluate(state.step, model)
         if metrics["tau"] > state.best_tau:
             state.best_tau, state.best_step = metrics["tau"], state.step
         training_state = {
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "data": stream.state_dict(),
-            "train_state": state.state_dict(), "rng": rng_state(),
+            "optimizer": optimizer_state(accelerator, optimizer), "scheduler": scheduler.state_dict(),
+            "data": stream.state_dict(), "train_state": state.state_dict(), "rng": rng_state(),
         }
-        step_dir = save_checkpoint(run_dir, accelerator.unwrap_model(drafter), tokenizer, training_state,
-                                   metrics, state.step)
+        step_dir = save_checkpoint(run_dir, model, tokenizer, training_state, metrics, state.step, started=True)
         if state.best_step == state.step:
             mark_best(run_dir, step_dir)
         prune(run_dir, cfg.train.keep_last)

@@ -1,0 +1,142 @@
+"""What differs between launches (one process, DDP, DeepSpeed ZeRO-2/3), so that train.py stays one loop for all.
+
+- The Accelerator: gloo on CPU, and the trainer's batch size, accumulation and clipping written into DeepSpeed's
+  config (train.* is the single source of these numbers; an accelerate config's own values for them are replaced).
+- Models load whole (transformers is not told about ZeRO-3): the target is never prepared and keeps its weights.
+- The drafter's full weights on the main process, for evaluation and saving: under ZeRO-3 every rank holds a slice,
+  so all ranks gather and the main process works on a plain copy (evaluating the partitioned model on one rank
+  would wait forever for the others).
+- The optimizer state of a checkpoint: one state_dict (DDP and single process: identical on all ranks) or
+  DeepSpeed's partitioned files, written by every rank into the checkpoint's temporary folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState, GradientState
+from accelerate.utils import DistributedType, InitProcessGroupKwargs
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+from drafter_train.config import TrainConfig
+from drafter_train.distill import hf_model_of
+from drafter_train.errors import ConfigError
+
+# Inside step-<N>/: DeepSpeed's model and optimizer partitions (accelerator.save_state), one file set per rank.
+SHARDED_STATE = "sharded_state"
+
+
+def make_accelerator(tcfg: TrainConfig, log_with: Optional[str], run_dir: Path) -> Accelerator:
+    """The run's Accelerator, checked to really run as many processes as were launched."""
+    check_launch_precision(tcfg.mixed_precision)
+    # accelerate keeps one AcceleratorState per process: reset it (not the process group) so that consecutive jobs
+    # of a Hydra -m sweep, or tests, can change mixed precision or trackers.
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    # DeepSpeed on CPU would pick its own backend (ccl) and fail (DDP on CPU picks gloo itself; a backend given to
+    # a run that is not distributed at all makes accelerate fail).
+    deepspeed_on_cpu = asks_for_deepspeed() and not torch.cuda.is_available()
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else []
+    accelerator = Accelerator(
+        mixed_precision=tcfg.mixed_precision, log_with=log_with, project_dir=str(run_dir), kwargs_handlers=handlers
+    )
+    # accelerator.accumulate() counts micro-batches against this (accelerate launch --use_deepspeed would impose
+    # its own count).
+    accelerator.gradient_accumulation_steps = tcfg.grad_accum
+    check_launch(accelerator)
+    # Under ZeRO-3, accelerate registers its DeepSpeed config with transformers (whatever zero3_init_flag says), and
+    # transformers then partitions every model it creates and gathers weights inside save_pretrained: the target
+    # would lose its weights, and the main process saving alone would wait forever for the other ranks. Here models
+    # are partitioned by accelerator.prepare only.
+    unset_hf_deepspeed_config()
+    if uses_deepspeed(accelerator):
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = tcfg.batch_size
+        ds["train_batch_size"] = tcfg.batch_size * tcfg.grad_accum * accelerator.num_processes
+        ds["gradient_accumulation_steps"] = tcfg.grad_accum
+        ds["gradient_clipping"] = tcfg.max_grad_norm  # DeepSpeed clips inside its step; 0 turns it off
+        ds.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
+    return accelerator
+
+
+def check_launch_precision(mixed_precision: str) -> None:
+    """accelerate launch exports its config's precision; the trainer's own setting is the one applied."""
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launched and launched != mixed_precision:
+        raise ConfigError(f"train.mixed_precision: the accelerate launch config asks for {launched} but "
+                          f"train.mixed_precision={mixed_precision}; set train.mixed_precision={launched}")
+
+
+def check_launch(accelerator: Accelerator) -> None:
+    """Refuse launches that would silently train something else than asked (see README, Scaling out)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != accelerator.num_processes:  # N processes that did not join one group: N separate models
+        raise ConfigError(
+            f"accelerate launch: {launched} processes were started but accelerate runs {accelerator.num_processes} "
+            "as one job (on CPU, DDP needs ACCELERATE_USE_CPU=1 in the environment)"
+        )
+    if asks_for_deepspeed() and not uses_deepspeed(accelerator):
+        raise ConfigError("accelerate launch: DeepSpeed was asked for but accelerate runs "
+                          f"{accelerator.distributed_type} (unset ACCELERATE_USE_CPU for DeepSpeed launches)")
+
+
+def asks_for_deepspeed() -> bool:
+    """Whether accelerate launch was given a DeepSpeed config (what Accelerator() then makes of it may differ)."""
+    return os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
+
+
+def uses_deepspeed(accelerator: Accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.DEEPSPEED
+
+
+def is_zero3(accelerator: Accelerator) -> bool:
+    return uses_deepspeed(accelerator) and accelerator.state.deepspeed_plugin.zero_stage == 3
+
+
+def full_drafter(accelerator: Accelerator, module: nn.Module) -> Optional[PreTrainedModel]:
+    """The HF drafter with all its weights on the main process, None elsewhere. Call it on ALL ranks.
+
+    Without ZeRO-3 that is the live model itself. Under ZeRO-3 the weights are gathered (a collective) and the main
+    process gets a plain copy, which evaluates and saves like any HF model.
+    """
+    unwrapped = accelerator.unwrap_model(module)
+    drafter = hf_model_of(unwrapped)
+    if not is_zero3(accelerator):
+        return drafter if accelerator.is_main_process else None
+    state = accelerator.get_state_dict(module)  # keys of the training module; filled on the main process only
+    if not accelerator.is_main_process:
+        return None
+    prefix = next(name for name, sub in unwrapped.named_modules() if sub is drafter)
+    prefix = f"{prefix}." if prefix else ""
+    plain = type(drafter)(copy.deepcopy(drafter.config)).to(dtype=drafter.dtype)
+    plain.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}, strict=True)
+    return plain.eval()
+
+
+def optimizer_state(accelerator: Accelerator, optimizer) -> Optional[dict]:
+    """What training_state.pt holds of the optimizer: its state_dict, or None where DeepSpeed partitions it."""
+    return None if uses_deepspeed(accelerator) else optimizer.state_dict()
+
+
+def save_sharded_state(accelerator: Accelerator, partial_step_dir: Path) -> None:
+    """All ranks: write DeepSpeed's partitioned model and optimizer state into the checkpoint being written."""
+    if uses_deepspeed(accelerator):
+        accelerator.save_state(str(partial_step_dir / SHARDED_STATE))
+
+
+def load_sharded_state(accelerator: Accelerator, step_dir: Path, saved: dict) -> None:
+    """After prepare, on all ranks: restore DeepSpeed's partitions; refuse a checkpoint of the other kind."""
+    sharded = (step_dir / SHARDED_STATE).is_dir()
+    if uses_deepspeed(accelerator) != sharded or (saved["optimizer"] is None) != sharded:
+        kind = "a DeepSpeed" if sharded else "a non-DeepSpeed"
+        raise ConfigError(f"train.resume: {step_dir} was written by {kind} launch; resume it with the same kind "
+                          "of launch, or start a new train.run_name")
+    if sharded:
+        accelerator.load_state(str(step_dir / SHARDED_STATE))

@@ -1,0 +1,44 @@
+"""Run by each rank of a 2-process launch (tests/test_distributed.py): train as drafter-train would, and report what
+this rank drew from the data and the parameters it holds at every checkpoint.
+
+    accelerate launch ... -m tests.ddp_rank_report REPORT_DIR <train overrides>
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+import drafter_train.train as train_module
+from drafter_train.data.batches import BatchStream
+from drafter_train.distill import hf_model_of
+from tests.stubs import compose_cfg
+
+
+def main(report_dir: Path, overrides: list[str]) -> None:
+    drawn: list[list[int]] = []
+    draw, save = BatchStream.next_indices, train_module.save_and_evaluate
+
+    def recording_draw(stream):
+        drawn.append(draw(stream))
+        return drawn[-1]
+
+    def reporting_save(accelerator, *args):
+        metrics = save(accelerator, *args)
+        drafter, state = args[2], args[-2]
+        drafter_state = hf_model_of(accelerator.unwrap_model(drafter)).state_dict()
+        weights = {k: v.detach().clone() for k, v in drafter_state.items()}
+        report = {"num_processes": accelerator.num_processes, "drawn": list(drawn), "weights": weights}
+        torch.save(report, report_dir / f"rank{accelerator.process_index}-step{state.step}.pt")
+        return metrics
+
+    BatchStream.next_indices = recording_draw
+    train_module.save_and_evaluate = reporting_save
+    train_module.train(OmegaConf.to_object(compose_cfg("train", overrides)))
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -1,0 +1,200 @@
+"""Two processes on CPU train ONE drafter: DDP and DeepSpeed ZeRO-2 / ZeRO-3, launched with the README's
+`accelerate launch` commands, each checked against a one-process run at the same global batch (2 ranks x batch 2
+== 1 process x batch 4).
+
+Every multi-process test asserts that 2 ranks really ran as one job (accelerate has launches that silently run one
+process, or two unrelated ones). Agreement with the one-process run is within LOSS_TOL / WEIGHT_TOL: the ranks see
+the same records in other groupings, so only the order of float sums differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from accelerate.utils import DistributedType
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from drafter_train.config import CONF_DIR
+from drafter_train.data.batches import BatchStream
+from drafter_train.data.store import load_distill_dataset
+from drafter_train.distributed import check_launch, check_launch_precision
+from drafter_train.errors import ConfigError
+from drafter_train.train import train
+from tests.conftest import REPO
+from tests.stubs import compose_cfg
+from tests.test_train import losses
+
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)  # per-step train/loss, 2 ranks vs 1 process
+WEIGHT_TOL = dict(rtol=1e-4, atol=1e-5)  # drafter weights after 4 AdamW steps at lr 3e-3
+ACCELERATE_CONF = Path(CONF_DIR) / "accelerate"
+RUN = "run"
+
+
+def overrides(root: Path, out: Path, batch_size: int, *extra: str) -> list[str]:
+    """A 4-step run on the tiny target with a constant LR (so a run stopped at step 2 and resumed to 4 is the same
+    run as one of 4 steps), as Hydra CLI overrides."""
+    return [
+        f"target.path={root / 'target'}", "target.chat_template=false", "drafter.path=truncated:1",
+        f"train.data_dir={root / 'data'}", f"train.output_root={out}", f"train.run_name={RUN}", "train.max_steps=4",
+        f"train.batch_size={batch_size}", "train.save_every=2", "train.log_every=1", "train.lr=3e-3",
+        "train.warmup_steps=0", "train.lr_schedule=constant", "eval.num_prompts=2", "eval.max_new_tokens=8",
+        "eval.warmup=0", *extra,
+    ]
+
+
+def job_config(args: list[str]):
+    return OmegaConf.to_object(compose_cfg("train", args))
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_data, tmp_path_factory) -> Path:
+    """The reference: one process, batch 4 (the 2-rank runs' global batch)."""
+    out = tmp_path_factory.mktemp("one_process")
+    train(job_config(overrides(tiny_data, out, 4)))
+    return out / RUN
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_matches_one_process(run_dir: Path, reference: Path) -> None:
+    got, want = losses(run_dir), losses(reference)
+    assert sorted(got) == [1, 2, 3, 4]
+    for step in want:
+        torch.testing.assert_close(got[step], want[step], **LOSS_TOL, msg=f"train/loss at step {step}")
+    saved = load_file(run_dir / "step-4" / "drafter" / "model.safetensors")
+    for name, value in load_file(reference / "step-4" / "drafter" / "model.safetensors").items():
+        torch.testing.assert_close(saved[name], value, **WEIGHT_TOL, msg=name)
+
+
+def assert_one_job_of_two_ranks(run_dir: Path, distributed_type: str, launches: int = 1) -> None:
+    """Two ranks ran as one job, and only the main process evaluated, logged and wrote checkpoints."""
+    launch = [r for r in rows(run_dir) if "launch/num_processes" in r]
+    launched = [(r["launch/num_processes"], r["launch/distributed_type"]) for r in launch]
+    assert launched == [(2, distributed_type)] * launches
+    train_steps = [r["step"] for r in rows(run_dir) if "train/loss" in r]
+    assert train_steps == [1, 2, 3, 4]  # each step logged once, not once per rank
+    assert not list(run_dir.glob(".step-*.tmp")), "a checkpoint was left half-written"
+    assert (run_dir / "latest").resolve().name == "step-4"
+
+
+# ---- 2 ranks through accelerate launch (the README's commands) ----------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def accelerate_launch(config: str, args: list[str], cwd: Path, use_cpu: bool = False, module="drafter_train.train"):
+    """`accelerate launch --config_file conf/accelerate/<config> -m <module> <args>`, on this checkout's code.
+
+    (Not accelerate.debug_launcher: it forks this process, and a fork of a process that has already run torch ops
+    on several threads can hang in its first parallel op.)"""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    env.pop("ACCELERATE_USE_CPU", None)
+    if use_cpu:
+        env["ACCELERATE_USE_CPU"] = "1"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ACCELERATE_CONF / config),
+           "--main_process_port", str(free_port()), "-m", module, *args]
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done
+
+
+def test_two_ddp_ranks_train_one_model_on_disjoint_data(tiny_data, one_process, tmp_path):
+    """Each rank reports what it drew and what it holds at every checkpoint (tests/ddp_rank_report.py)."""
+    (tmp_path / "reports").mkdir()
+    args = [str(tmp_path / "reports"), *overrides(tiny_data, tmp_path / "out", 2, "tracker=tensorboard")]
+    accelerate_launch("ddp_cpu.yaml", args, cwd=tmp_path, use_cpu=True, module="tests.ddp_rank_report")
+
+    reports = {p.stem: torch.load(p, weights_only=False) for p in (tmp_path / "reports").glob("*.pt")}
+    assert sorted(reports) == ["rank0-step2", "rank0-step4", "rank1-step2", "rank1-step4"]
+    assert all(r["num_processes"] == 2 for r in reports.values())
+    for step in (2, 4):  # gradients were all-reduced: both ranks hold the same parameters, bit for bit
+        r0, r1 = reports[f"rank0-step{step}"], reports[f"rank1-step{step}"]
+        assert all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
+    # Sharded, not duplicated: per step the ranks draw disjoint halves of the one-process run's batch.
+    single = BatchStream(len(load_distill_dataset(tiny_data / "data")), 4, seed=0)
+    for step, (mine, theirs) in enumerate(zip(reports["rank0-step4"]["drawn"], reports["rank1-step4"]["drawn"])):
+        assert not set(mine) & set(theirs), f"step {step + 1}: both ranks trained on the same records"
+        assert sorted(mine + theirs) == sorted(single.next_indices())
+
+    run_dir = tmp_path / "out" / RUN
+    assert_one_job_of_two_ranks(run_dir, DistributedType.MULTI_CPU.value)
+    assert [r["step"] for r in rows(run_dir) if "eval/tau" in r] == [0, 2, 4]
+    writers = {p.name.split(".")[-2] for p in run_dir.rglob("events.out.tfevents.*")}  # <time>.<host>.<pid>.<n>
+    assert len(writers) == 1  # TensorBoard files from one process only: the main one
+    assert_matches_one_process(run_dir, one_process)
+
+
+def test_ddp_launch_command_runs_two_ranks_in_one_run_dir(tiny_data, one_process, tmp_path):
+    accelerate_launch("ddp_cpu.yaml", overrides(tiny_data, tmp_path / "out", 2), cwd=tmp_path, use_cpu=True)
+    run_dir = tmp_path / "out" / RUN
+    assert_one_job_of_two_ranks(run_dir, DistributedType.MULTI_CPU.value)
+    # Hydra's output folder: the run folder, shared by both ranks (no per-rank timestamped folders).
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob(".hydra")] == [Path("out") / RUN / ".hydra"]
+    assert_matches_one_process(run_dir, one_process)
+
+
+def test_zero2_sweep_with_accumulation_resumes_and_matches_one_process(tiny_data, one_process, tmp_path):
+    """A Hydra -m sweep inside one launch: job 1 trains 2 steps, job 2 resumes its checkpoint (optimizer partitions
+    included) to step 4. 2 ranks x batch 1 x grad_accum 2: DeepSpeed's accumulation is the trainer's. Checkpoints
+    every step with keep_last=1 exercise latest/best and pruning."""
+    args = overrides(tiny_data, tmp_path / "out", 1, "train.grad_accum=2", "train.save_every=1", "train.keep_last=1")
+    accelerate_launch("zero2_cpu.yaml", ["--multirun", *args, "train.max_steps=2,4"], cwd=tmp_path)
+    run_dir = tmp_path / "out" / RUN
+    assert_one_job_of_two_ranks(run_dir, DistributedType.DEEPSPEED.value, launches=2)
+    assert [r["step"] for r in rows(run_dir) if "eval/tau" in r] == [0, 1, 2, 3, 4]
+    assert {p.name for p in run_dir.glob("step-*")} == {"step-4", (run_dir / "best").resolve().name}
+    assert_matches_one_process(run_dir, one_process)
+
+
+def test_zero3_saves_a_full_hf_drafter_and_resumes_in_a_new_launch(tiny_data, one_process, tmp_path):
+    args = overrides(tiny_data, tmp_path / "out", 2)
+    accelerate_launch("zero3_cpu.yaml", [*args, "train.max_steps=2"], cwd=tmp_path)
+    run_dir = tmp_path / "out" / RUN
+    partitions = sorted(p.name for p in (run_dir / "step-2" / "sharded_state").rglob("*optim_states.pt"))
+    assert len(partitions) == 2, partitions  # one optimizer partition per rank
+    accelerate_launch("zero3_cpu.yaml", args, cwd=tmp_path)  # resume=auto: continues from step-2
+
+    assert_one_job_of_two_ranks(run_dir, DistributedType.DEEPSPEED.value, launches=2)
+    assert [r["step"] for r in rows(run_dir) if "eval/tau" in r] == [0, 2, 4]
+    drafter = AutoModelForCausalLM.from_pretrained(run_dir / "step-4" / "drafter")
+    reference = AutoModelForCausalLM.from_pretrained(one_process / "step-4" / "drafter")
+    for (name, value), (_, expected) in zip(drafter.state_dict().items(), reference.state_dict().items()):
+        assert value.numel() > 0 and value.shape == expected.shape, name  # gathered, not a ZeRO-3 placeholder
+    assert_matches_one_process(run_dir, one_process)
+
+
+# ---- launches that would silently train something else -------------------------------------------------------------
+
+
+def test_ranks_that_did_not_join_one_job_are_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # e.g. --multi_gpu on CPU without ACCELERATE_USE_CPU: 2 separate runs
+    with pytest.raises(ConfigError, match="ACCELERATE_USE_CPU=1"):
+        check_launch(SimpleNamespace(num_processes=1, distributed_type=DistributedType.NO))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # DeepSpeed config + ACCELERATE_USE_CPU: plain DDP
+    with pytest.raises(ConfigError, match="DeepSpeed was asked for"):
+        check_launch(SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU))
+
+
+def test_launch_precision_must_match_the_run(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    with pytest.raises(ConfigError, match=r"train\.mixed_precision=bf16"):
+        check_launch_precision("no")
+    check_launch_precision("bf16")
