@@ -198,3 +198,22 @@ def test_launch_precision_must_match_the_run(monkeypatch):
     with pytest.raises(ConfigError, match=r"train\.mixed_precision=bf16"):
         check_launch_precision("no")
     check_launch_precision("bf16")
+
+
+def test_two_ddp_ranks_train_one_spec_drafter(tiny_data, tmp_path):
+    """A Spec-Drafter is its own training module: DDP hooks run on its forward (glancing's no-grad pass included),
+    so both ranks hold the same weights and the checkpoint is a Spec-Drafter folder."""
+    (tmp_path / "reports").mkdir()
+    args = [str(tmp_path / "reports"), *overrides(tiny_data, tmp_path / "out", 2, "drafter=nar",
+                                                  "drafter.path=truncated:1", "drafter.glancing_ratio=0.5")]
+    accelerate_launch("ddp_cpu.yaml", args, cwd=tmp_path, use_cpu=True, module="tests.ddp_rank_report")
+    reports = {p.stem: torch.load(p, weights_only=False) for p in (tmp_path / "reports").glob("*.pt")}
+    assert sorted(reports) == ["rank0-step2", "rank0-step4", "rank1-step2", "rank1-step4"]
+    first, last = reports["rank0-step2"]["weights"], reports["rank0-step4"]["weights"]
+    assert not torch.equal(first["mask_embeds"], last["mask_embeds"])  # it trained
+    for step in (2, 4):
+        r0, r1 = reports[f"rank0-step{step}"], reports[f"rank1-step{step}"]
+        assert r0["num_processes"] == 2 and all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
+    run_dir = tmp_path / "out" / RUN
+    assert_one_job_of_two_ranks(run_dir, DistributedType.MULTI_CPU.value)
+    assert json.loads((run_dir / "latest" / "drafter" / "config.json").read_text())["model_type"] == "spec_drafter"
