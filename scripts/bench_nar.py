@@ -68,6 +68,8 @@ def main():
     parser.add_argument("--steps", type=int, default=180)
     parser.add_argument("--draft-lens", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--layers", type=int, default=2, help="layers cut from the target for both drafters")
+    parser.add_argument("--encoder-layers", type=int, nargs="+", default=[0],
+                        help="NAR variants: of the layers, how many only read the context (SpecDec's encoder)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--eval-prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -80,8 +82,11 @@ def main():
               "eval.max_new_tokens=32", f"drafter.path=truncated:{args.layers}", *args.overrides]
     runs = {"ar": compose_train([*common, "drafter=truncated", f"drafter.path=truncated:{args.layers}"])}
     for k in args.draft_lens:
-        runs[f"nar-k{k}"] = compose_train([*common, "drafter=nar", f"drafter.path=truncated:{args.layers}",
-                                           f"drafter.draft_len={k}", *args.nar_overrides])
+        for enc in args.encoder_layers:
+            name = f"nar-k{k}" + (f"-enc{enc}" if len(args.encoder_layers) > 1 else "")
+            runs[name] = compose_train([*common, "drafter=nar", f"drafter.path=truncated:{args.layers}",
+                                        f"drafter.draft_len={k}", f"drafter.encoder_layers={enc}",
+                                        *([f"train.run_name=nar-k{k}-enc{enc}"] if enc else []), *args.nar_overrides])
     for name, cfg in runs.items():  # resume=auto: a finished run returns at once
         start = time.perf_counter()
         train(cfg)
@@ -98,7 +103,7 @@ def main():
         models[name] = load_drafter(dataclasses.replace(run_cfg.drafter, path=str(best)), target, tokenizer, "float32")
     rows = []
     for k in args.draft_lens:
-        samples = {"ar": [], f"nar-k{k}": []}
+        samples = {"ar": [], **{name: [] for name in runs if name.startswith(f"nar-k{k}")}}
         for repeat in range(args.repeats):  # interleaved, so a load change hits both drafters alike
             for name in samples:
                 timed = TimedDrafter(make_drafter(models[name]))
@@ -110,7 +115,9 @@ def main():
                                   **{m: metrics[m] for m in ("tau", "speedup", "drafter_ms_per_proposal",
                                                              "greedy_match")}}), flush=True)
         for name, runs_k in samples.items():
-            row = {"draft_len": k, "drafter": "ar" if name == "ar" else "nar", "params": parameter_count(models[name])}
+            enc = runs[name].drafter.encoder_layers if name != "ar" else 0
+            label = "ar" if name == "ar" else f"nar (encoder {enc} + decoder {args.layers - enc})"
+            row = {"draft_len": k, "drafter": label, "params": parameter_count(models[name])}
             for metric in ("tau", "acceptance_rate", "speedup", "drafter_ms_per_proposal", "spec_tokens_per_s",
                            "ar_tokens_per_s"):
                 row[metric] = statistics.median(m[metric] for m in runs_k)
