@@ -107,7 +107,7 @@ class SpecDrafter(PreTrainedModel):
         self.post_init()
 
     def _init_weights(self, module: nn.Module) -> None:
-        std = getattr(self.config.stack_config(1), "initializer_range", 0.02)
+        std = self.config.backbone.get("initializer_range", 0.02)
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=std)
         if isinstance(module, SpecDrafter):
@@ -189,7 +189,6 @@ class SpecDrafter(PreTrainedModel):
         total = target.config.num_hidden_layers
         if not 1 <= num_layers < total:
             raise ConfigError(f"drafter.path: truncated:N needs 1 <= N < {total} (the target's layers), got {num_layers}")
-        check_split(num_layers, encoder_layers)
         drafter = cls(spec_config(target.config, num_layers, encoder_layers, draft_len)).to(target.dtype)
         layers, norm = target.get_decoder().layers, target.get_decoder().norm
         stacks = [(drafter.encoder, 0)] if drafter.encoder is not None else []
