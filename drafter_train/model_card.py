@@ -15,7 +15,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from drafter_train.drafters.nar import MODEL_TYPE as NAR_MODEL_TYPE
+from drafter_train.drafters.nar import is_spec_drafter_folder
 from drafter_train.errors import ConfigError
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -53,7 +53,7 @@ def read_run_info(step_dir: Path) -> RunInfo:
     if not draft_len:
         raise ConfigError(f"export.checkpoint: {step_dir} records no draft length (no metrics.json, no run config)")
     step = int(m.group(1)) if (m := _STEP.match(step_dir.name)) else None
-    nar = _read_json(step_dir / "drafter" / "config.json").get("model_type") == NAR_MODEL_TYPE
+    nar = is_spec_drafter_folder(step_dir / "drafter")
     return RunInfo(step_dir, step, config, metrics, eval_history(run_dir / "metrics.jsonl"), int(draft_len), nar)
 
 
@@ -221,9 +221,8 @@ def _history_section(info: RunInfo) -> str:
 
 
 def _usage_section(info: RunInfo, target_path: str, target_hub: str, drafter_ref: str) -> str:
-    chat = " target.chat_template=false" if info.config.get("target", {}).get("chat_template") is False else ""
     if info.nar:
-        return _nar_usage(info, target_path, target_hub, drafter_ref, chat)
+        return _nar_usage(info, target_path, target_hub, drafter_ref)
     return f"""With transformers (assisted generation; this folder's generation config drafts {info.draft_len} tokens
 per target pass, the draft length it was trained for):
 
@@ -240,12 +239,10 @@ print(tokenizer.decode(out[0], skip_special_tokens=True))
 
 With drafter_train's own lossless speculative decoder (tau, acceptance and speedup against plain decoding):
 
-```bash
-drafter-eval target.path={target_path}{chat} drafter=path drafter.path={drafter_ref} eval.draft_len={info.draft_len}
-```"""
+""" + _eval_snippet(info, target_path, drafter_ref)
 
 
-def _nar_usage(info: RunInfo, target_path: str, target_hub: str, drafter_ref: str, chat: str) -> str:
+def _nar_usage(info: RunInfo, target_path: str, target_hub: str, drafter_ref: str) -> str:
     return f"""A non-autoregressive Spec-Drafter (SpecDec): {info.draft_len} mask queries predict {info.draft_len} draft
 tokens in one forward pass. transformers' assisted generation only drives autoregressive drafters, so decode with
 drafter_train's lossless speculative decoder (with drafter_train installed; importing `drafter_train.drafters.nar`
@@ -269,7 +266,12 @@ print(tokenizer.decode(out.tokens))
 
 Measured against plain decoding:
 
-```bash
+""" + _eval_snippet(info, target_path, drafter_ref)
+
+
+def _eval_snippet(info: RunInfo, target_path: str, drafter_ref: str) -> str:
+    chat = " target.chat_template=false" if info.config.get("target", {}).get("chat_template") is False else ""
+    return f"""```bash
 drafter-eval target.path={target_path}{chat} drafter=path drafter.path={drafter_ref} eval.draft_len={info.draft_len}
 ```"""
 

@@ -80,12 +80,11 @@ def main():
     common = [f"train.data_dir={args.data}", f"train.output_root={args.output_root}", f"train.max_steps={args.steps}",
               f"train.save_every={args.steps}", "train.eval_at_start=false", "eval.num_prompts=4",
               "eval.max_new_tokens=32", f"drafter.path=truncated:{args.layers}", *args.overrides]
-    runs = {"ar": compose_train([*common, "drafter=truncated", f"drafter.path=truncated:{args.layers}"])}
+    runs = {"ar": compose_train([*common, "drafter=truncated"])}
     for k in args.draft_lens:
         for enc in args.encoder_layers:
             name = f"nar-k{k}" + (f"-enc{enc}" if len(args.encoder_layers) > 1 else "")
-            runs[name] = compose_train([*common, "drafter=nar", f"drafter.path=truncated:{args.layers}",
-                                        f"drafter.draft_len={k}", f"drafter.encoder_layers={enc}",
+            runs[name] = compose_train([*common, "drafter=nar", f"drafter.draft_len={k}", f"drafter.encoder_layers={enc}",
                                         *([f"train.run_name=nar-k{k}-enc{enc}"] if enc else []), *args.nar_overrides])
     for name, cfg in runs.items():  # resume=auto: a finished run returns at once
         start = time.perf_counter()

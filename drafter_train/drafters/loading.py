@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_train.config import DrafterConfig
-from drafter_train.drafters.nar import MODEL_TYPE, SpecDrafter, spec_config
+from drafter_train.drafters.nar import SpecDrafter, is_spec_drafter_folder, spec_config
 from drafter_train.drafters.truncated import cut_from_target, parse_truncated
 from drafter_train.errors import ConfigError, ModelNotFoundError
 from drafter_train.targets import check_same_vocab, load_causal_lm, load_tokenizer
@@ -68,18 +66,11 @@ def scratch_drafter(cfg: DrafterConfig, target: PreTrainedModel) -> PreTrainedMo
 
 
 def _load_folder(path: str, dtype: str) -> PreTrainedModel:
-    """A saved drafter, whatever its kind: a Spec-Drafter folder (model_type spec_drafter) or a causal LM."""
-    if _model_type(path) == MODEL_TYPE:
+    """A saved drafter, whatever its kind: a Spec-Drafter folder or a causal LM."""
+    if is_spec_drafter_folder(path):
         drafter = SpecDrafter.from_pretrained(path, dtype=getattr(torch, dtype)).eval()  # "float32" -> torch.float32
         return drafter.requires_grad_(False)  # as load_causal_lm: training turns gradients back on
     return load_causal_lm(path, dtype)
-
-
-def _model_type(path: str) -> str | None:
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return None  # a hub id or a folder load_causal_lm will explain
-    return json.loads(config_file.read_text()).get("model_type")
 
 
 def freeze(drafter: PreTrainedModel, cfg: DrafterConfig) -> None:

@@ -25,6 +25,8 @@ a proposal feeds only the new tokens (1 to k+1 per step) plus the k queries, the
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -219,6 +221,17 @@ def spec_config(backbone: PretrainedConfig, num_layers: int, encoder_layers: int
                              vocab_size=backbone.vocab_size, eos_token_id=backbone.eos_token_id,
                              tie_word_embeddings=bool(getattr(backbone, "tie_word_embeddings", False)),
                              bos_token_id=backbone.bos_token_id, pad_token_id=getattr(backbone, "pad_token_id", None))
+
+
+def is_spec_drafter_folder(path) -> bool:
+    """Whether a local model folder holds a saved Spec-Drafter (its config.json names model_type spec_drafter)."""
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        return False  # a hub id, or a folder the loaders will explain
+    try:
+        return json.loads(config_file.read_text()).get("model_type") == MODEL_TYPE
+    except (OSError, json.JSONDecodeError):
+        return False
 
 
 class NARCaches:
