@@ -174,6 +174,13 @@ def test_save_load_round_trip_gives_identical_drafts(tmp_path):
         assert torch.equal(a, b)
 
 
+def test_nar_kind_on_an_autoregressive_folder_is_refused(tmp_path):
+    target = tiny_llama(num_layers=4)
+    save_tiny(tiny_llama(num_layers=1), tmp_path / "ar")
+    with pytest.raises(ConfigError, match="drafter.kind=nar: .* holds an autoregressive drafter"):
+        load_drafter(DrafterConfig(kind="nar", path=str(tmp_path / "ar")), target, word_tokenizer(), "float32")
+
+
 def test_bad_encoder_split_fails_in_one_line():
     with pytest.raises(ConfigError, match="drafter.encoder_layers"):
         spec(tiny_llama(num_layers=4), num_layers=2, encoder_layers=2)

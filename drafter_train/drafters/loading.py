@@ -37,6 +37,8 @@ def load_drafter(
         drafter = scratch_drafter(cfg, target)
     else:
         drafter = _load_folder(cfg.path, dtype).to(target.device)
+        if cfg.kind == "nar" and not isinstance(drafter, SpecDrafter):
+            raise ConfigError(f"drafter.kind=nar: {cfg.path} holds an autoregressive drafter, not a Spec-Drafter")
         check_same_vocab(target, target_tok, drafter, _tokenizer_or_none(cfg.path))
     if for_training and isinstance(drafter, SpecDrafter) and drafter.draft_len != cfg.draft_len:
         raise ConfigError(f"drafter.draft_len: {cfg.path} has {drafter.draft_len} mask queries; train it with "
