@@ -152,8 +152,11 @@ def test_gradient_accumulation_equals_big_batch(tiny_data, tmp_path):
     train(big), train(acc)
     a = load_file(tmp_path / "big" / big.train.run_name / "step-1" / "drafter" / "model.safetensors")
     b = load_file(tmp_path / "acc" / acc.train.run_name / "step-1" / "drafter" / "model.safetensors")
+    # One AdamW step moves each weight by ~lr * g / (|g| + eps): where a gradient is near eps (1e-8) that ratio
+    # amplifies float summation-order noise (seen: 1.8e-6 on one weight of 2048). atol = lr/300 still catches any
+    # wrong weighting of the micro-batches, which changes the update direction on most weights by ~lr.
     for name in a:
-        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(b[name], a[name], rtol=1e-5, atol=1e-5)
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_last_good_one(tiny_data, tmp_path, monkeypatch):
