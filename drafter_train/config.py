@@ -18,6 +18,7 @@ from drafter_train.errors import ConfigError
 
 VERIFY_MODES = ("greedy", "sample", "specdec")
 _EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
+EXPORT_FORMATS = ("hf", "vllm", "sglang")
 DTYPES = ("float32", "bfloat16")
 EMBEDDED_TARGET = "embedded:smollm2"
 # The repo's conf/ folder as an absolute path: Hydra reads a relative config_path as a package path when the
@@ -51,51 +52,125 @@ class TargetConfig:
         _check(self.dtype in DTYPES, "target.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
 
 
+# Drafter kinds (drafters/registry.py maps each to its module). "auto": whatever kind a saved folder holds.
+DRAFTER_KINDS = ("ar", "nar", "eagle3")
+
+
 @dataclass
 class DrafterConfig:
-    """The model that proposes draft tokens (what is evaluated, or what training starts from)."""
+    """The model that proposes draft tokens (what is evaluated, or what training starts from): what every kind has.
 
-    # ar: a small causal LM proposing one token per forward. nar: a SpecDec Spec-Drafter proposing all draft_len
-    # tokens in one forward (drafters/nar.py). A saved drafter folder is loaded as whatever kind it holds.
-    kind: str = "ar"
+    Each kind has its own schema below (its entry in the `drafter` config group) adding its own fields.
+    """
+
+    # ar: a small causal LM proposing one token per forward (drafters/ar.py). nar: a SpecDec Spec-Drafter proposing
+    # all draft_len tokens in one forward (drafters/nar.py). eagle3: one decoder layer on the target's own hidden
+    # states (drafters/eagle3.py). auto: a saved drafter folder, loaded as whatever kind it holds (an AR drafter
+    # otherwise). A folder holding another kind than a named one is refused.
+    kind: str = "auto"
     # "truncated:N": the target's first N layers with its embeddings, final norm and LM head (untrained, it is the
     # baseline; trained, it starts from the target's own representations). "scratch": a new model of the target's
-    # architecture built from the fields below, on the target's tokenizer. Anything else: a local folder or hub id
-    # of a pretrained drafter that shares the target's vocabulary.
+    # architecture built from the kind's fields. Anything else: a local folder or hub id of a saved drafter that
+    # shares the target's vocabulary. Each kind documents which of these it accepts.
     path: str = "truncated:2"
     # Draft tokens per verification pass the drafter is trained and evaluated for (the trainer's eval uses it).
     draft_len: int = 4
+    # Training: keep the input embeddings / the LM head (incl. final norm) fixed. Cut drafters share them with the
+    # target, so freezing keeps the drafter's token space aligned with the target's and halves optimizer memory.
+    freeze_embeddings: bool = True
+    freeze_lm_head: bool = True
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "drafter.path", "must name a folder, a hub id, scratch or truncated:N")
+        kinds = (*DRAFTER_KINDS, "auto")
+        _check(self.kind in kinds, "drafter.kind", f"must be one of {kinds}, got {self.kind!r}")
+        _check(self.draft_len >= 1, "drafter.draft_len", f"must be >= 1, got {self.draft_len}")
+
+
+@dataclass
+class ARDrafterConfig(DrafterConfig):
+    """`drafter=truncated|scratch`: an autoregressive drafter (a small causal LM on the target's vocabulary)."""
+
+    kind: str = "ar"
     # scratch only: architecture of the new drafter (the target's model class, vocabulary and rope settings).
     num_layers: int = 2
     hidden_size: int = 256
     intermediate_size: int = 768
     num_heads: int = 4
     num_kv_heads: int = 2
-    # Training: keep the input embeddings / the LM head (incl. final norm) fixed. Cut drafters share them with the
-    # target, so freezing keeps the drafter's token space aligned with the target's and halves optimizer memory.
-    freeze_embeddings: bool = True
-    freeze_lm_head: bool = True
-    # nar only. Of the drafter's layers, how many only encode the context (SpecDec's encoder); the mask queries
-    # pass through the rest (its decoder). 0 = every layer sees the queries.
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {self.num_layers}")
+        _check(self.hidden_size % self.num_heads == 0, "drafter.hidden_size", "must be divisible by num_heads")
+        _check(self.num_heads % self.num_kv_heads == 0, "drafter.num_heads", "must be divisible by num_kv_heads")
+
+
+@dataclass
+class NARDrafterConfig(ARDrafterConfig):
+    """`drafter=nar`: a SpecDec Spec-Drafter (drafters/nar.py); `path: scratch` uses the architecture fields."""
+
+    kind: str = "nar"
+    # Of the drafter's layers, how many only encode the context (SpecDec's encoder); the mask queries pass through
+    # the rest (its decoder). 0 = every layer sees the queries.
     encoder_layers: int = 0
-    # nar training: draft blocks (random start positions in the response) trained per sequence in one forward;
+    # Training: draft blocks (random start positions in the response) trained per sequence in one forward;
     # 0 = a block at every response position.
     blocks_per_sequence: int = 8
-    # nar training, GLAT glancing (SpecDec sec. 3.2): reveal this fraction of the wrongly predicted tokens of a
-    # block to its queries, and learn the rest. 0 = off.
+    # Training, GLAT glancing (SpecDec sec. 3.2): reveal this fraction of the wrongly predicted tokens of a block to
+    # its queries, and learn the rest. 0 = off.
     glancing_ratio: float = 0.0
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "drafter.path", "must name a folder, a hub id, scratch or truncated:N")
-        _check(self.kind in ("ar", "nar"), "drafter.kind", f"must be ar or nar, got {self.kind!r}")
-        _check(self.draft_len >= 1, "drafter.draft_len", f"must be >= 1, got {self.draft_len}")
+        super().__post_init__()
         _check(self.encoder_layers >= 0, "drafter.encoder_layers", f"must be >= 0, got {self.encoder_layers}")
         _check(self.blocks_per_sequence >= 0, "drafter.blocks_per_sequence",
                f"must be >= 0, got {self.blocks_per_sequence}")
         _check(0 <= self.glancing_ratio <= 1, "drafter.glancing_ratio", f"must be in [0, 1], got {self.glancing_ratio}")
-        _check(self.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {self.num_layers}")
-        _check(self.hidden_size % self.num_heads == 0, "drafter.hidden_size", "must be divisible by num_heads")
-        _check(self.num_heads % self.num_kv_heads == 0, "drafter.num_heads", "must be divisible by num_kv_heads")
+
+
+FEATURE_SOURCES = ("online", "offline")
+
+
+@dataclass
+class Eagle3DrafterConfig(DrafterConfig):
+    """`drafter=eagle3`: EAGLE-3 (arXiv 2503.01840), one decoder layer reading the target's own hidden states
+    (drafters/eagle3.py). `path: new` builds a fresh one for the target; a folder continues a saved one."""
+
+    kind: str = "eagle3"
+    path: str = "new"
+    # Target layers whose OUTPUTS are fused (index convention: "output of layer i" = the residual stream after the
+    # target's decoder layer i, 0-based = transformers' `output_hidden_states[i + 1]`). Empty: EAGLE-3's low/mid/
+    # high default {2, L // 2, L - 3} for a target of L layers. Serving engines number these differently; the
+    # exports translate (vLLM/SGLang capture the INPUT of their layer i, i.e. our i - 1).
+    target_layers: list[int] = field(default_factory=list)
+    # Size of the reduced draft vocabulary: the most frequent tokens of the training data's responses (d2t / t2d
+    # mapping stored with the weights). 0 = the target's whole vocabulary.
+    draft_vocab_size: int = 8192
+    # Training-time test: unrolled drafting steps per training position (step j consumes the drafter's own output
+    # of step j - 1), weighted ttt_decay ** j.
+    ttt_steps: int = 3
+    ttt_decay: float = 0.8
+    # Target features during training: online (a no-grad target forward per batch) or offline (computed once into a
+    # feature cache next to the data, reused by every epoch and run with the same target and layers).
+    features: str = "online"
+    # Storage dtype of the offline feature cache (16-bit; bfloat16 keeps the range of massive activations).
+    feature_dtype: str = "bfloat16"
+    # Folder of the offline feature cache; unset: <train.data_dir>/features/<hash of what the features depend on>.
+    # A folder made for another target, layer set, response column, max_seq_len or dtype is refused.
+    feature_cache: Optional[str] = None
+    # Normalise each target feature (RMSNorm per layer) before the fc fusion: targets with massive activations
+    # (SmolLM2's residual stream reaches ~25,000) otherwise swamp the fused input.
+    fc_norm: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.draft_vocab_size >= 0, "drafter.draft_vocab_size", f"must be >= 0, got {self.draft_vocab_size}")
+        _check(self.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
+        _check(0 < self.ttt_decay <= 1, "drafter.ttt_decay", f"must be in (0, 1], got {self.ttt_decay}")
+        _check(self.features in FEATURE_SOURCES, "drafter.features", f"must be one of {FEATURE_SOURCES}")
+        _check(self.feature_dtype in ("bfloat16", "float16"), "drafter.feature_dtype", "must be bfloat16 or float16")
+        _check(all(i >= 0 for i in self.target_layers), "drafter.target_layers", "layer ids must be >= 0")
 
 
 @dataclass
@@ -172,7 +247,12 @@ class DatagenConfig:
     num_prompts: int = 512
     # Prompts longer than this (in tokens, chat template included) are skipped.
     max_prompt_tokens: int = 256
-    # Response length cap for the target's continuations.
+    # false: write no target continuations (response_ids stay empty), only prompts and the source's own answers, for
+    # training on fixed responses (train.response=reference; EAGLE's recipe: the target's features and
+    # distributions over given text cost one forward per token, generating them costs one forward per token too
+    # but ~6x slower on CPU).
+    generate: bool = True
+    # Response length cap for the target's continuations (and for the stored reference answers).
     max_new_tokens: int = 128
     # 0 = greedy continuations; > 0 = sampled at this temperature (with top_k / top_p).
     temperature: float = 0.0
@@ -194,6 +274,8 @@ class DatagenConfig:
         _check(self.num_eval_prompts >= 0, "datagen.num_eval_prompts", "must be >= 0")
         _check(self.temperature >= 0, "datagen.temperature", f"must be >= 0, got {self.temperature}")
         _check(self.store_topk >= 0, "datagen.store_topk", f"must be >= 0, got {self.store_topk}")
+        _check(self.generate or not self.store_topk, "datagen.store_topk", "needs datagen.generate=true (logits "
+               "are stored for generated tokens)")
         _check(0 < self.top_p <= 1, "datagen.top_p", f"must be in (0, 1], got {self.top_p}")
 
 
@@ -339,9 +421,14 @@ class ExportConfig:
     private: bool = True
     # Hub id of the target for the card's transformers snippet when the run's target.path is a local folder.
     target_id: Optional[str] = None
+    # hf: the project's folder (transformers loads it; AR drafters work as `assistant_model`). vllm: what vLLM
+    # serves (EAGLE-3: its speculators format; a stand-alone AR drafter is served as the hf folder, method
+    # draft_model). sglang: SGLang's format (EAGLE-3: LlamaForCausalLMEagle3; AR: the hf folder).
+    format: str = "hf"
 
     def __post_init__(self) -> None:
         # Checks that hold for the defaults too (the ConfigStore builds them); required inputs: require_inputs().
+        _check(self.format in EXPORT_FORMATS, "export.format", f"must be one of {EXPORT_FORMATS}, got {self.format!r}")
         if not _EXPORT_WHICH.match(self.which):
             raise ConfigError(f"export.which: must be best, latest or step-N, got {self.which!r}")
         if self.push and not self.repo_id:
@@ -404,3 +491,7 @@ def register_configs() -> None:
     cs.store(name="train_schema", node=TrainJobConfig)
     cs.store(name="export_schema", node=ExportJobConfig)
     cs.store(name="report_schema", node=ReportJobConfig)
+    # One schema per drafter kind, extended by the YAML files of the `drafter` group (conf/drafter/*.yaml).
+    for name, node in (("ar_schema", ARDrafterConfig), ("nar_schema", NARDrafterConfig),
+                       ("eagle3_schema", Eagle3DrafterConfig), ("any_schema", DrafterConfig)):
+        cs.store(group="drafter", name=name, node=node)

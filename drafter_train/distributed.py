@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from accelerate import Accelerator
@@ -26,7 +26,6 @@ from transformers import PreTrainedModel
 from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from drafter_train.config import TrainConfig
-from drafter_train.distill import hf_model_of
 from drafter_train.errors import ConfigError
 
 # Inside step-<N>/: DeepSpeed's model and optimizer partitions (accelerator.save_state), one file set per rank.
@@ -100,14 +99,16 @@ def is_zero3(accelerator: Accelerator) -> bool:
     return uses_deepspeed(accelerator) and accelerator.state.deepspeed_plugin.zero_stage == 3
 
 
-def full_drafter(accelerator: Accelerator, module: nn.Module) -> Optional[PreTrainedModel]:
+def full_drafter(accelerator: Accelerator, module: nn.Module,
+                 hf_model: Callable[[nn.Module], PreTrainedModel]) -> Optional[PreTrainedModel]:
     """The HF drafter with all its weights on the main process, None elsewhere. Call it on ALL ranks.
 
     Without ZeRO-3 that is the live model itself. Under ZeRO-3 the weights are gathered (a collective) and the main
-    process gets a plain copy, which evaluates and saves like any HF model.
+    process gets a plain copy, which evaluates and saves like any HF model. `hf_model` is the drafter kind's inverse
+    of its training module (drafters/registry.py).
     """
     unwrapped = accelerator.unwrap_model(module)
-    drafter = hf_model_of(unwrapped)
+    drafter = hf_model(unwrapped)
     if not is_zero3(accelerator):
         return drafter if accelerator.is_main_process else None
     state = accelerator.get_state_dict(module)  # keys of the training module; filled on the main process only

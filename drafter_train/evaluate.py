@@ -23,14 +23,15 @@ from transformers import PreTrainedModel
 
 from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig, register_configs
 from drafter_train.cli import one_line_errors
-from drafter_train.data.prompts import load_prompts
+from drafter_train.data.prompts import load_prompt_records
 from drafter_train.decoding.autoregressive import DecodeResult, generate_autoregressive
-from drafter_train.decoding.drafter import Drafter, make_drafter
+from drafter_train.decoding.drafter import Drafter
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.verify import make_verifier
 from drafter_train.drafters.loading import load_drafter
+from drafter_train.drafters.registry import make_drafter, model_kind
 from drafter_train.errors import ConfigError
 from drafter_train.targets import encode_prompt, load_target, model_identity
 
@@ -81,10 +82,12 @@ def evaluate_decoding(
     cfg: EvalConfig,
     eos_token_ids: Sequence[int],
     progress: bool = True,
+    categories: Optional[Sequence[Optional[str]]] = None,
 ) -> dict:
     """Decode every prompt with the AR baseline and speculatively (interleaved, so load changes hit both alike).
 
-    Returns the metrics defined in the README: tau, acceptance_rate, per_position_acceptance, speedup, ...
+    Returns the metrics defined in the README: tau, acceptance_rate, per_position_acceptance, speedup, ... and,
+    when prompts have task categories, the same headline numbers per category.
     """
     params = sampling_params(cfg)
     verifier = make_verifier(cfg.verify, params, cfg.specdec_top_beta, cfg.specdec_tolerance)
@@ -104,7 +107,10 @@ def evaluate_decoding(
         run_ar(prompt_ids[0], cfg.seed), run_spec(prompt_ids[0], cfg.seed)
     spec_stats, ar_stats = DecodeStats(draft_len=cfg.draft_len), DecodeStats()
     spec_time = ar_time = 0.0
+    by_category: dict[str, list] = {}  # category -> [spec stats, ar stats, spec seconds, ar seconds]
     matches, margins = 0, []
+    # Drafters with a reduced draft vocabulary (EAGLE-3) can never propose a token outside it: count those tokens.
+    draft_vocab, outside = getattr(drafter, "draft_vocab", None), 0
     logprob = {"spec": 0.0, "ar": 0.0}  # verify=specdec: how far the relaxed output moves from AR greedy
     bar = tqdm(prompt_ids, desc=f"eval draft_len={cfg.draft_len} {cfg.verify}", disable=not progress, unit="prompt")
     for i, prompt in enumerate(bar):
@@ -113,7 +119,13 @@ def evaluate_decoding(
         ar_stats.merge(ar.stats)
         spec_stats.merge(spec.stats)
         ar_time, spec_time = ar_time + t_ar, spec_time + t_spec
+        if categories is not None and categories[i] is not None:
+            group = by_category.setdefault(categories[i], [DecodeStats(draft_len=cfg.draft_len), DecodeStats(), 0.0, 0.0])
+            group[0].merge(spec.stats), group[1].merge(ar.stats)
+            group[2], group[3] = group[2] + t_spec, group[3] + t_ar
         matches += spec.tokens == ar.tokens
+        if draft_vocab is not None:
+            outside += int((~draft_vocab[torch.tensor(ar.tokens, device=draft_vocab.device)]).sum())
         if spec.tokens != ar.tokens and cfg.verify == "greedy":
             margins.append(divergence_margin(target, prompt, ar.tokens, spec.tokens))
         if cfg.verify == "specdec":
@@ -140,11 +152,21 @@ def evaluate_decoding(
         # For each greedy mismatch: the target's top-1 minus top-2 logit where the outputs part (near 0 = a tie
         # broken differently by rounding; see divergence_margin).
         "greedy_mismatch_margins": margins,
+        # Share of the AR output's tokens outside the drafter's draft vocabulary (None: it drafts the full vocabulary).
+        "out_of_draft_vocab": None if draft_vocab is None else outside / ar_stats.tokens_generated,
+        # The headline numbers per task category of the prompts (empty when they have none).
+        "per_category": {name: _headline(*group) for name, group in sorted(by_category.items())},
         # verify=specdec only: the target's mean log-likelihood per generated token of the speculative output and of
         # the AR greedy output (the relaxation accepts tokens the target ranks lower: the first falls below the second).
         "spec_target_logprob": logprob["spec"] / spec_stats.tokens_generated if cfg.verify == "specdec" else None,
         "ar_target_logprob": logprob["ar"] / ar_stats.tokens_generated if cfg.verify == "specdec" else None,
     }
+
+
+def _headline(spec: DecodeStats, ar: DecodeStats, spec_time: float, ar_time: float) -> dict:
+    speedup = (spec.tokens_generated / spec_time) / (ar.tokens_generated / ar_time)
+    return {"tau": spec.tau, "acceptance_rate": spec.acceptance_rate, "speedup": speedup,
+            "tokens_generated": spec.tokens_generated}
 
 
 def print_table(metrics: dict, console: Optional[Console] = None) -> None:
@@ -157,6 +179,10 @@ def print_table(metrics: dict, console: Optional[Console] = None) -> None:
         table.add_row(key, "-" if value is None else f"{value:.3f}")
     table.add_row("per_position_acceptance", " ".join(f"{a:.2f}" for a in metrics["per_position_acceptance"]))
     table.add_row("tokens / target passes", f"{metrics['tokens_generated']} / {metrics['target_forward_passes']}")
+    if metrics.get("out_of_draft_vocab") is not None:
+        table.add_row("out_of_draft_vocab", f"{metrics['out_of_draft_vocab']:.3f}")
+    for name, numbers in metrics.get("per_category", {}).items():
+        table.add_row(f"[{name}] tau / speedup", f"{numbers['tau']:.3f} / {numbers['speedup']:.3f}")
     (console or Console(stderr=True)).print(table)
 
 
@@ -182,12 +208,14 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     output = metrics_path(cfg.eval)
     _check_writable(output)
     target, tokenizer = load_target(cfg.target)
-    drafter = make_drafter(load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype))
-    texts = load_prompts(cfg.eval.prompts, cfg.eval.num_prompts, cfg.eval.prompt_field)
-    prompt_ids = [encode_prompt(tokenizer, text, cfg.target.chat_template) for text in texts]
+    model = load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype)
+    drafter = make_drafter(model)
+    records = load_prompt_records(cfg.eval.prompts, cfg.eval.num_prompts, cfg.eval.prompt_field)
+    prompt_ids = [encode_prompt(tokenizer, text, cfg.target.chat_template) for text, _ in records]
     eos = eos_token_ids(target, tokenizer)
-    metrics = evaluate_decoding(target, drafter, prompt_ids, cfg.eval, eos)
-    metrics.update(target=model_identity(cfg.target), drafter=cfg.drafter.path, torch_threads=torch.get_num_threads())
+    metrics = evaluate_decoding(target, drafter, prompt_ids, cfg.eval, eos, categories=[c for _, c in records])
+    metrics.update(target=model_identity(cfg.target), drafter=cfg.drafter.path, drafter_kind=model_kind(model).name,
+                   torch_threads=torch.get_num_threads())
     metrics["config"] = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     output.write_text(json.dumps(metrics, indent=2))
     return metrics

@@ -23,7 +23,7 @@ from drafter_train.checkpoint import step_dirs
 from drafter_train.cli import one_line_errors
 from drafter_train.config import CONF_DIR, ExportConfig, register_configs
 from drafter_train.errors import ConfigError, DrafterTrainError
-from drafter_train.model_card import MARKER, looks_local, model_card, read_run_info, step_text
+from drafter_train.model_card import MARKER, RunInfo, looks_local, model_card, read_run_info, step_text, target_names
 
 # Keys that describe how a file was loaded on the training machine, not the model.
 _LOAD_TIME_KEYS = {"_name_or_path", "name_or_path", "_commit_hash", "is_local", "local_files_only"}
@@ -121,9 +121,9 @@ def check_no_leaks(folder: Path, needles: set[str]) -> None:
 # Writing the folder
 
 
-def copy_drafter(step_dir: Path, out: Path, draft_len: int, nar: bool = False) -> None:
+def copy_drafter(step_dir: Path, out: Path, draft_len: int, hf_assistant: bool = True) -> None:
     """Weights, config and tokenizer files of the checkpoint's drafter/, configs scrubbed, generation config set
-    (for AR drafters: transformers' assisted generation cannot drive a Spec-Drafter)."""
+    for drafters transformers' assisted generation can drive (not for Spec-Drafters or EAGLE-3 heads)."""
     src = step_dir / "drafter"
     if not list(src.glob("*.safetensors")):
         raise ConfigError(f"export.checkpoint: {src} has no .safetensors weights")
@@ -133,8 +133,31 @@ def copy_drafter(step_dir: Path, out: Path, draft_len: int, nar: bool = False) -
             shutil.copyfile(path, out / path.name)
     _rewrite_json(out / "config.json", scrub)
     _rewrite_json(out / "tokenizer_config.json", lambda d: scrub(d, recursive=False))  # added tokens stay intact
-    if not nar:
+    if hf_assistant:
         write_generation_config(out / "generation_config.json", draft_len)
+
+
+def write_format(fmt: str, info: RunInfo, out: Path, target_hub: str) -> None:
+    """The checkpoint's drafter in `fmt`. A drafter transformers can drive as a plain model (the AR kind) is served
+    by the engines as that same folder (vLLM `draft_model`, SGLang's standalone drafter); other kinds write their
+    own engine formats (drafters/<kind>_export.py)."""
+    if fmt == "hf" or (info.kind.hf_assistant and fmt not in info.kind.export_formats):
+        copy_drafter(info.step_dir, out, info.draft_len, info.kind.hf_assistant)
+        return
+    if fmt not in info.kind.export_formats:
+        known = ", ".join(["hf", *info.kind.export_formats])
+        raise ConfigError(f"export.format={fmt}: not available for {info.kind.description} (formats: {known})")
+    keep_embeddings = not info.config.get("drafter", {}).get("freeze_embeddings", True)
+    info.kind.export_formats[fmt](info.step_dir / "drafter", out, info.draft_len, target_hub, keep_embeddings)
+    copy_tokenizer(info.step_dir / "drafter", out)
+
+
+def copy_tokenizer(src: Path, out: Path) -> None:
+    """The tokenizer files next to a drafter (scrubbed like copy_drafter's), for engine-format folders."""
+    for path in sorted(src.iterdir()):
+        if path.is_file() and (path.name.startswith(("tokenizer", "special_tokens")) or path.suffix == ".jinja"):
+            shutil.copyfile(path, out / path.name)
+    _rewrite_json(out / "tokenizer_config.json", lambda d: scrub(d, recursive=False))
 
 
 def _rewrite_json(path: Path, fix) -> None:
@@ -244,8 +267,9 @@ def export(cfg: ExportConfig) -> ExportResult:
     tmp = out.parent / f".{out.name}.export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export
     try:
-        copy_drafter(step_dir, tmp, info.draft_len, info.nar)
-        (tmp / "README.md").write_text(model_card(info, cfg.repo_id or f"path/to/{out.name}", cfg.target_id))
+        write_format(cfg.format, info, tmp, target_names(info, cfg.target_id)[2])
+        (tmp / "README.md").write_text(model_card(info, cfg.repo_id or f"path/to/{out.name}", cfg.target_id,
+                                                  cfg.format))
         check_no_leaks(tmp, _local_strings(info.config) | _local_inputs(cfg) | {str(step_dir.parent), str(out)})
         _move_into_place(tmp, out)
     finally:

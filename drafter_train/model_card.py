@@ -15,7 +15,7 @@ from typing import Optional
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from drafter_train.drafters.nar import is_spec_drafter_folder
+from drafter_train.drafters.registry import DrafterKind, folder_kind, get_kind, module_name
 from drafter_train.errors import ConfigError
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -35,7 +35,10 @@ class RunInfo:
     metrics: dict
     history: list[dict]
     draft_len: int
-    nar: bool = False  # a Spec-Drafter (drafters/nar.py): not usable as transformers' assistant_model
+    kind: Optional[DrafterKind] = None  # what the checkpoint's drafter/ holds (None: read from the folder)
+
+    def __post_init__(self) -> None:
+        self.kind = self.kind or folder_kind(str(self.step_dir / "drafter")) or get_kind("ar")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -53,8 +56,7 @@ def read_run_info(step_dir: Path) -> RunInfo:
     if not draft_len:
         raise ConfigError(f"export.checkpoint: {step_dir} records no draft length (no metrics.json, no run config)")
     step = int(m.group(1)) if (m := _STEP.match(step_dir.name)) else None
-    nar = is_spec_drafter_folder(step_dir / "drafter")
-    return RunInfo(step_dir, step, config, metrics, eval_history(run_dir / "metrics.jsonl"), int(draft_len), nar)
+    return RunInfo(step_dir, step, config, metrics, eval_history(run_dir / "metrics.jsonl"), int(draft_len))
 
 
 def _read_json(path: Path) -> dict:
@@ -221,8 +223,8 @@ def _history_section(info: RunInfo) -> str:
 
 
 def _usage_section(info: RunInfo, target_path: str, target_hub: str, drafter_ref: str) -> str:
-    if info.nar:
-        return _nar_usage(info, target_path, target_hub, drafter_ref)
+    if not info.kind.hf_assistant:
+        return _project_decoder_usage(info, target_path, target_hub, drafter_ref)
     return f"""With transformers (assisted generation; this folder's generation config drafts {info.draft_len} tokens
 per target pass, the draft length it was trained for):
 
@@ -242,23 +244,23 @@ With drafter_train's own lossless speculative decoder (tau, acceptance and speed
 """ + _eval_snippet(info, target_path, drafter_ref)
 
 
-def _nar_usage(info: RunInfo, target_path: str, target_hub: str, drafter_ref: str) -> str:
-    return f"""A non-autoregressive Spec-Drafter (SpecDec): {info.draft_len} mask queries predict {info.draft_len} draft
-tokens in one forward pass. transformers' assisted generation only drives autoregressive drafters, so decode with
-drafter_train's lossless speculative decoder (with drafter_train installed; importing `drafter_train.drafters.nar`
+def _project_decoder_usage(info: RunInfo, target_path: str, target_hub: str, drafter_ref: str) -> str:
+    kind, module = info.kind, module_name(info.kind)
+    return f"""{kind.summary} transformers' assisted generation only drives stand-alone autoregressive drafters, so
+decode with drafter_train's lossless speculative decoder (with drafter_train installed; importing `{module}`
 registers the model with transformers' Auto classes):
 
 ```python
-import drafter_train.drafters.nar  # noqa: F401  registers model_type "spec_drafter"
+import {module}  # noqa: F401  registers model_type "{kind.model_type}"
 from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
-from drafter_train.decoding.drafter import NARDrafter
+from drafter_train.drafters.registry import make_drafter
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
 from drafter_train.decoding.sampling import SamplingParams
 
 tokenizer = AutoTokenizer.from_pretrained("{target_hub}")
 target = AutoModelForCausalLM.from_pretrained("{target_hub}")
-drafter = NARDrafter(AutoModel.from_pretrained("{drafter_ref}"))
+drafter = make_drafter(AutoModel.from_pretrained("{drafter_ref}"))
 prompt = tokenizer("Tell me a story.")["input_ids"]
 out = generate_speculative(target, drafter, prompt, {info.draft_len}, make_verifier("greedy", SamplingParams()), 64)
 print(tokenizer.decode(out.tokens))
@@ -276,10 +278,36 @@ drafter-eval target.path={target_path}{chat} drafter=path drafter.path={drafter_
 ```"""
 
 
-def model_card(info: RunInfo, drafter_ref: str, target_id: Optional[str] = None) -> str:
-    """README.md: what the drafter was trained for and on, what it measured, and how to use it."""
+def _serving_usage(info: RunInfo, fmt: str, target_hub: str, drafter_ref: str) -> str:
+    """How the engine this folder was exported for serves it."""
+    k, eagle = info.draft_len, info.kind.name == "eagle3"
+    if fmt == "vllm":
+        method = "eagle3" if eagle else "draft_model"
+        return f"""This folder is in vLLM's format (`drafter-export export.format=vllm`{", speculators layout" if eagle else
+        ""}):
+
+```python
+from vllm import LLM, SamplingParams
+
+llm = LLM(model="{target_hub}", speculative_config={{"method": "{method}", "model": "{drafter_ref}",
+                                                     "num_speculative_tokens": {k}}})
+print(llm.generate(["Tell me a story."], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0].text)
+```"""
+    algorithm = "EAGLE3" if eagle else "STANDALONE"
+    return f"""This folder is in SGLang's format (`drafter-export export.format=sglang`):
+
+```bash
+python -m sglang.launch_server --model-path {target_hub} --speculative-algorithm {algorithm} \\
+  --speculative-draft-model-path {drafter_ref} --speculative-num-steps {k} --speculative-eagle-topk 1 \\
+  --speculative-num-draft-tokens {k + 1}
+```"""
+
+
+def model_card(info: RunInfo, drafter_ref: str, target_id: Optional[str] = None, fmt: str = "hf") -> str:
+    """README.md: what the drafter was trained for and on, what it measured, and how to use it (in the engine
+    `fmt` names, for a folder exported in an engine's format)."""
     target, target_path, hub = target_names(info, target_id)
-    kind_tag = "- spec-drafter\n- non-autoregressive\n" if info.nar else "- assisted-generation\n"
+    kind_tag = "".join(f"- {tag}\n" for tag in info.kind.card_tags)
     front = "---\nlibrary_name: transformers\npipeline_tag: text-generation\ntags:\n- speculative-decoding\n" \
             f"{kind_tag}- drafter\n- drafter-train\n---\n"
     sections = [
@@ -288,6 +316,7 @@ def model_card(info: RunInfo, drafter_ref: str, target_id: Optional[str] = None)
         "## Training\n\n" + _table(_training_rows(info, target), ("setting", "value")),
         "## Measured speculative decoding\n\n" + _metrics_section(info) + "\n\n" + _DEFINITIONS,
         "## Evaluation history\n\n" + _history_section(info),
-        "## Usage\n\n" + _usage_section(info, target_path, hub, drafter_ref),
+        "## Usage\n\n" + (_usage_section(info, target_path, hub, drafter_ref) if fmt == "hf" else
+                            _serving_usage(info, fmt, hub, drafter_ref)),
     ]
     return front + "\n\n".join(sections) + "\n"

@@ -30,7 +30,7 @@ from drafter_train.errors import ConfigError
 from drafter_train.model_card import run_config
 from drafter_train.tracking import log_report
 
-# drafter.kind (ar | nar) is recorded by newer runs; runs from before it existed trained autoregressive drafters.
+# drafter.kind (ar | nar | eagle3 ...) is recorded by newer runs; runs from before it existed trained autoregressive drafters.
 DEFAULT_KIND = "ar"
 COLUMNS = ("loss", "kind", "drafter", "draft_len", "tau", "acceptance_rate", "speedup", "run", "measured_at")
 
@@ -88,7 +88,9 @@ def _result(config: dict, metrics: dict, loss: str, run: str, measured_at: str) 
     drafter = config.get("drafter", {})
     # The draft length that was measured; the configured one when an old metrics file lacks it.
     draft_len = metrics.get("draft_len") or config.get("eval", {}).get("draft_len") or drafter.get("draft_len")
-    return RunResult(loss, drafter.get("kind", DEFAULT_KIND), str(drafter.get("path", "?")), int(draft_len),
+    # The kind the evaluator loaded (drafter=path configs say "auto"), else the configured one.
+    kind = metrics.get("drafter_kind") or drafter.get("kind", DEFAULT_KIND)
+    return RunResult(loss, kind, str(drafter.get("path", "?")), int(draft_len),
                      metrics["tau"], metrics["acceptance_rate"], metrics["speedup"], run, measured_at)
 
 

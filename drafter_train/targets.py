@@ -105,7 +105,10 @@ def check_same_vocab(
 
 
 def model_vocab_size(model: PreTrainedModel) -> int:
-    """Rows of the output embedding (what the logits index), else ``config.vocab_size``."""
+    """The vocabulary a model's tokens live in: rows of the output embedding (what the logits index), else
+    ``config.vocab_size``; a drafter whose head covers a reduced draft vocabulary says its own (target_vocab_size)."""
+    if hasattr(model, "target_vocab_size"):
+        return int(model.target_vocab_size)
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if weight is not None else int(model.config.vocab_size)

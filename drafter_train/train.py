@@ -23,20 +23,17 @@ from drafter_train.checkpoint import (
 )
 from drafter_train.config import CONF_DIR, TrainJobConfig, register_configs
 from drafter_train.cli import one_line_errors
-from drafter_train.data.batches import BatchStream, collate
+from drafter_train.data.batches import BatchStream, collate, token_counts
 from drafter_train.data.store import load_distill_dataset
-from drafter_train.data.prompts import load_prompts
-from drafter_train.decoding.drafter import make_drafter
-from drafter_train.distill import distill_loss, training_module
+from drafter_train.data.prompts import load_prompt_records
 from drafter_train.distributed import (
     full_drafter, load_sharded_state, make_accelerator, optimizer_state, save_sharded_state,
 )
 from drafter_train.drafters.loading import load_drafter
-from drafter_train.drafters.nar import SpecDrafter
+from drafter_train.drafters.registry import DrafterKind, kind_config, make_drafter, resolve_kind
 from drafter_train.errors import ConfigError, DrafterTrainError
 from drafter_train.evaluate import eos_token_ids, evaluate_decoding
-from drafter_train.nar_distill import nar_distill_loss, to_blocks
-from drafter_train.targets import encode_prompt, load_target
+from drafter_train.targets import encode_prompt, load_target, model_vocab_size
 from drafter_train.tracking import RunLogger, log_with
 
 
@@ -62,28 +59,31 @@ def load_training_data(cfg: TrainJobConfig):
 
 
 def next_micro_batches(data, stream: BatchStream, response_key: str, cfg: TrainJobConfig, pad_id: int, device,
-                       nar: bool):
-    """The grad_accum micro-batches of one optimizer step, on `device` (cut into draft blocks for nar)."""
+                       kind: DrafterKind):
+    """The grad_accum micro-batches of one optimizer step, as the drafter kind reads them, on `device`."""
     topk = cfg.loss.uses_stored_logits
-    batches = [
-        collate(list(data.select(stream.next_indices())), response_key, cfg.train.max_seq_len, pad_id, topk)
-        for _ in range(cfg.train.grad_accum)
-    ]
-    return [(to_blocks(b, cfg.drafter) if nar else b).to(device) for b in batches]
+    micro = []
+    for _ in range(cfg.train.grad_accum):
+        records = list(data.select(stream.next_indices()))
+        batch = collate(records, response_key, cfg.train.max_seq_len, pad_id, topk)
+        micro.append(kind.prepare_batch(batch, records, cfg).to(device))
+    return micro
 
 
-def eval_prompt_ids(cfg: TrainJobConfig, tokenizer) -> list[list[int]]:
-    """Held-out prompts: eval.prompts if set, else the ones drafter-datagen split off before training."""
+def eval_prompt_ids(cfg: TrainJobConfig, tokenizer) -> tuple[list[list[int]], list]:
+    """Held-out prompts (token ids, and task categories where the file has them): eval.prompts if set, else the ones
+    drafter-datagen split off before training."""
     path = cfg.eval.prompts or str(Path(cfg.train.data_dir) / "eval_prompts.jsonl")
-    texts = load_prompts(path, cfg.eval.num_prompts, cfg.eval.prompt_field)
-    return [encode_prompt(tokenizer, text, cfg.target.chat_template) for text in texts]
+    records = load_prompt_records(path, cfg.eval.num_prompts, cfg.eval.prompt_field)
+    return [encode_prompt(tokenizer, text, cfg.target.chat_template) for text, _ in records], [c for _, c in records]
 
 
 def evaluate_checkpoint(cfg, target, model, prompts, eos) -> dict:
     """Real speculative decoding with the current drafter (full weights, see full_drafter) on the held-out prompts
-    (main process only)."""
+    ((ids, categories); main process only)."""
     model.eval()
-    metrics = evaluate_decoding(target, make_drafter(model), prompts, cfg.eval, eos, progress=False)
+    metrics = evaluate_decoding(target, make_drafter(model), prompts[0], cfg.eval, eos, progress=False,
+                                categories=prompts[1])
     model.train()
     return metrics
 
@@ -99,14 +99,8 @@ def restore(saved: dict, optimizer, scheduler, stream: BatchStream, state: Train
     set_rng_state(saved["rng"])
 
 
-def micro_batch_loss(drafter, target, batch, cfg: TrainJobConfig):
-    """One micro-batch's loss (sum, tokens): over draft blocks for a Spec-Drafter, over response tokens else."""
-    if batch.context_lens is not None:
-        return nar_distill_loss(drafter, target, batch, cfg.loss, cfg.drafter)
-    return distill_loss(drafter, target, batch, cfg.loss, cfg.drafter.draft_len)
-
-
-def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJobConfig, step: int) -> tuple[float, int]:
+def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJobConfig, kind: DrafterKind,
+                         step: int) -> tuple[float, int]:
     """Forward/backward over the step's micro-batches, then clip. Returns (mean loss per token, tokens).
 
     Each micro-batch's loss sum is divided by the step's total response tokens over all micro-batches and ranks,
@@ -120,7 +114,7 @@ def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJo
     loss_sum = torch.zeros((), device=accelerator.device)
     for batch in micro:
         with accelerator.accumulate(drafter):
-            out = micro_batch_loss(drafter, target, batch, cfg)
+            out = kind.loss(drafter, target, batch, cfg)
             if not torch.isfinite(out.loss_sum):
                 raise TrainingDivergedError(
                     f"loss is {out.loss_sum.item()} at step {step}; lower train.lr, keep train.max_grad_norm > 0 "
@@ -146,6 +140,9 @@ def train(cfg: TrainJobConfig) -> dict:
     target.to(accelerator.device)
     data, response_key = load_training_data(cfg)
     prompts, eos = eval_prompt_ids(cfg, tokenizer), eos_token_ids(target, tokenizer)
+    kind = resolve_kind(cfg.drafter)
+    cfg = dataclasses.replace(cfg, drafter=kind_config(cfg.drafter, kind))  # drafter=path: the kind's own fields
+    data = kind.prepare_data(cfg, data, response_key, target, tokenizer, accelerator)
 
     # ---- model, optimizer, schedule; resume restores all of it plus RNG and data position ----
     state = TrainState()
@@ -153,8 +150,9 @@ def train(cfg: TrainJobConfig) -> dict:
     drafter_cfg = cfg.drafter
     if resume_from is not None:
         drafter_cfg = dataclasses.replace(cfg.drafter, path=str(resume_from / "drafter"))
-    drafter = training_module(load_drafter(drafter_cfg, target, tokenizer, cfg.target.dtype, for_training=True))
-    nar = isinstance(drafter, SpecDrafter)  # trained on draft blocks, one forward for all k drafts
+    counts = lambda: token_counts(data, response_key, model_vocab_size(target))  # noqa: E731  (a new EAGLE-3 head)
+    drafter = kind.training_module(load_drafter(drafter_cfg, target, tokenizer, cfg.target.dtype, for_training=True,
+                                                token_counts=counts))
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     scheduler = get_scheduler(tcfg.lr_schedule, optimizer, tcfg.warmup_steps, tcfg.max_steps)
@@ -180,12 +178,13 @@ def train(cfg: TrainJobConfig) -> dict:
         metrics = evaluate_checkpoint(cfg, target, model, prompts, eos)
         row = {"step": step, **{k: metrics[k] for k in ("tau", "acceptance_rate", "speedup")}}
         eval_history.append(row)
-        logger.log({f"eval/{k}": v for k, v in metrics.items() if k != "per_position_acceptance"}, step)
+        logger.log({f"eval/{k}": v for k, v in metrics.items() if k not in ("per_position_acceptance", "per_category")},
+                   step)
         logger.log_eval_table(eval_history, step)
         return metrics
 
     if state.step == 0 and tcfg.eval_at_start:  # the untrained drafter: the baseline the run must beat
-        model = full_drafter(accelerator, drafter)  # all ranks: a collective under ZeRO-3
+        model = full_drafter(accelerator, drafter, kind.hf_model)  # all ranks: a collective under ZeRO-3
         if accelerator.is_main_process:
             checkpoint_eval(0, model)
         accelerator.wait_for_everyone()
@@ -195,8 +194,8 @@ def train(cfg: TrainJobConfig) -> dict:
     last = None
     window_start, window_tokens = time.perf_counter(), 0
     while state.step < tcfg.max_steps:
-        micro = next_micro_batches(data, stream, response_key, cfg, tokenizer.pad_token_id, accelerator.device, nar)
-        loss_value, step_tokens = accumulate_gradients(accelerator, drafter, target, micro, cfg, state.step + 1)
+        micro = next_micro_batches(data, stream, response_key, cfg, tokenizer.pad_token_id, accelerator.device, kind)
+        loss_value, step_tokens = accumulate_gradients(accelerator, drafter, target, micro, cfg, kind, state.step + 1)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
@@ -212,8 +211,8 @@ def train(cfg: TrainJobConfig) -> dict:
             bar.set_postfix(loss=f"{loss_value:.4f}")
             window_start, window_tokens = time.perf_counter(), 0
         if every_n_steps(state.step, tcfg.save_every, tcfg.max_steps):
-            last = save_and_evaluate(accelerator, cfg, run_dir, drafter, tokenizer, optimizer, scheduler, stream,
-                                     state, checkpoint_eval)
+            last = save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optimizer, scheduler,
+                                     stream, state, checkpoint_eval)
             window_start = time.perf_counter()  # evaluation time is not training time
     bar.close()
     logger.finish()
@@ -222,13 +221,14 @@ def train(cfg: TrainJobConfig) -> dict:
     return last or {}
 
 
-def save_and_evaluate(accelerator, cfg, run_dir, drafter, tokenizer, optimizer, scheduler, stream, state, evaluate):
+def save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optimizer, scheduler, stream, state,
+                      evaluate):
     """Evaluate the current drafter, write step-<N> (atomically), move `latest`/`best`, prune old steps.
 
     Every rank calls this: gathering ZeRO-3 weights and writing DeepSpeed's optimizer partitions are collective;
     evaluation, the HF drafter folder, links and pruning happen on the main process only.
     """
-    model = full_drafter(accelerator, drafter)
+    model = full_drafter(accelerator, drafter, kind.hf_model)
     if accelerator.is_main_process:
         start_checkpoint(run_dir, state.step)
     accelerator.wait_for_everyone()

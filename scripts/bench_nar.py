@@ -25,31 +25,11 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from drafter_train.config import CONF_DIR, register_configs  # noqa: E402
-from drafter_train.decoding.drafter import make_drafter  # noqa: E402
+from drafter_train.drafters.registry import make_drafter  # noqa: E402
 from drafter_train.drafters.loading import load_drafter  # noqa: E402
 from drafter_train.evaluate import eos_token_ids, evaluate_decoding  # noqa: E402
 from drafter_train.targets import load_target  # noqa: E402
 from drafter_train.train import eval_prompt_ids, train  # noqa: E402
-
-
-class TimedDrafter:
-    """Wraps a drafter and adds up the wall-clock time of its proposals."""
-
-    def __init__(self, inner):
-        self.inner, self.seconds, self.proposals = inner, 0.0, 0
-
-    def reset(self):
-        self.inner.reset()
-
-    def propose(self, *args):
-        start = time.perf_counter()
-        proposal = self.inner.propose(*args)
-        self.seconds += time.perf_counter() - start
-        self.proposals += 1
-        return proposal
-
-    def rollback(self, num_valid):
-        self.inner.rollback(num_valid)
 
 
 def compose_train(overrides: list[str]):
@@ -94,7 +74,7 @@ def main():
     cfg = runs["ar"]
     eval_cfg = dataclasses.replace(cfg.eval, num_prompts=args.eval_prompts, max_new_tokens=args.max_new_tokens)
     target, tokenizer = load_target(cfg.target)
-    prompts = eval_prompt_ids(dataclasses.replace(cfg, eval=eval_cfg), tokenizer)
+    prompts = eval_prompt_ids(dataclasses.replace(cfg, eval=eval_cfg), tokenizer)[0]
     eos = eos_token_ids(target, tokenizer)
     models = {}
     for name, run_cfg in runs.items():
@@ -105,10 +85,8 @@ def main():
         samples = {"ar": [], **{name: [] for name in runs if name.startswith(f"nar-k{k}")}}
         for repeat in range(args.repeats):  # interleaved, so a load change hits both drafters alike
             for name in samples:
-                timed = TimedDrafter(make_drafter(models[name]))
-                metrics = evaluate_decoding(target, timed, prompts, dataclasses.replace(eval_cfg, draft_len=k), eos,
-                                            progress=False)
-                metrics["drafter_ms_per_proposal"] = 1000 * timed.seconds / max(timed.proposals, 1)
+                metrics = evaluate_decoding(target, make_drafter(models[name]), prompts,
+                                            dataclasses.replace(eval_cfg, draft_len=k), eos, progress=False)
                 samples[name].append(metrics)
                 print(json.dumps({"draft_len": k, "drafter": name, "repeat": repeat,
                                   **{m: metrics[m] for m in ("tau", "speedup", "drafter_ms_per_proposal",

@@ -78,7 +78,7 @@ def main():
     # Final evaluation: every drafter on the same held-out prompts, one process, same target instance.
     cfg = compose_train([*common, f"eval.num_prompts={args.eval_prompts}", f"eval.max_new_tokens={args.max_new_tokens}"])
     target, tokenizer = load_target(cfg.target)
-    prompts, eos = eval_prompt_ids(cfg, tokenizer), eos_token_ids(target, tokenizer)
+    prompts, eos = eval_prompt_ids(cfg, tokenizer)[0], eos_token_ids(target, tokenizer)
     rows = []
     for name, drafter_cfg in [("untrained", cfg.drafter)] + [
         (n, dataclasses.replace(cfg.drafter, path=str(d / "best" / "drafter"))) for n, d in runs.items()

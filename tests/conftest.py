@@ -41,7 +41,8 @@ def tiny_llama(vocab_size: int = 64, num_layers: int = 4, seed: int = 0, init: f
 
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory):
-    """A tiny target folder, a drafter with a different vocabulary, and drafter-datagen output for the target
+    """A tiny target folder, a drafter with a different vocabulary, another target of the same shape, and
+    drafter-datagen output for the target
     (prompts.jsonl, data/ with stored top-8 logits and held-out eval prompts)."""
     from omegaconf import OmegaConf
 
@@ -51,6 +52,7 @@ def tiny_data(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     save_tiny(tiny_llama(vocab_size=VOCAB, num_layers=3), root / "target")
     save_tiny(tiny_llama(vocab_size=VOCAB + 3, num_layers=1), root / "other_vocab")
+    save_tiny(tiny_llama(vocab_size=VOCAB, num_layers=3, seed=5), root / "other_target")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{s} {w}"}) + "\n" for s in SENTENCES for w in WORDS[:8]))
     datagen = compose_cfg("datagen", [

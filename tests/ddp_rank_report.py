@@ -14,7 +14,6 @@ from omegaconf import OmegaConf
 
 import drafter_train.train as train_module
 from drafter_train.data.batches import BatchStream
-from drafter_train.distill import hf_model_of
 from tests.stubs import compose_cfg
 
 
@@ -28,8 +27,8 @@ def main(report_dir: Path, overrides: list[str]) -> None:
 
     def reporting_save(accelerator, *args):
         metrics = save(accelerator, *args)
-        drafter, state = args[2], args[-2]
-        drafter_state = hf_model_of(accelerator.unwrap_model(drafter)).state_dict()
+        drafter, kind, state = args[2], args[3], args[-2]
+        drafter_state = kind.hf_model(accelerator.unwrap_model(drafter)).state_dict()
         weights = {k: v.detach().clone() for k, v in drafter_state.items()}
         report = {"num_processes": accelerator.num_processes, "drawn": list(drawn), "weights": weights}
         torch.save(report, report_dir / f"rank{accelerator.process_index}-step{state.step}.pt")

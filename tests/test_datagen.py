@@ -239,3 +239,21 @@ def test_stories260k_on_sharegpt(stories_path, tmp_path):
     assert len(data) == 8 and all(1 <= len(r) <= 16 for r in data["response_ids"])
     assert all(len(r) == 16 for r in data["reference_ids"])  # ShareGPT answers are long: cut to max_new_tokens
     assert len(load_eval_prompts(out)) == 2
+
+
+def test_without_generation_only_prompts_and_references_are_stored(folders, tmp_path, monkeypatch):
+    """datagen.generate=false (training on fixed responses): no target call, empty responses, references kept."""
+    from drafter_train.data import generation
+
+    def no_generate(*args, **kwargs):
+        raise AssertionError("the target must not generate")
+
+    monkeypatch.setattr(generation, "generate_batch", no_generate)
+    monkeypatch.setattr(datagen, "generate_batch", no_generate)
+    out = tmp_path / "fixed"
+    run_datagen(job(folders, out, "datagen.generate=false"), progress=False)
+    data = load_distill_dataset(out)
+    assert all(r == [] for r in data["response_ids"]) and any(data["reference_ids"])
+    assert json.loads((out / "datagen.json").read_text())["generation"]["generate"] is False
+    with pytest.raises(ConfigError, match="datagen.store_topk: needs datagen.generate=true"):
+        OmegaConf.to_object(compose_cfg("datagen", ["datagen.generate=false", "datagen.store_topk=4"]))

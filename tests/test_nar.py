@@ -12,12 +12,12 @@ from transformers import AutoModel
 
 from drafter_train.config import DrafterConfig, EvalConfig
 from drafter_train.decoding.autoregressive import generate_autoregressive
-from drafter_train.decoding.drafter import NARDrafter, make_drafter
+from drafter_train.drafters.registry import make_drafter
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
 from drafter_train.drafters.loading import load_drafter
-from drafter_train.drafters.nar import NARCaches, SpecDrafter, block_attention_mask
+from drafter_train.drafters.nar import NARCaches, NARDrafter, SpecDrafter, block_attention_mask
 from drafter_train.errors import ConfigError
 from drafter_train.evaluate import evaluate_decoding, target_logprob_sum
 from drafter_train.nar_distill import block_batch, glance, sample_block_starts
@@ -177,7 +177,7 @@ def test_save_load_round_trip_gives_identical_drafts(tmp_path):
 def test_nar_kind_on_an_autoregressive_folder_is_refused(tmp_path):
     target = tiny_llama(num_layers=4)
     save_tiny(tiny_llama(num_layers=1), tmp_path / "ar")
-    with pytest.raises(ConfigError, match="drafter.kind=nar: .* holds an autoregressive drafter"):
+    with pytest.raises(ConfigError, match="drafter.kind=nar: .* holds an autoregressive drafter, not a Spec-Drafter"):
         load_drafter(DrafterConfig(kind="nar", path=str(tmp_path / "ar")), target, word_tokenizer(), "float32")
 
 
@@ -276,7 +276,7 @@ def test_exported_nar_drafter_loads_and_decodes_losslessly(tiny_data, tmp_path):
     out = tmp_path / "out"
     export(ExportConfig(run_dir=str(tmp_path / "runs" / cfg.train.run_name), which="latest", output_dir=str(out)))
     card = (out / "README.md").read_text()
-    assert "NARDrafter(AutoModel.from_pretrained(" in card and "assistant_model" not in card
+    assert "make_drafter(AutoModel.from_pretrained(" in card and "assistant_model" not in card
     assert "spec-drafter" in card and str(tmp_path) not in card
     assert "num_assistant_tokens" not in (out / "generation_config.json").read_text() \
         if (out / "generation_config.json").exists() else True

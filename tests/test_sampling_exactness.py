@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from drafter_train.decoding.drafter import make_drafter
+from drafter_train.drafters.registry import make_drafter
 from drafter_train.decoding.sampling import SamplingParams, logits_to_probs, sample
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier

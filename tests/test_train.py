@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 import drafter_train.train as train_module
 from drafter_train.config import CONF_DIR
 from drafter_train.data.datagen import run_datagen
+from drafter_train.drafters.registry import get_kind
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
 from drafter_train.train import TrainingDivergedError, train
 from tests.stubs import compose_cfg, run_cli
@@ -107,15 +108,14 @@ def test_training_raises_tau_on_stories260k(stories_path, tmp_path):
     assert metrics["tau"] > baseline + 0.3 and metrics["greedy_match"] == 1.0
 
 
-@pytest.mark.parametrize("kind, loss_fn", [("ar", "distill_loss"), ("nar", "nar_distill_loss")])
-def test_interrupted_run_resumes_exactly(tiny_data, tmp_path, monkeypatch, kind, loss_fn):
-    """Interrupted in step 5, resumed from step-3: the same losses and weights as the uninterrupted run (for nar
-    too, whose random block positions come from the checkpointed RNG)."""
-    drafter = (f"drafter={'nar' if kind == 'nar' else 'truncated'}", "drafter.path=truncated:1")
-    reference = train_cfg(tiny_data, tmp_path / "a", *drafter)
+def assert_resumes_exactly(make_cfg, kind: str, tmp_path: Path, monkeypatch) -> tuple[Path, Path, dict]:
+    """Train make_cfg(out) once straight through (out a/) and once interrupted in step 5 then resumed from step-3
+    (out b/, make_cfg(out) must checkpoint every 3 of 6 steps); both give the same losses and weights. Returns
+    (run a, run b, the resumed run's metrics)."""
+    reference = make_cfg(tmp_path / "a")
     train(reference)
     calls = {"n": 0}
-    real_loss = getattr(train_module, loss_fn)
+    real_loss = get_kind(kind).loss
 
     def crash_in_step_5(*args, **kwargs):
         calls["n"] += 1
@@ -123,19 +123,28 @@ def test_interrupted_run_resumes_exactly(tiny_data, tmp_path, monkeypatch, kind,
             raise KeyboardInterrupt
         return real_loss(*args, **kwargs)
 
-    monkeypatch.setattr(train_module, loss_fn, crash_in_step_5)
+    monkeypatch.setattr(get_kind(kind), "loss", crash_in_step_5)
     with pytest.raises(KeyboardInterrupt):
-        train(train_cfg(tiny_data, tmp_path / "b", *drafter))
-    monkeypatch.setattr(train_module, loss_fn, real_loss)
+        train(make_cfg(tmp_path / "b"))
+    monkeypatch.setattr(get_kind(kind), "loss", real_loss)
     run_a, run_b = tmp_path / "a" / reference.train.run_name, tmp_path / "b" / reference.train.run_name
     assert (run_b / "latest").resolve().name == "step-3"
-    train(train_cfg(tiny_data, tmp_path / "b", *drafter))  # resume=auto
+    metrics = train(make_cfg(tmp_path / "b"))  # resume=auto
     for step in (4, 5, 6):
         assert losses(run_b)[step] == pytest.approx(losses(run_a)[step], rel=1e-6, abs=1e-7)
     weights_a = load_file(run_a / "step-6" / "drafter" / "model.safetensors")
     weights_b = load_file(run_b / "step-6" / "drafter" / "model.safetensors")
     for name in weights_a:
         torch.testing.assert_close(weights_b[name], weights_a[name], rtol=1e-6, atol=1e-7)
+    return run_a, run_b, metrics
+
+
+@pytest.mark.parametrize("kind", ["ar", "nar"])
+def test_interrupted_run_resumes_exactly(tiny_data, tmp_path, monkeypatch, kind):
+    """Interrupted in step 5, resumed from step-3: the same losses and weights as the uninterrupted run (for nar
+    too, whose random block positions come from the checkpointed RNG)."""
+    drafter = (f"drafter={'nar' if kind == 'nar' else 'truncated'}", "drafter.path=truncated:1")
+    assert_resumes_exactly(lambda out: train_cfg(tiny_data, out, *drafter), kind, tmp_path, monkeypatch)
 
 
 def test_resuming_with_other_settings_is_refused(tiny_data, tmp_path):
@@ -176,13 +185,13 @@ def test_crash_while_writing_a_checkpoint_keeps_the_last_good_one(tiny_data, tmp
 
 
 def test_nan_loss_stops_with_a_clear_message(tiny_data, tmp_path, monkeypatch):
-    real_loss = train_module.distill_loss
+    real_loss = get_kind("ar").loss
 
     def nan_loss(*args, **kwargs):
         out = real_loss(*args, **kwargs)
         return out._replace(loss_sum=out.loss_sum * float("nan"))
 
-    monkeypatch.setattr(train_module, "distill_loss", nan_loss)
+    monkeypatch.setattr(get_kind("ar"), "loss", nan_loss)
     with pytest.raises(TrainingDivergedError, match="loss is nan at step 1"):
         train(train_cfg(tiny_data, tmp_path))
 

@@ -29,6 +29,10 @@ class Batch:
     # Spec-Drafter training (nar_distill.to_blocks): the context length of each of n draft blocks; the response
     # fields above then hold the blocks' positions, R = n * draft_len.
     context_lens: Optional[Tensor] = None  # [B, n]
+    # EAGLE-3 training with the offline feature cache (data/feature_cache.py): the target's features at every
+    # position and its final hidden states at the response positions (else computed online from the target).
+    features: Optional[Tensor] = None  # [B, T, n * H]
+    target_hidden: Optional[Tensor] = None  # [B, R, H]
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +80,19 @@ def _stack_topk(records: Sequence[dict], lengths: list[int], resp_len: int) -> t
         ids[i, :n] = torch.tensor(record["topk_ids"][:n], dtype=torch.long)
         logits[i, :n] = torch.tensor(record["topk_logits"][:n], dtype=torch.float32)
     return ids, logits
+
+
+def token_counts(records, column: str, vocab_size: int, chunk: int = 1024) -> Tensor:
+    """[vocab_size] occurrences of each token id in `column` over all records of a dataset."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    if hasattr(records, "select_columns"):  # a datasets.Dataset: read only the one column
+        records = records.select_columns([column])
+    for start in range(0, len(records), chunk):
+        rows = records[start : start + chunk][column]
+        if rows:
+            ids = torch.tensor([t for row in rows for t in row], dtype=torch.long)
+            counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts
 
 
 class BatchStream:

@@ -76,6 +76,8 @@ def data_settings(cfg: DatagenJobConfig) -> dict:
     greedy results do not depend on it, sampled ones only through the random stream)."""
     dg = cfg.datagen
     generation = {k: getattr(dg, k) for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "store_topk")}
+    if not dg.generate:  # recorded only when off, so folders written before the option existed still resume
+        generation["generate"] = False
     prompts = {k: getattr(dg, k) for k in ("prompt_field", "response_field", "num_eval_prompts", "num_prompts")}
     prompts.update(source=source_name(dg), max_prompt_tokens=dg.max_prompt_tokens, shard_size=dg.shard_size)
     target = dict(model_identity(cfg.target), chat_template=cfg.target.chat_template)
@@ -130,6 +132,8 @@ def generate_shard(
     meter: Throughput,
 ) -> list[dict]:
     """Records for one shard, in prompt order; batches are formed by prompt length to waste less on padding."""
+    if not dg.generate:  # fixed responses only (train.response=reference): no target call at all
+        return [_record(p, Continuation([]), 0) for p in prompts]
     by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i].prompt_ids))
     continuations: list = [None] * len(prompts)
     for batch in _chunks(by_length, dg.batch_size):

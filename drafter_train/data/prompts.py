@@ -63,6 +63,8 @@ BUILDERS = {".json": "json", ".jsonl": "json", ".txt": "text", ".parquet": "parq
 _SUFFIXES = (".json", ".jsonl", ".txt")
 # Column names tried in order when the user names none (common in instruction and prompt datasets).
 TEXT_COLUMNS = ("prompt", "text", "instruction", "question")
+# Optional column naming each prompt's task category (chat, code, ...): the evaluator reports per category.
+CATEGORY_COLUMN = "category"
 
 
 def load_prompts(path: Optional[str], num_prompts: int, field: Optional[str] = None) -> list[str]:
@@ -72,14 +74,23 @@ def load_prompts(path: Optional[str], num_prompts: int, field: Optional[str] = N
     strings) whose text column is ``field`` or the first of prompt/text/instruction/question, or a .txt file with
     one prompt per non-empty line.
     """
+    return [text for text, _ in load_prompt_records(path, num_prompts, field)]
+
+
+def load_prompt_records(path: Optional[str], num_prompts: int, field: Optional[str] = None
+                        ) -> list[tuple[str, Optional[str]]]:
+    """As `load_prompts`, with each prompt's task category: the file's `category` column when it has one, else None
+    (the built-in set has none)."""
     if path is None:
-        return list(DEFAULT_PROMPTS[:num_prompts])
+        return [(text, None) for text in DEFAULT_PROMPTS[:num_prompts]]
     rows = read_prompt_table(path, "eval", _SUFFIXES)
     column = find_column(rows.column_names, field, TEXT_COLUMNS, path, "eval", "prompt_field")
-    prompts = [p for p in column_texts(rows, column, path, "eval", "prompt_field") if p]
-    if not prompts:
+    texts = column_texts(rows, column, path, "eval", "prompt_field")
+    categories = rows[CATEGORY_COLUMN] if CATEGORY_COLUMN in rows.column_names else [None] * len(texts)
+    records = [(text, category) for text, category in zip(texts, categories) if text]
+    if not records:
         raise ConfigError(f"eval.prompts: no prompts in {path}")
-    return prompts[:num_prompts]
+    return records[:num_prompts]
 
 
 def read_prompt_table(path: str, section: str, suffixes: Sequence[str] = tuple(BUILDERS)) -> datasets.Dataset:

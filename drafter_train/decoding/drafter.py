@@ -1,14 +1,15 @@
 """The drafter interface the speculative decoder talks to, and the autoregressive drafter.
 
 The decoder does not care how drafts are made: an AR drafter runs k cached forwards, a non-autoregressive drafter
-(SpecDec) predicts all k in one pass. Both return a `Proposal` and are told, after verification, how much of the
-sequence is still valid so they can cut their caches back.
+(SpecDec) predicts all k in one pass, an EAGLE-3 drafter reads the target's own hidden states. Each returns a
+`Proposal`, and after every target pass is told how much of the sequence is verified (`commit`), with the target's
+features of the newly verified positions when it reads them. Each kind's module (drafters/) builds its drafter.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -16,8 +17,6 @@ from transformers import PreTrainedModel
 
 from drafter_train.decoding.cached_lm import CachedLM
 from drafter_train.decoding.sampling import SamplingParams, choose_token
-from drafter_train.drafters.nar import NARCaches, SpecDrafter
-from drafter_train.errors import ConfigError
 
 
 @dataclass
@@ -33,6 +32,9 @@ class Proposal:
 
 
 class Drafter(Protocol):
+    # Target layers whose outputs this drafter reads (features.py convention); empty: it reads none.
+    feature_layers: Sequence[int]
+
     def reset(self) -> None:
         """Forget everything: a new sequence starts."""
 
@@ -41,12 +43,18 @@ class Drafter(Protocol):
     ) -> Proposal:
         """Propose `draft_len` tokens to follow `seq` [L] (prompt + everything accepted so far)."""
 
-    def rollback(self, num_valid: int) -> None:
-        """Only the first `num_valid` tokens of the last `seq` + proposal remain valid."""
+    def commit(self, num_valid: int, features: Optional[Tensor]) -> None:
+        """A target pass verified the sequence up to `num_valid` tokens: anything beyond (rejected drafts) is gone.
+
+        features [n, F]: the target's features (at `feature_layers`) of the n positions that pass verified and kept,
+        i.e. positions num_valid - n .. num_valid - 1; None for drafters that read none.
+        """
 
 
 class ARDrafter:
     """A small causal LM sharing the target's vocabulary: k cached forwards per proposal."""
+
+    feature_layers: Sequence[int] = ()
 
     def __init__(self, model: PreTrainedModel):
         self.lm = CachedLM(model)
@@ -70,40 +78,5 @@ class ARDrafter:
         q_draft = None if params.greedy else torch.stack(probs)
         return Proposal(tokens=torch.stack(tokens), q_draft=q_draft)
 
-    def rollback(self, num_valid: int) -> None:
+    def commit(self, num_valid: int, features: Optional[Tensor] = None) -> None:
         self.lm.crop(num_valid)
-
-
-class NARDrafter:
-    """A Spec-Drafter (drafters/nar.py): all drafts of a proposal from ONE forward pass.
-
-    The k per-position distributions do not depend on each other's draws, so q_draft[r] is exactly the
-    distribution draft r was drawn from, whatever was drawn before it: speculative sampling stays lossless.
-    """
-
-    def __init__(self, model: SpecDrafter):
-        self.model = model
-        self.reset()
-
-    def reset(self) -> None:
-        self.caches = NARCaches(self.model)
-
-    def propose(
-        self, seq: Tensor, draft_len: int, params: SamplingParams, generator: Optional[torch.Generator]
-    ) -> Proposal:
-        if draft_len > self.model.draft_len:
-            raise ConfigError(
-                f"eval.draft_len: this Spec-Drafter has {self.model.draft_len} mask queries, cannot draft {draft_len}"
-            )
-        logits = self.model.draft_logits(seq[self.caches.length :], self.caches)  # [model draft_len, V]
-        drafts = [choose_token(logits[r], params, generator) for r in range(draft_len)]
-        q_draft = None if params.greedy else torch.stack([q for _, q in drafts])
-        return Proposal(tokens=torch.stack([token for token, _ in drafts]), q_draft=q_draft)
-
-    def rollback(self, num_valid: int) -> None:
-        self.caches.crop(num_valid)  # drafts never enter the cache, so this only matters for shorter sequences
-
-
-def make_drafter(model: PreTrainedModel) -> Drafter:
-    """The decoder-side drafter for a model: one NAR pass per proposal for a Spec-Drafter, else AR."""
-    return NARDrafter(model) if isinstance(model, SpecDrafter) else ARDrafter(model)

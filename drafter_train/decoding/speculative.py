@@ -7,10 +7,14 @@ with the next drafts), the drafter's cache holds some prefix of seq. One step:
     logits [k+1, V]  <- target(seq[-1], d_1..d_k)                (ONE target pass)
     n, t             <- verify(drafts, logits)                    (keep d_1..d_n, then t = correction or bonus)
     seq              <- seq + d_1..d_n + t;  crop both caches to the valid prefix (no prefix recomputation)
+
+Drafters that read the target's hidden states (EAGLE-3) get the features of every position a target pass verified
+and kept from that same pass (features.py's tap): no extra target forward.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -22,6 +26,19 @@ from drafter_train.decoding.drafter import Drafter, Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.verify import Verifier
+from drafter_train.features import tap_for
+
+
+def _clock(device: torch.device) -> float:
+    """Wall-clock seconds, after the device's queued work (GPU kernels run asynchronously)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _kept(features: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+    """The first n positions of the last target pass's features [1, T, F] -> [n, F] (None: no tap)."""
+    return None if features is None else features[0, :n]
 
 
 def _stop_index(new_tokens: list[int], eos: set[int]) -> Optional[int]:
@@ -50,25 +67,34 @@ def generate_speculative(
     lm, eos = CachedLM(target), set(eos_token_ids)
     stats = DecodeStats(draft_len=draft_len)
     drafter.reset()
-    # Prefill: the target's pass over the prompt yields the first token, as in the AR baseline.
-    first, _ = choose_token(lm.forward(as_tensor(prompt_ids, lm.device), 1)[-1], params, generator)
-    seq = torch.cat([as_tensor(prompt_ids, lm.device), first.view(1)])
-    tokens, stats.target_forward_passes = [int(first)], 1
-    while tokens[-1] not in eos and len(tokens) < max_new_tokens:
-        # A step yields at most k+1 tokens: never draft past max_new_tokens (k == 0 is a plain target step).
-        k = min(draft_len, max_new_tokens - len(tokens) - 1)
-        proposal = drafter.propose(seq, k, params, generator) if k else Proposal(seq.new_empty(0))
-        logits = lm.forward(torch.cat([seq[-1:], proposal.tokens]), num_logits=k + 1)  # [k+1, V]
-        num_accepted, next_token = verifier(proposal, logits, generator)
-        stats.target_forward_passes += 1
-        if k:
-            stats.record_step(k, num_accepted)
-        lm.crop(seq.numel() + num_accepted)  # keep seq + accepted drafts; next_token is fed next step
-        drafter.rollback(seq.numel() + num_accepted)
-        new = torch.cat([proposal.tokens[:num_accepted], next_token.view(1)])
-        seq = torch.cat([seq, new])
-        new_list = new.tolist()
-        stop = _stop_index(new_list, eos)
-        tokens.extend(new_list[:stop])
+    with tap_for(target, drafter.feature_layers) as tap:
+        # Prefill: the target's pass over the prompt yields the first token, as in the AR baseline.
+        prompt = as_tensor(prompt_ids, lm.device)
+        first, _ = choose_token(lm.forward(prompt, 1)[-1], params, generator)
+        drafter.commit(prompt.numel(), _kept(tap.features, prompt.numel()))
+        seq = torch.cat([prompt, first.view(1)])
+        tokens, stats.target_forward_passes = [int(first)], 1
+        while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+            # A step yields at most k+1 tokens: never draft past max_new_tokens (k == 0 is a plain target step).
+            k = min(draft_len, max_new_tokens - len(tokens) - 1)
+            began = _clock(lm.device)
+            proposal = drafter.propose(seq, k, params, generator) if k else Proposal(seq.new_empty(0))
+            drafted = _clock(lm.device)
+            logits = lm.forward(torch.cat([seq[-1:], proposal.tokens]), num_logits=k + 1)  # [k+1, V]
+            num_accepted, next_token = verifier(proposal, logits, generator)
+            stats.target_forward_passes += 1
+            if k:
+                stats.record_step(k, num_accepted)
+                stats.proposals += 1
+                stats.draft_seconds += drafted - began
+                stats.verify_seconds += _clock(lm.device) - drafted
+            lm.crop(seq.numel() + num_accepted)  # keep seq + accepted drafts; next_token is fed next step
+            # verified and kept: seq[-1] and the accepted drafts
+            drafter.commit(seq.numel() + num_accepted, _kept(tap.features, num_accepted + 1))
+            new = torch.cat([proposal.tokens[:num_accepted], next_token.view(1)])
+            seq = torch.cat([seq, new])
+            new_list = new.tolist()
+            stop = _stop_index(new_list, eos)
+            tokens.extend(new_list[:stop])
     stats.tokens_generated = len(tokens)
     return DecodeResult(tokens=tokens, stats=stats)

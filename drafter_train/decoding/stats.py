@@ -23,6 +23,11 @@ class DecodeStats:
     reached: list[int] = field(default_factory=list)
     # accepted_at[i]: verify steps in which draft i+1 was accepted.
     accepted_at: list[int] = field(default_factory=list)
+    # Wall-clock seconds spent in the drafter's proposals and in the target's verification passes, and the number of
+    # proposals (where the time of a speculative step goes).
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    proposals: int = 0
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0] * self.draft_len
@@ -38,7 +43,8 @@ class DecodeStats:
             self.accepted_at[i] += 1
 
     def merge(self, other: "DecodeStats") -> None:
-        for name in ("tokens_generated", "target_forward_passes", "proposed", "accepted"):
+        for name in ("tokens_generated", "target_forward_passes", "proposed", "accepted", "draft_seconds",
+                     "verify_seconds", "proposals"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.reached = [a + b for a, b in zip(self.reached, other.reached)]
         self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
@@ -64,4 +70,6 @@ class DecodeStats:
             "tokens_generated": self.tokens_generated,
             "proposed_draft_tokens": self.proposed,
             "accepted_draft_tokens": self.accepted,
+            "drafter_ms_per_proposal": 1000 * self.draft_seconds / max(self.proposals, 1),
+            "verify_ms_per_step": 1000 * self.verify_seconds / max(self.proposals, 1),
         }

@@ -25,15 +25,22 @@ a proposal feeds only the new tokens (1 to k+1 per step) plus the k queries, the
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
 from transformers import AutoConfig, AutoModel, DynamicCache, PretrainedConfig, PreTrainedModel
 
+from drafter_train.config import DrafterConfig, NARDrafterConfig, TrainJobConfig
+from drafter_train.data.batches import Batch
+from drafter_train.decoding.drafter import Proposal
+from drafter_train.decoding.sampling import SamplingParams, choose_token
+from drafter_train.drafters.ar import SCRATCH, scratch_config
+from drafter_train.drafters.registry import BuildContext, DrafterKind
+from drafter_train.drafters.truncated import parse_truncated
 from drafter_train.errors import ConfigError
+from drafter_train.losses import LossOutput
+from drafter_train.nar_distill import nar_distill_loss, to_blocks
 
 MODEL_TYPE = "spec_drafter"
 
@@ -223,17 +230,6 @@ def spec_config(backbone: PretrainedConfig, num_layers: int, encoder_layers: int
                              bos_token_id=backbone.bos_token_id, pad_token_id=getattr(backbone, "pad_token_id", None))
 
 
-def is_spec_drafter_folder(path) -> bool:
-    """Whether a local model folder holds a saved Spec-Drafter (its config.json names model_type spec_drafter)."""
-    config_file = Path(path) / "config.json"
-    if not config_file.is_file():
-        return False  # a hub id, or a folder the loaders will explain
-    try:
-        return json.loads(config_file.read_text()).get("model_type") == MODEL_TYPE
-    except (OSError, json.JSONDecodeError):
-        return False
-
-
 class NARCaches:
     """Both stacks' context KV caches for ONE sequence and how many context tokens they hold."""
 
@@ -249,6 +245,83 @@ class NARCaches:
                     cache.crop(length - self.length)
             self.length = length
 
+
+class NARDrafter:
+    """The decoder-side Spec-Drafter: all drafts of a proposal from ONE forward pass.
+
+    The k per-position distributions do not depend on each other's draws, so q_draft[r] is exactly the
+    distribution draft r was drawn from, whatever was drawn before it: speculative sampling stays lossless.
+    """
+
+    feature_layers: Sequence[int] = ()
+
+    def __init__(self, model: SpecDrafter):
+        self.model = model
+        self.reset()
+
+    def reset(self) -> None:
+        self.caches = NARCaches(self.model)
+
+    def propose(
+        self, seq: Tensor, draft_len: int, params: SamplingParams, generator: Optional[torch.Generator]
+    ) -> Proposal:
+        if draft_len > self.model.draft_len:
+            raise ConfigError(
+                f"eval.draft_len: this Spec-Drafter has {self.model.draft_len} mask queries, cannot draft {draft_len}"
+            )
+        logits = self.model.draft_logits(seq[self.caches.length :], self.caches)  # [model draft_len, V]
+        drafts = [choose_token(logits[r], params, generator) for r in range(draft_len)]
+        q_draft = None if params.greedy else torch.stack([q for _, q in drafts])
+        return Proposal(tokens=torch.stack([token for token, _ in drafts]), q_draft=q_draft)
+
+    def commit(self, num_valid: int, features: Optional[Tensor] = None) -> None:
+        self.caches.crop(num_valid)  # drafts never enter the cache, so this only matters for shorter sequences
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The kind: build/load, training, decoding (registered in drafters/registry.py)
+
+
+def build(cfg: DrafterConfig, ctx: BuildContext) -> SpecDrafter:
+    """truncated:N (cut from the target), scratch (new, sized by the config) or a saved Spec-Drafter folder."""
+    num_layers = parse_truncated(cfg.path)
+    if num_layers is not None:
+        drafter = SpecDrafter.from_target(ctx.target, num_layers, cfg.encoder_layers, cfg.draft_len)
+    elif cfg.path == SCRATCH:
+        spec = spec_config(scratch_config(cfg, ctx.target), cfg.num_layers, cfg.encoder_layers, cfg.draft_len)
+        drafter = SpecDrafter(spec).to(dtype=ctx.target.dtype, device=ctx.target.device)
+    else:
+        drafter = load(cfg.path, ctx.dtype).to(ctx.target.device)
+    if ctx.for_training and drafter.draft_len != cfg.draft_len:
+        raise ConfigError(f"drafter.draft_len: {cfg.path} has {drafter.draft_len} mask queries; train it with "
+                          f"drafter.draft_len={drafter.draft_len}")
+    return drafter
+
+
+def load(path: str, dtype: str) -> SpecDrafter:
+    drafter = SpecDrafter.from_pretrained(path, dtype=getattr(torch, dtype)).eval()  # "float32" -> torch.float32
+    return drafter.requires_grad_(False)  # as load_causal_lm: training turns gradients back on
+
+
+def loss(module: nn.Module, target: PreTrainedModel, blocks: Batch, cfg: TrainJobConfig) -> LossOutput:
+    return nar_distill_loss(module, target, blocks, cfg.loss, cfg.drafter)
+
+
+KIND = DrafterKind(
+    name="nar",
+    description="a Spec-Drafter",
+    model_type=MODEL_TYPE,
+    config_class=NARDrafterConfig,
+    build=build,
+    load=load,
+    decoder_drafter=NARDrafter,
+    loss=loss,
+    # A Spec-Drafter's own forward takes training inputs (draft blocks), so it is trained as it is.
+    prepare_batch=lambda batch, records, cfg: to_blocks(batch, cfg.drafter),
+    summary="A non-autoregressive Spec-Drafter (SpecDec): its mask queries predict a whole block of draft tokens in "
+            "one forward pass.",
+    card_tags=("spec-drafter", "non-autoregressive"),
+)
 
 # Importing this module lets transformers' Auto classes load saved Spec-Drafter folders.
 AutoConfig.register(MODEL_TYPE, SpecDrafterConfig, exist_ok=True)

@@ -1,0 +1,147 @@
+"""Drafter kinds. Each kind is ONE module (drafters/ar.py, nar.py, eagle3.py ...) that gives the same functions:
+build/load, the training module and its loss on a batch, the decoder-side drafter and its export formats. The
+trainer, the evaluator and the exporter call these and never ask "which kind am I?".
+
+A saved drafter folder says its kind through config.json's `model_type` (a kind's own model class), and any other
+causal LM is an AR drafter.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from drafter_train.config import DRAFTER_KINDS, DrafterConfig
+from drafter_train.errors import ConfigError
+
+if TYPE_CHECKING:
+    from drafter_train.config import TrainJobConfig
+    from drafter_train.data.batches import Batch
+    from drafter_train.decoding.drafter import Drafter
+    from drafter_train.losses import LossOutput
+
+
+@dataclass
+class BuildContext:
+    """What building a drafter may need besides its own config."""
+
+    target: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    dtype: str  # "float32" | "bfloat16": the dtype saved drafters are loaded in
+    for_training: bool = False
+    # Training only: token counts of the training responses ([target vocab] long), for kinds that derive something
+    # from the data when built new (EAGLE-3's draft vocabulary). Called at most once, lazily.
+    token_counts: Optional[Callable[[], torch.Tensor]] = None
+
+
+def _identity(x):
+    return x
+
+
+@dataclass
+class DrafterKind:
+    """The functions one drafter kind provides (see the module doc)."""
+
+    name: str
+    # What it is, in words ("an autoregressive drafter"), for messages.
+    description: str
+    # config.json `model_type` of this kind's saved folders; None: any other causal LM (the AR kind).
+    model_type: Optional[str]
+    # Its typed config (the schema of its `drafter` config group entry).
+    config_class: type
+    # (cfg, BuildContext) -> the drafter model: new (truncated:N / scratch / new, as the kind supports) or loaded.
+    build: Callable[[DrafterConfig, BuildContext], PreTrainedModel]
+    # A saved folder of this kind -> model, in eval mode with gradients off.
+    load: Callable[[str, str], PreTrainedModel]
+    # (model) -> what the decoder drafts with (decoding/drafter.py: Drafter).
+    decoder_drafter: Callable[[PreTrainedModel], "Drafter"]
+    # (training module, target, batch, job config) -> LossOutput (sum over the batch's tokens, token count).
+    loss: Callable[[nn.Module, PreTrainedModel, "Batch", "TrainJobConfig"], "LossOutput"]
+    # (model) -> the module accelerate prepares (its forward must carry the training computation, so DDP/DeepSpeed
+    # hooks run); hf_model undoes it on the unwrapped module.
+    training_module: Callable[[PreTrainedModel], nn.Module] = _identity
+    hf_model: Callable[[nn.Module], PreTrainedModel] = _identity
+    # (collated batch, its records, job config) -> the batch the loss reads (e.g. draft blocks), still on the CPU.
+    prepare_batch: Callable[["Batch", list, "TrainJobConfig"], "Batch"] = lambda batch, records, cfg: batch
+    # (job config, dataset, response column, target, tokenizer, accelerator) -> the dataset training draws from:
+    # kinds that need more than the records (EAGLE-3's offline features) extend it once, before training.
+    prepare_data: Callable = lambda cfg, data, response_key, target, tokenizer, accelerator: data
+    # export.format -> writer(step_dir, out_dir, info): formats besides the project's own HF folder.
+    export_formats: Mapping[str, Callable] = field(default_factory=dict)
+    # Whether transformers' assisted generation can drive it (its export then carries assistant settings).
+    hf_assistant: bool = False
+    # For model cards: a sentence on what it is, and Hub tags.
+    summary: str = ""
+    card_tags: tuple[str, ...] = ()
+
+
+# kind name -> module defining `KIND` (imported on first use: a kind's model code loads only when it is used)
+_MODULES = {"ar": "drafter_train.drafters.ar", "nar": "drafter_train.drafters.nar",
+            "eagle3": "drafter_train.drafters.eagle3"}
+assert tuple(_MODULES) == DRAFTER_KINDS, "config.DRAFTER_KINDS and the registry must list the same kinds"
+
+
+def module_name(kind: DrafterKind) -> str:
+    """The module that defines a kind (importing it registers its model classes with transformers)."""
+    return _MODULES[kind.name]
+
+
+def get_kind(name: str) -> DrafterKind:
+    if name not in _MODULES:
+        raise ConfigError(f"drafter.kind: unknown kind {name!r} (known: {', '.join(_MODULES)})")
+    return importlib.import_module(_MODULES[name]).KIND
+
+
+def all_kinds() -> list[DrafterKind]:
+    return [get_kind(name) for name in _MODULES]
+
+
+def folder_kind(path: str) -> Optional[DrafterKind]:
+    """The kind a local drafter folder holds (from config.json's model_type); None for a hub id or no config."""
+    config_file = Path(path) / "config.json"
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, json.JSONDecodeError):
+        return None  # a hub id, or a folder the loaders will explain
+    special = [kind for kind in all_kinds() if kind.model_type is not None and kind.model_type == model_type]
+    return special[0] if special else get_kind("ar")
+
+
+def model_kind(model: nn.Module) -> DrafterKind:
+    """The kind of a drafter model (by its config's model_type; any other model is an AR drafter)."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    special = [kind for kind in all_kinds() if kind.model_type is not None and kind.model_type == model_type]
+    return special[0] if special else get_kind("ar")
+
+
+def resolve_kind(cfg: DrafterConfig) -> DrafterKind:
+    """The kind a drafter config builds: its own, or (kind=auto) the one its saved folder holds; a folder holding
+    another kind than asked for is refused in one line."""
+    held = folder_kind(cfg.path)
+    if cfg.kind == "auto":
+        return held or get_kind("ar")
+    kind = get_kind(cfg.kind)
+    if held is not None and held.name != kind.name:
+        raise ConfigError(f"drafter.kind={cfg.kind}: {cfg.path} holds {held.description}, not "
+                          f"{kind.description} (drafter.kind=auto loads whatever a folder holds)")
+    return kind
+
+
+def kind_config(cfg: DrafterConfig, kind: DrafterKind) -> DrafterConfig:
+    """`cfg` as the kind's own schema: a kind=auto config (drafter=path) gets the kind's defaults for its fields."""
+    if isinstance(cfg, kind.config_class):
+        return cfg
+    common = {name: getattr(cfg, name) for name in ("path", "draft_len", "freeze_embeddings", "freeze_lm_head")}
+    return kind.config_class(kind=kind.name, **common)
+
+
+def make_drafter(model: PreTrainedModel) -> "Drafter":
+    """The decoder-side drafter for a loaded drafter model."""
+    return model_kind(model).decoder_drafter(model)
