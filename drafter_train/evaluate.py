@@ -32,7 +32,7 @@ from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.verify import make_verifier
 from drafter_train.drafters.loading import load_drafter
 from drafter_train.errors import ConfigError
-from drafter_train.targets import encode_prompt, load_target, model_identity
+from drafter_train.targets import encode_prompt, eos_token_ids, load_target, model_identity
 
 
 def sampling_params(cfg: EvalConfig) -> SamplingParams:
@@ -191,17 +191,6 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     metrics["config"] = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     output.write_text(json.dumps(metrics, indent=2))
     return metrics
-
-
-def eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
-    """EOS ids from the generation config (may list several, e.g. <|im_end|> and <|endoftext|>) and tokenizer."""
-    ids = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
 
 
 def to_job_config(cfg: DictConfig) -> EvalJobConfig:

@@ -34,9 +34,9 @@ from drafter_train.distributed import (
 from drafter_train.drafters.loading import load_drafter
 from drafter_train.drafters.nar import SpecDrafter
 from drafter_train.errors import ConfigError, DrafterTrainError
-from drafter_train.evaluate import eos_token_ids, evaluate_decoding
+from drafter_train.evaluate import evaluate_decoding
 from drafter_train.nar_distill import nar_distill_loss, to_blocks
-from drafter_train.targets import encode_prompt, load_target
+from drafter_train.targets import encode_prompt, eos_token_ids, load_target
 from drafter_train.tracking import RunLogger, log_with
 
 
