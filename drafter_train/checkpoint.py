@@ -12,6 +12,7 @@ import os
 import random
 import re
 import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
@@ -46,9 +47,9 @@ def prepare_run_dir(output_root: str, run_name: str, resume: str) -> Path:
     run_dir = Path(output_root) / run_name
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        # A nameless probe file of this process's own: every rank of a launch checks the same folder at once.
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
     except OSError as err:
         raise ConfigError(f"train.output_root: cannot write {run_dir}: {err.strerror}") from None
     if resume == "never" and latest_checkpoint(run_dir) is not None:
@@ -72,6 +73,13 @@ def check_same_run(run_dir: Path, config: dict) -> None:
         detail = ", ".join(f"{k}: {_get(saved, k)!r} -> {_get(config, k)!r}" for k in changed)
         raise ConfigError(f"train.resume: {run_dir} holds a run with other settings ({detail}); "
                           "pick another train.run_name, or train.resume=never")
+
+
+def save_run_config(run_dir: Path, config: dict) -> None:
+    """config.yaml, replaced atomically: check_same_run of a later launch never reads half a file (main process)."""
+    tmp = run_dir / f".config.yaml.tmp-{os.getpid()}"
+    tmp.write_text(OmegaConf.to_yaml(config))
+    os.replace(tmp, run_dir / "config.yaml")
 
 
 def _get(config: dict, dotted: str):
