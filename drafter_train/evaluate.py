@@ -21,6 +21,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from drafter_train.checkpoint import verify_drafter_folder
 from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig, register_configs
 from drafter_train.cli import one_line_errors
 from drafter_train.data.prompts import load_prompts
@@ -31,7 +32,7 @@ from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.verify import make_verifier
 from drafter_train.drafters.loading import load_drafter
-from drafter_train.errors import ConfigError
+from drafter_train.errors import CheckpointDamagedError, ConfigError
 from drafter_train.targets import encode_prompt, eos_token_ids, load_target, model_identity
 
 
@@ -170,6 +171,14 @@ def _check_writable(path: Path) -> None:
         raise ConfigError(f"eval.output: cannot write {path}: {err.strerror}") from None
 
 
+def _check_intact(drafter_path: str) -> None:
+    """A drafter/ folder of a drafter-train checkpoint must match the checksums recorded when it was written."""
+    try:
+        verify_drafter_folder(drafter_path)
+    except CheckpointDamagedError as err:
+        raise CheckpointDamagedError(f"drafter.path: checkpoint {err}; evaluate another checkpoint") from None
+
+
 def metrics_path(cfg: EvalConfig) -> Path:
     """eval.output, else metrics.json in the Hydra job's output folder (one per -m sweep job; cwd outside Hydra)."""
     if cfg.output:
@@ -181,6 +190,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     """Load everything named by the config, evaluate, write metrics.json and return the metrics."""
     output = metrics_path(cfg.eval)
     _check_writable(output)
+    _check_intact(cfg.drafter.path)
     target, tokenizer = load_target(cfg.target)
     drafter = make_drafter(load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype))
     texts = load_prompts(cfg.eval.prompts, cfg.eval.num_prompts, cfg.eval.prompt_field)

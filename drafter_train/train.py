@@ -19,7 +19,7 @@ from transformers import get_scheduler
 
 from drafter_train.checkpoint import (
     TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune, rng_state,
-    partial_checkpoint, save_checkpoint, save_run_config, set_rng_state, start_checkpoint,
+    partial_checkpoint, resume_checkpoint, save_checkpoint, save_run_config, set_rng_state, start_checkpoint,
 )
 from drafter_train.config import CONF_DIR, TrainJobConfig, register_configs
 from drafter_train.cli import on_main_process, one_line_errors
@@ -150,7 +150,7 @@ def train(cfg: TrainJobConfig) -> dict:
 
     # ---- model, optimizer, schedule; resume restores all of it plus RNG and data position ----
     state = TrainState()
-    resume_from = latest_checkpoint(run_dir) if tcfg.resume == "auto" else None
+    resume_from = resume_checkpoint(run_dir, accelerator.is_main_process) if tcfg.resume == "auto" else None
     drafter_cfg = cfg.drafter
     if resume_from is not None:
         drafter_cfg = dataclasses.replace(cfg.drafter, path=str(resume_from / "drafter"))
