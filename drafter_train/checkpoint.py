@@ -1,27 +1,36 @@
-"""Run folders and checkpoints: checkpoints/<run>/step-<N>/{drafter/, training_state.pt, metrics.json}.
+"""Run folders and checkpoints: checkpoints/<run>/step-<N>/{drafter/, training_state.pt, metrics.json, checksums.json}.
 
 Each checkpoint is written into a hidden temporary folder and renamed into place, and `latest` / `best` are
 symlinks replaced atomically, so a crash at any moment leaves the previous checkpoint intact and pointed to.
-Pruning keeps the newest `keep_last` step folders and never deletes the one `best` points to.
+Pruning keeps the newest `keep_last` step folders and never deletes the ones `best` and `latest` point to.
+
+What a crash cannot do, a disk or a person can: the last file written into a checkpoint, checksums.json, holds the
+size and sha256 of every other file in it. Resuming verifies `latest` and falls back to the newest intact step;
+drafter-eval and drafter-export verify what they read. A checkpoint without checksums.json (written before they
+were recorded) is accepted unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import sys
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from omegaconf import OmegaConf
 
-from drafter_train.errors import ConfigError
+from drafter_train.errors import CheckpointDamagedError, ConfigError
 
 _STEP = re.compile(r"^step-(\d+)$")
+MANIFEST = "checksums.json"
 
 
 @dataclass
@@ -46,9 +55,9 @@ def prepare_run_dir(output_root: str, run_name: str, resume: str) -> Path:
     run_dir = Path(output_root) / run_name
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
-        probe.write_text("")
-        probe.unlink()
+        # A nameless probe file of this process's own: every rank of a launch checks the same folder at once.
+        with tempfile.TemporaryFile(dir=run_dir):
+            pass
     except OSError as err:
         raise ConfigError(f"train.output_root: cannot write {run_dir}: {err.strerror}") from None
     if resume == "never" and latest_checkpoint(run_dir) is not None:
@@ -72,6 +81,13 @@ def check_same_run(run_dir: Path, config: dict) -> None:
         detail = ", ".join(f"{k}: {_get(saved, k)!r} -> {_get(config, k)!r}" for k in changed)
         raise ConfigError(f"train.resume: {run_dir} holds a run with other settings ({detail}); "
                           "pick another train.run_name, or train.resume=never")
+
+
+def save_run_config(run_dir: Path, config: dict) -> None:
+    """config.yaml, replaced atomically: check_same_run of a later launch never reads half a file (main process)."""
+    tmp = run_dir / f".config.yaml.tmp-{os.getpid()}"
+    tmp.write_text(OmegaConf.to_yaml(config))
+    os.replace(tmp, run_dir / "config.yaml")
 
 
 def _get(config: dict, dotted: str):
@@ -128,6 +144,7 @@ def save_checkpoint(
     tokenizer.save_pretrained(tmp / "drafter")
     torch.save(training_state, tmp / "training_state.pt")
     (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    write_manifest(tmp)  # last: every rank's files are in (DeepSpeed's partitions were written before the barrier)
     if final.exists():  # re-saving a step (e.g. a resumed run's final step): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -155,3 +172,123 @@ def prune(run_dir: Path, keep_last: int) -> None:
 
 def load_training_state(step_dir: Path) -> dict:
     return torch.load(step_dir / "training_state.pt", weights_only=False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checksums: written last into each checkpoint, verified by whatever reads one
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_manifest(step_dir: Path) -> None:
+    """checksums.json: size and sha256 of every file under `step_dir`, by relative path (~0.1 s per 100 MB)."""
+    files = {
+        path.relative_to(step_dir).as_posix(): {"size": path.stat().st_size, "sha256": _sha256(path)}
+        for path in sorted(step_dir.rglob("*")) if path.is_file() and path.name != MANIFEST
+    }
+    (step_dir / MANIFEST).write_text(json.dumps({"algorithm": "sha256", "files": files}, indent=1) + "\n")
+
+
+def verify_checkpoint(step_dir: Path, parts: Sequence[str] = ()) -> bool:
+    """Check the files checksums.json records (only those under the top-level names in `parts`, when given).
+
+    True: all there and unchanged. False: no checksums.json, a checkpoint written before they were recorded (not
+    verifiable). Raises CheckpointDamagedError naming the first file that is missing or changed.
+    """
+    if not step_dir.is_dir():
+        raise CheckpointDamagedError(f"{step_dir} is damaged: the folder is missing")
+    if not (step_dir / MANIFEST).is_file():
+        return False
+    try:
+        files = json.loads((step_dir / MANIFEST).read_text())["files"]
+        expected = {rel: (int(entry["size"]), str(entry["sha256"])) for rel, entry in files.items()
+                    if not parts or rel.split("/")[0] in parts}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise CheckpointDamagedError(f"{step_dir} is damaged: {MANIFEST} is unreadable ({err})") from None
+    if not expected:
+        raise CheckpointDamagedError(f"{step_dir} is damaged: {MANIFEST} lists no files of {', '.join(parts)}")
+    for rel, (size, sha256) in expected.items():
+        problem = _file_problem(step_dir / rel, size, sha256)
+        if problem:
+            raise CheckpointDamagedError(f"{step_dir} is damaged: {rel} {problem}")
+    return True
+
+
+def _file_problem(path: Path, size: int, sha256: str) -> Optional[str]:
+    try:
+        found = path.stat().st_size
+        if found != size:
+            return f"has {found} bytes, {size} when it was written"
+        return None if _sha256(path) == sha256 else f"does not match its sha256 in {MANIFEST}"
+    except FileNotFoundError:
+        return "is missing"
+
+
+def verify_drafter_folder(path: str) -> None:
+    """When `path` is the drafter/ folder of a checkpoint (step-<N>/drafter, best/drafter...), verify its files."""
+    folder = Path(path).expanduser()
+    if folder.is_dir() and (folder.resolve().parent / MANIFEST).is_file():
+        verify_checkpoint(folder.resolve().parent, parts=(folder.resolve().name,))
+
+
+def resume_checkpoint(run_dir: Path, main_process: bool) -> Optional[Path]:
+    """The checkpoint resume=auto continues from: `latest` if intact, else the newest intact step before it.
+
+    Every rank calls this and gets the same answer; the main process says in one line what it skipped, and sets the
+    damaged steps aside (see set_aside). Raises CheckpointDamagedError when `latest` exists but no intact checkpoint
+    is left.
+    """
+    link = run_dir / "latest"
+    if not link.is_symlink():
+        return None
+    named = run_dir / Path(os.readlink(link)).name
+    candidates = [step for step in reversed(step_dirs(run_dir)) if _step_number(step) < _step_number(named)]
+    damaged: list[tuple[Path, CheckpointDamagedError]] = []
+    for step in [named, *candidates]:
+        try:
+            verified = verify_checkpoint(step)
+        except CheckpointDamagedError as err:
+            damaged.append((step, err))
+            continue
+        if main_process and not verified:
+            print(f"drafter-train: note: {step} has no {MANIFEST} (written before checkpoints recorded checksums); "
+                  "resuming from it unverified", file=sys.stderr)
+        if main_process and damaged:
+            set_aside(run_dir, [bad for bad, _ in damaged], step)
+            print(f"drafter-train: warning: {'; '.join(str(err) for _, err in damaged)}; resuming from {step.name}, "
+                  "the newest intact checkpoint (damaged steps kept as step-<N>.damaged)", file=sys.stderr)
+        return step
+    raise CheckpointDamagedError(
+        f"train.resume: no intact checkpoint is left in {run_dir} ({'; '.join(str(err) for _, err in damaged)}); "
+        "move the run folder away to start over, or pick another train.run_name"
+    )
+
+
+def _step_number(step_dir: Path) -> int:
+    match = _STEP.match(step_dir.name)
+    return int(match.group(1)) if match else -1
+
+
+def set_aside(run_dir: Path, damaged: list[Path], resumed: Path) -> None:
+    """Rename damaged steps to step-<N>.damaged (kept for inspection, never pruned by name) and point `latest` to
+    the step resumed from, so that the run writes those steps anew and pruning never counts a damaged one. A `best`
+    left pointing nowhere goes to the best step the resumed state knows of, if it is still there."""
+    for step in damaged:
+        if step.is_dir():
+            aside = step.with_name(f"{step.name}.damaged")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(step, aside)
+    _relink(run_dir, "latest", resumed)
+    best = run_dir / "best"
+    if best.is_symlink() and not best.resolve().is_dir():
+        best_step = run_dir / f"step-{load_training_state(resumed)['train_state']['best_step']}"
+        if best_step.is_dir():
+            _relink(run_dir, "best", best_step)
+        else:
+            best.unlink()

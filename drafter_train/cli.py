@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from typing import Iterator
 
@@ -17,3 +18,17 @@ def one_line_errors(prog: str) -> Iterator[None]:
     except DrafterTrainError as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         sys.exit(2)
+
+
+def on_main_process() -> bool:
+    """Whether this is the launch's main process: RANK 0 under `accelerate launch` / torchrun, or no launcher at all.
+
+    Every rank runs the console script in the same run folder; what is written or printed once (Hydra's files, the
+    final summary, a sweep's report) is done here, before and after any Accelerator exists.
+    """
+    return os.environ.get("RANK", "0") == "0"
+
+
+def main_process_only(value, elsewhere=None):
+    """Hydra resolver `${main_process_only:VALUE[,ELSEWHERE]}`: VALUE on the main process, ELSEWHERE on other ranks."""
+    return value if on_main_process() else elsewhere

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
 
+from drafter_train.cli import main_process_only
 from drafter_train.errors import ConfigError
 
 VERIFY_MODES = ("greedy", "sample", "specdec")
@@ -484,7 +486,9 @@ def _check_repo_id(repo_id: str) -> None:
 
 
 def register_configs() -> None:
-    """Register the schemas so YAML files can extend them (called by the entry points, not at import)."""
+    """Register the schemas so YAML files can extend them, and the resolvers the YAML files use (called by the entry
+    points, not at import)."""
+    OmegaConf.register_new_resolver("main_process_only", main_process_only, replace=True)
     cs = ConfigStore.instance()
     cs.store(name="eval_schema", node=EvalJobConfig)
     cs.store(name="datagen_schema", node=DatagenJobConfig)

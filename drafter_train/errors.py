@@ -15,3 +15,7 @@ class VocabMismatchError(DrafterTrainError, ValueError):
 
 class ModelNotFoundError(DrafterTrainError, FileNotFoundError):
     """A target or drafter path that is neither a local folder/file nor loadable from the hub."""
+
+
+class CheckpointDamagedError(DrafterTrainError):
+    """A checkpoint's files are missing or differ from the checksums recorded when it was written."""

@@ -21,6 +21,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from drafter_train.checkpoint import verify_drafter_folder
 from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig, register_configs
 from drafter_train.cli import one_line_errors
 from drafter_train.data.prompts import load_prompt_records
@@ -32,8 +33,8 @@ from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.verify import make_verifier
 from drafter_train.drafters.loading import load_drafter
 from drafter_train.drafters.registry import make_drafter, model_kind
-from drafter_train.errors import ConfigError
-from drafter_train.targets import encode_prompt, load_target, model_identity
+from drafter_train.errors import CheckpointDamagedError, ConfigError
+from drafter_train.targets import encode_prompt, eos_token_ids, load_target, model_identity
 
 
 def sampling_params(cfg: EvalConfig) -> SamplingParams:
@@ -196,6 +197,14 @@ def _check_writable(path: Path) -> None:
         raise ConfigError(f"eval.output: cannot write {path}: {err.strerror}") from None
 
 
+def _check_intact(drafter_path: str) -> None:
+    """A drafter/ folder of a drafter-train checkpoint must match the checksums recorded when it was written."""
+    try:
+        verify_drafter_folder(drafter_path)
+    except CheckpointDamagedError as err:
+        raise CheckpointDamagedError(f"drafter.path: checkpoint {err}; evaluate another checkpoint") from None
+
+
 def metrics_path(cfg: EvalConfig) -> Path:
     """eval.output, else metrics.json in the Hydra job's output folder (one per -m sweep job; cwd outside Hydra)."""
     if cfg.output:
@@ -207,6 +216,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     """Load everything named by the config, evaluate, write metrics.json and return the metrics."""
     output = metrics_path(cfg.eval)
     _check_writable(output)
+    _check_intact(cfg.drafter.path)
     target, tokenizer = load_target(cfg.target)
     model = load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype)
     drafter = make_drafter(model)
@@ -219,17 +229,6 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     metrics["config"] = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     output.write_text(json.dumps(metrics, indent=2))
     return metrics
-
-
-def eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
-    """EOS ids from the generation config (may list several, e.g. <|im_end|> and <|endoftext|>) and tokenizer."""
-    ids = set()
-    for source in (getattr(model, "generation_config", None), model.config):
-        value = getattr(source, "eos_token_id", None) if source is not None else None
-        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return sorted(ids)
 
 
 def to_job_config(cfg: DictConfig) -> EvalJobConfig:

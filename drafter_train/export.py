@@ -19,10 +19,10 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from drafter_train.checkpoint import step_dirs
+from drafter_train.checkpoint import step_dirs, verify_checkpoint
 from drafter_train.cli import one_line_errors
 from drafter_train.config import CONF_DIR, ExportConfig, register_configs
-from drafter_train.errors import ConfigError, DrafterTrainError
+from drafter_train.errors import CheckpointDamagedError, ConfigError, DrafterTrainError
 from drafter_train.model_card import MARKER, RunInfo, looks_local, model_card, read_run_info, step_text, target_names
 
 # Keys that describe how a file was loaded on the training machine, not the model.
@@ -52,7 +52,18 @@ class ExportResult:
 
 
 def resolve_checkpoint(cfg: ExportConfig) -> Path:
-    """The step folder to export (symlinks resolved), or a one-line ConfigError saying why there is none."""
+    """The step folder to export (symlinks resolved), checked against its checksums (drafter/ and metrics.json, what
+    the export reads); a one-line error says why there is none. A damaged one is refused, never swapped for another."""
+    step_dir = _find_checkpoint(cfg)
+    try:
+        verify_checkpoint(step_dir, parts=("drafter", "metrics.json"))
+    except CheckpointDamagedError as err:
+        field = "export.checkpoint" if cfg.checkpoint else f"export.which={cfg.which}"
+        raise CheckpointDamagedError(f"{field}: checkpoint {err}; export another checkpoint") from None
+    return step_dir
+
+
+def _find_checkpoint(cfg: ExportConfig) -> Path:
     if cfg.checkpoint:
         step_dir = Path(cfg.checkpoint).expanduser().resolve()
         if not (step_dir / "drafter").is_dir():

@@ -13,7 +13,6 @@ conf/train.yaml and conf/eval.yaml).
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -24,7 +23,7 @@ import hydra
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from drafter_train.cli import one_line_errors
+from drafter_train.cli import on_main_process, one_line_errors
 from drafter_train.config import CONF_DIR, ReportJobConfig, TrackerConfig, register_configs
 from drafter_train.errors import ConfigError
 from drafter_train.model_card import run_config
@@ -240,7 +239,7 @@ class SweepReport(Callback):
         self.tracker = TrackerConfig(**dict(tracker)) if tracker else TrackerConfig()
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        if os.environ.get("RANK", "0") != "0":  # every rank of a multi-process launch runs the sweep: write once
+        if not on_main_process():  # every rank of a multi-process launch runs the sweep: write once
             return
         sweep_dir = Path(config.hydra.sweep.dir)
         with one_line_errors("drafter-report"):

@@ -1,5 +1,6 @@
-"""Load a target model and its tokenizer (hub id, local HF folder, GGUF file, or the embedded SmolLM2), and check
-that a drafter speaks the same vocabulary.
+"""Load a target model and its tokenizer (hub id, local HF folder, GGUF file, or the embedded SmolLM2), check that
+a drafter speaks the same vocabulary, and answer what every consumer asks of a target (its EOS ids, how a prompt is
+encoded).
 
 Everything goes through ``AutoModelForCausalLM`` / ``AutoTokenizer``: no modeling code is copied here.
 """
@@ -124,6 +125,17 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: 
         # Templates write their own BOS (if any); letting the tokenizer add one too would double it.
         return list(tokenizer(rendered, add_special_tokens=False).input_ids)
     return list(tokenizer(text).input_ids)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
+    """EOS ids from the generation config (may list several, e.g. <|im_end|> and <|endoftext|>) and tokenizer."""
+    ids = set()
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        ids.update(value if isinstance(value, list) else [value] if value is not None else [])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return sorted(ids)
 
 
 def model_identity(cfg: TargetConfig) -> dict:

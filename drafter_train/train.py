@@ -19,10 +19,10 @@ from transformers import get_scheduler
 
 from drafter_train.checkpoint import (
     TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune, rng_state,
-    partial_checkpoint, save_checkpoint, set_rng_state, start_checkpoint,
+    partial_checkpoint, resume_checkpoint, save_checkpoint, save_run_config, set_rng_state, start_checkpoint,
 )
 from drafter_train.config import CONF_DIR, TrainJobConfig, register_configs
-from drafter_train.cli import one_line_errors
+from drafter_train.cli import on_main_process, one_line_errors
 from drafter_train.data.batches import BatchStream, collate, token_counts
 from drafter_train.data.store import load_distill_dataset
 from drafter_train.data.prompts import load_prompt_records
@@ -32,8 +32,8 @@ from drafter_train.distributed import (
 from drafter_train.drafters.loading import load_drafter
 from drafter_train.drafters.registry import DrafterKind, kind_config, make_drafter, resolve_kind
 from drafter_train.errors import ConfigError, DrafterTrainError
-from drafter_train.evaluate import eos_token_ids, evaluate_decoding
-from drafter_train.targets import encode_prompt, load_target, model_vocab_size
+from drafter_train.evaluate import evaluate_decoding
+from drafter_train.targets import encode_prompt, eos_token_ids, load_target, model_vocab_size
 from drafter_train.tracking import RunLogger, log_with
 
 
@@ -128,7 +128,8 @@ def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJo
 
 
 def train(cfg: TrainJobConfig) -> dict:
-    """Train a drafter as configured; returns the last checkpoint's metrics."""
+    """Train a drafter as configured; returns the last checkpoint's metrics (evaluated on the main process: other ranks
+    may get {})."""
     tcfg = cfg.train
     run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
     config = OmegaConf.to_container(OmegaConf.structured(cfg))  # plain dict: saved, compared, tracked
@@ -146,7 +147,7 @@ def train(cfg: TrainJobConfig) -> dict:
 
     # ---- model, optimizer, schedule; resume restores all of it plus RNG and data position ----
     state = TrainState()
-    resume_from = latest_checkpoint(run_dir) if tcfg.resume == "auto" else None
+    resume_from = resume_checkpoint(run_dir, accelerator.is_main_process) if tcfg.resume == "auto" else None
     drafter_cfg = cfg.drafter
     if resume_from is not None:
         drafter_cfg = dataclasses.replace(cfg.drafter, path=str(resume_from / "drafter"))
@@ -166,7 +167,7 @@ def train(cfg: TrainJobConfig) -> dict:
 
     run_name = tcfg.run_name
     if accelerator.is_main_process:  # the resolved config, whatever launched the run (CLI, -m sweep, a test)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(config))
+        save_run_config(run_dir, config)
     tags = [f"draft_len={cfg.drafter.draft_len}", f"loss={cfg.loss.name}", f"drafter={cfg.drafter.kind}:{cfg.drafter.path}"]
     logger = RunLogger(accelerator, run_dir, cfg.tracker, run_name, tags, config)
     eval_history: list[dict] = []
@@ -260,8 +261,9 @@ def _hydra_main(cfg: DictConfig) -> float:
     with one_line_errors("drafter-train"):
         metrics = train(to_job_config(cfg))
     tau = metrics.get("tau", math.nan)
-    print(f"final checkpoint: tau={tau:.3f} acceptance={metrics.get('acceptance_rate', math.nan):.3f} "
-          f"speedup={metrics.get('speedup', math.nan):.3f}", file=sys.stderr)
+    if on_main_process():  # the only process that evaluates: other ranks hold no metrics
+        print(f"final checkpoint: tau={tau:.3f} acceptance={metrics.get('acceptance_rate', math.nan):.3f} "
+              f"speedup={metrics.get('speedup', math.nan):.3f}", file=sys.stderr)
     return tau
 
 

@@ -30,8 +30,8 @@ from omegaconf import OmegaConf  # noqa: E402
 from drafter_train.config import CONF_DIR, register_configs  # noqa: E402
 from drafter_train.decoding.drafter import ARDrafter  # noqa: E402
 from drafter_train.drafters.loading import load_drafter  # noqa: E402
-from drafter_train.evaluate import eos_token_ids, evaluate_decoding  # noqa: E402
-from drafter_train.targets import load_target  # noqa: E402
+from drafter_train.evaluate import evaluate_decoding  # noqa: E402
+from drafter_train.targets import eos_token_ids, load_target  # noqa: E402
 from drafter_train.train import eval_prompt_ids, train  # noqa: E402
 
 VARIANTS = {

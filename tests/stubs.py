@@ -62,13 +62,14 @@ def word_tokenizer(words=WORDS):
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def run_cli(module: str, *args: str, cwd):
-    """Run a console script's main() in a fresh interpreter, offline, and capture its output."""
+def run_cli(module: str, *args: str, cwd, env: dict | None = None):
+    """Run a console script's main() in a fresh interpreter, offline, and capture its output (`env`: added to the
+    environment)."""
     import os
     import subprocess
     import sys
 
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1"}
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", **(env or {})}
     cmd = [sys.executable, "-c", f"from {module} import main; main()", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 

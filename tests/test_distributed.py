@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -31,7 +32,7 @@ from drafter_train.distributed import check_launch, check_launch_precision
 from drafter_train.errors import ConfigError
 from drafter_train.train import train
 from tests.conftest import REPO
-from tests.stubs import compose_cfg
+from tests.stubs import compose_cfg, run_cli
 from tests.test_train import losses
 
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)  # per-step train/loss, 2 ranks vs 1 process
@@ -141,8 +142,16 @@ def test_two_ddp_ranks_train_one_model_on_disjoint_data(tiny_data, one_process, 
     assert_matches_one_process(run_dir, one_process)
 
 
+def assert_main_process_reported(done: subprocess.CompletedProcess, jobs: int = 1) -> None:
+    """Only the process that evaluated prints the final metrics: no `nan` line from a rank that holds none."""
+    output = done.stdout + done.stderr
+    assert re.search(r"\bnan\b", output, re.IGNORECASE) is None, output[-3000:]
+    assert output.count("final checkpoint: tau=") == jobs, output[-3000:]
+
+
 def test_ddp_launch_command_runs_two_ranks_in_one_run_dir(tiny_data, one_process, tmp_path):
-    accelerate_launch("ddp_cpu.yaml", overrides(tiny_data, tmp_path / "out", 2), cwd=tmp_path, use_cpu=True)
+    done = accelerate_launch("ddp_cpu.yaml", overrides(tiny_data, tmp_path / "out", 2), cwd=tmp_path, use_cpu=True)
+    assert_main_process_reported(done)
     run_dir = tmp_path / "out" / RUN
     assert_one_job_of_two_ranks(run_dir, DistributedType.MULTI_CPU.value)
     # Hydra's output folder: the run folder, shared by both ranks (no per-rank timestamped folders).
@@ -155,7 +164,8 @@ def test_zero2_sweep_with_accumulation_resumes_and_matches_one_process(tiny_data
     included) to step 4. 2 ranks x batch 1 x grad_accum 2: DeepSpeed's accumulation is the trainer's. Checkpoints
     every step with keep_last=1 exercise latest/best and pruning."""
     args = overrides(tiny_data, tmp_path / "out", 1, "train.grad_accum=2", "train.save_every=1", "train.keep_last=1")
-    accelerate_launch("zero2_cpu.yaml", ["--multirun", *args, "train.max_steps=2,4"], cwd=tmp_path)
+    done = accelerate_launch("zero2_cpu.yaml", ["--multirun", *args, "train.max_steps=2,4"], cwd=tmp_path)
+    assert_main_process_reported(done, jobs=2)
     run_dir = tmp_path / "out" / RUN
     assert_one_job_of_two_ranks(run_dir, DistributedType.DEEPSPEED.value, launches=2)
     assert [r["step"] for r in rows(run_dir) if "eval/tau" in r] == [0, 1, 2, 3, 4]
@@ -178,6 +188,18 @@ def test_zero3_saves_a_full_hf_drafter_and_resumes_in_a_new_launch(tiny_data, on
     for (name, value), (_, expected) in zip(drafter.state_dict().items(), reference.state_dict().items()):
         assert value.numel() > 0 and value.shape == expected.shape, name  # gathered, not a ZeRO-3 placeholder
     assert_matches_one_process(run_dir, one_process)
+
+
+def test_only_the_main_process_writes_hydra_files_into_the_shared_run_dir(tmp_path):
+    """Every rank runs Hydra in the one run folder; .hydra/ and train.log get one writer, the main process (RANK 0).
+    (A run that stops at its config check: Hydra has written its files by then.)"""
+    for rank in ("1", "0"):
+        out = tmp_path / f"rank{rank}"
+        done = run_cli("drafter_train.train", f"train.output_root={out}", "train.run_name=run", "train.batch_size=0",
+                       cwd=tmp_path, env={"RANK": rank})
+        assert done.returncode == 2 and "train.batch_size" in done.stderr, done.stderr[-2000:]
+        written = sorted(p.name for p in (out / "run").iterdir())
+        assert written == ([".hydra", "train.log"] if rank == "0" else []), (rank, written)
 
 
 # ---- launches that would silently train something else -------------------------------------------------------------

