@@ -55,7 +55,7 @@ class TargetConfig:
 
 
 # Drafter kinds (drafters/registry.py maps each to its module). "auto": whatever kind a saved folder holds.
-DRAFTER_KINDS = ("ar", "nar", "eagle3")
+DRAFTER_KINDS = ("ar", "nar", "eagle3", "ngram")
 
 
 @dataclass
@@ -129,6 +129,23 @@ class NARDrafterConfig(ARDrafterConfig):
         _check(self.blocks_per_sequence >= 0, "drafter.blocks_per_sequence",
                f"must be >= 0, got {self.blocks_per_sequence}")
         _check(0 <= self.glancing_ratio <= 1, "drafter.glancing_ratio", f"must be in [0, 1], got {self.glancing_ratio}")
+
+
+@dataclass
+class NgramDrafterConfig(DrafterConfig):
+    """`drafter=ngram`: prompt-lookup decoding (drafters/ngram.py), no model and no training; `path: lookup` builds
+    it from the fields below, a saved ngram folder loads its own."""
+
+    kind: str = "ngram"
+    path: str = "lookup"
+    # Suffix n-gram sizes tried, longest first (vLLM: prompt_lookup_min / prompt_lookup_max).
+    min_ngram: int = 1
+    max_ngram: int = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.min_ngram >= 1, "drafter.min_ngram", f"must be >= 1, got {self.min_ngram}")
+        _check(self.max_ngram >= self.min_ngram, "drafter.max_ngram", "must be >= drafter.min_ngram")
 
 
 FEATURE_SOURCES = ("online", "offline")
@@ -497,5 +514,6 @@ def register_configs() -> None:
     cs.store(name="report_schema", node=ReportJobConfig)
     # One schema per drafter kind, extended by the YAML files of the `drafter` group (conf/drafter/*.yaml).
     for name, node in (("ar_schema", ARDrafterConfig), ("nar_schema", NARDrafterConfig),
-                       ("eagle3_schema", Eagle3DrafterConfig), ("any_schema", DrafterConfig)):
+                       ("eagle3_schema", Eagle3DrafterConfig), ("ngram_schema", NgramDrafterConfig),
+                       ("any_schema", DrafterConfig)):
         cs.store(group="drafter", name=name, node=node)

@@ -80,6 +80,7 @@ def generate_speculative(
             began = _clock(lm.device)
             proposal = drafter.propose(seq, k, params, generator) if k else Proposal(seq.new_empty(0))
             drafted = _clock(lm.device)
+            k = proposal.draft_len  # a drafter may propose fewer (prompt lookup without a match: none)
             logits = lm.forward(torch.cat([seq[-1:], proposal.tokens]), num_logits=k + 1)  # [k+1, V]
             num_accepted, next_token = verifier(proposal, logits, generator)
             stats.target_forward_passes += 1

@@ -40,6 +40,8 @@ def make_sample_verifier(params: SamplingParams) -> Verifier:
         if k == 0:  # the decoder's last, shortened step: a plain target sample
             return 0, sample(p_target[0], generator)
         q_draft = proposal.q_draft  # [k, V], the drafts were sampled from it
+        if q_draft is None:  # deterministic drafts (prompt lookup): q is one-hot on each draft
+            q_draft = torch.nn.functional.one_hot(proposal.tokens, p_target.shape[-1]).to(p_target.dtype)
         rows = torch.arange(k, device=p_target.device)
         p_d = p_target[rows, proposal.tokens]  # [k] p_target(draft_i)
         q_d = q_draft[rows, proposal.tokens]  # [k] q_draft(draft_i) > 0

@@ -8,7 +8,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_train.config import DrafterConfig
-from drafter_train.drafters.registry import BuildContext, resolve_kind
+from drafter_train.drafters.registry import BuildContext, is_saved_drafter, resolve_kind
 from drafter_train.errors import ModelNotFoundError
 from drafter_train.targets import check_same_vocab, load_tokenizer
 
@@ -29,7 +29,7 @@ def load_drafter(
     """
     kind = resolve_kind(cfg)
     drafter = kind.build(cfg, BuildContext(target, target_tok, dtype, for_training, token_counts))
-    if cfg.path not in ("scratch", "new") and not cfg.path.startswith("truncated:"):
+    if is_saved_drafter(cfg.path):
         check_same_vocab(target, target_tok, drafter, _tokenizer_or_none(cfg.path))
     if for_training:
         drafter.train()
@@ -44,6 +44,9 @@ def freeze(drafter: PreTrainedModel, cfg: DrafterConfig) -> None:
         drafter.get_input_embeddings().requires_grad_(False)
     if cfg.freeze_lm_head and drafter.get_output_embeddings() is not None:
         drafter.get_output_embeddings().requires_grad_(False)
+        final_norm = getattr(drafter, "norm", None)  # drafters whose final norm is a direct child (EAGLE-3)
+        if isinstance(final_norm, torch.nn.Module):
+            final_norm.requires_grad_(False)
 
 
 def _tokenizer_or_none(path: str):

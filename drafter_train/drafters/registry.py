@@ -84,7 +84,9 @@ class DrafterKind:
 
 # kind name -> module defining `KIND` (imported on first use: a kind's model code loads only when it is used)
 _MODULES = {"ar": "drafter_train.drafters.ar", "nar": "drafter_train.drafters.nar",
-            "eagle3": "drafter_train.drafters.eagle3"}
+            "eagle3": "drafter_train.drafters.eagle3", "ngram": "drafter_train.drafters.ngram"}
+# drafter.path values that name a way to build a drafter rather than a saved one.
+BUILT_PATHS = ("scratch", "new", "lookup")
 assert tuple(_MODULES) == DRAFTER_KINDS, "config.DRAFTER_KINDS and the registry must list the same kinds"
 
 
@@ -140,6 +142,11 @@ def kind_config(cfg: DrafterConfig, kind: DrafterKind) -> DrafterConfig:
         return cfg
     common = {name: getattr(cfg, name) for name in ("path", "draft_len", "freeze_embeddings", "freeze_lm_head")}
     return kind.config_class(kind=kind.name, **common)
+
+
+def is_saved_drafter(path: str) -> bool:
+    """Whether drafter.path names a saved drafter (a folder or hub id), not a way to build one."""
+    return path not in BUILT_PATHS and not path.startswith("truncated:")
 
 
 def make_drafter(model: PreTrainedModel) -> "Drafter":

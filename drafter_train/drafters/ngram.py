@@ -1,0 +1,134 @@
+"""The ngram kind: prompt-lookup decoding (Saxena 2023; HF `prompt_lookup_num_tokens`, vLLM `method: ngram`).
+
+No model and no training: the drafts are the tokens that followed the most recent earlier occurrence of the longest
+suffix n-gram of the sequence so far (prompt and output), for n from `max_ngram` down to `min_ngram`. Where nothing
+matches it proposes nothing and the step is a plain target step, so it never drafts blindly. It is the free
+baseline every trained drafter must beat: it wins where the output copies its input (summaries, RAG, code edits).
+
+Lossless like every kind: the drafts are deterministic, so q is one-hot on each draft (speculative sampling then
+accepts draft d with probability p(d) and resamples from norm(max(0, p - onehot)) on rejection).
+
+A "drafter folder" is a config.json (model_type `ngram_drafter`, the n-gram sizes; `save_pretrained` writes it):
+`drafter-eval drafter=ngram` builds one, `drafter=path` loads a saved one; `drafter-train` has nothing to train and
+says so (so there is no run to export either).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor, nn
+from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
+
+from drafter_train.config import DrafterConfig, NgramDrafterConfig
+from drafter_train.decoding.drafter import Proposal
+from drafter_train.decoding.sampling import SamplingParams
+from drafter_train.drafters.registry import BuildContext, DrafterKind
+from drafter_train.errors import ConfigError
+
+MODEL_TYPE = "ngram_drafter"
+
+
+class NgramConfig(PretrainedConfig):
+    model_type = MODEL_TYPE
+
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3, **kwargs):
+        self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        super().__init__(**kwargs)
+
+
+class NgramModel(PreTrainedModel):
+    """Holds the n-gram settings so the kind saves, loads and reports like the others; it has no weights."""
+
+    config_class = NgramConfig
+    base_model_prefix = "ngram"
+    _no_split_modules = []
+
+    def __init__(self, config: NgramConfig):
+        super().__init__(config)
+        self.post_init()
+
+    def _init_weights(self, module: nn.Module) -> None:
+        pass
+
+    @property
+    def dtype(self) -> torch.dtype:  # no parameters to take it from; saving asks for one
+        return torch.float32
+
+    def get_input_embeddings(self):
+        return None
+
+    def get_output_embeddings(self):
+        return None
+
+
+def lookup(tokens: list[int], draft_len: int, min_ngram: int, max_ngram: int) -> list[int]:
+    """Up to `draft_len` tokens that followed the most recent earlier occurrence of the longest matching suffix
+    n-gram of `tokens` (n = max_ngram .. min_ngram); [] when no suffix n-gram occurred before."""
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = tokens[length - n:]
+        for start in range(length - n - 1, -1, -1):  # most recent first; the suffix itself is excluded
+            if tokens[start:start + n] == suffix:
+                follow = tokens[start + n:start + n + draft_len]
+                if follow:
+                    return follow
+    return []
+
+
+class PromptLookupDrafter:
+    """The decoder-side prompt-lookup drafter (no cache: each proposal searches the sequence)."""
+
+    feature_layers: Sequence[int] = ()
+
+    def __init__(self, model: NgramModel):
+        self.min_ngram, self.max_ngram = model.config.min_ngram, model.config.max_ngram
+
+    def reset(self) -> None:
+        pass
+
+    def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
+                generator: Optional[torch.Generator]) -> Proposal:
+        drafts = torch.tensor(lookup(seq.tolist(), draft_len, self.min_ngram, self.max_ngram), dtype=torch.long,
+                              device=seq.device)
+        return Proposal(drafts, q_draft=None)  # deterministic drafts: one-hot q (verify.py)
+
+    def commit(self, num_valid: int, features: Optional[Tensor] = None) -> None:
+        pass
+
+
+def build(cfg: DrafterConfig, ctx: BuildContext) -> NgramModel:
+    if cfg.path != "lookup":
+        return load(cfg.path, ctx.dtype)
+    if ctx.for_training:
+        raise ConfigError("drafter=ngram: prompt lookup has nothing to train; evaluate it with "
+                          "drafter-eval drafter=ngram (drafter.min_ngram / drafter.max_ngram)")
+    return NgramModel(NgramConfig(min_ngram=cfg.min_ngram, max_ngram=cfg.max_ngram,
+                                  vocab_size=ctx.target.config.vocab_size))
+
+
+def load(path: str, dtype: str) -> NgramModel:
+    return NgramModel(NgramConfig.from_pretrained(path)).eval()  # a config.json only: there are no weights
+
+
+def _no_loss(*args, **kwargs):
+    raise ConfigError("drafter=ngram: prompt lookup has nothing to train")
+
+
+KIND = DrafterKind(
+    name="ngram",
+    description="a prompt-lookup (n-gram) drafter",
+    model_type=MODEL_TYPE,
+    config_class=NgramDrafterConfig,
+    build=build,
+    load=load,
+    decoder_drafter=PromptLookupDrafter,
+    loss=_no_loss,
+    summary="Prompt-lookup decoding: drafts copy what followed the latest earlier occurrence of the sequence's "
+            "last n-gram; no model, no training.",
+    card_tags=("prompt-lookup", "ngram"),
+)
+
+AutoConfig.register(MODEL_TYPE, NgramConfig, exist_ok=True)
+AutoModel.register(NgramConfig, NgramModel, exist_ok=True)
