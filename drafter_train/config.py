@@ -306,7 +306,7 @@ class DatagenJobConfig:
     datagen: DatagenConfig = field(default_factory=DatagenConfig)
 
 
-LOSS_NAMES = ("ce", "fkl", "rkl", "jsd", "tvd", "accepted_length", "reach_weighted_tvd")
+LOSS_NAMES = ("ce", "greedy_ce", "fkl", "rkl", "jsd", "tvd", "accepted_length", "reach_weighted_tvd")
 TEACHERS = ("online", "offline", "none")
 
 
@@ -315,8 +315,9 @@ class LossConfig:
     """What the drafter is trained to match (drafter_train/losses.py)."""
 
     # ce: cross-entropy on the response tokens (sequence-level KD on target outputs, or plain LM training on the
-    # data's own answers with train.response=reference). fkl / rkl / jsd / tvd: token-level KD on the target's
-    # logits. accepted_length / reach_weighted_tvd: acceptance-aware objectives over blocks of drafter.draft_len.
+    # data's own answers with train.response=reference). greedy_ce: cross-entropy toward the target's argmax at each
+    # position (needs target logits; on fixed responses it teaches what greedy verification accepts).
+    # fkl / rkl / jsd / tvd: token-level KD on the target's logits. accepted_length / reach_weighted_tvd: acceptance-aware objectives over blocks of drafter.draft_len.
     name: str = "fkl"
     # Softmax temperature applied to both models' logits in the loss.
     temperature: float = 1.0

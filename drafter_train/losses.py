@@ -83,6 +83,16 @@ def ce(student_logits: Tensor, labels: Tensor, mask: Tensor, temperature: float 
     return _reduce(-picked, mask)
 
 
+def greedy_ce(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> LossOutput:
+    """Cross-entropy -log q(argmax p) toward the target's greedy token at each position.
+
+    Sequence-level KD's labels computed on any text (e.g. fixed responses whose own tokens are not the target's):
+    what greedy verification accepts is exactly the target's argmax. student/target_logits [B, T, V], mask [B, T].
+    """
+    mask = mask.bool()
+    return ce(student_logits, target_logits.argmax(-1), mask, temperature)
+
+
 def fkl(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> LossOutput:
     """Forward KL(p || q) per token: mass-covering. student/target_logits [B, T, V], mask [B, T]."""
     log_q, log_p, mask = _pair(student_logits, target_logits, mask, temperature)
@@ -198,6 +208,7 @@ def reach_weighted_tvd(
 # and temperature (all).
 LOSSES: dict[str, Callable[..., LossOutput]] = {
     "ce": ce,
+    "greedy_ce": greedy_ce,
     "fkl": fkl,
     "rkl": rkl,
     "jsd": jsd,

@@ -149,6 +149,13 @@ def test_ce_matches_cross_entropy():
     assert_close(out.mean(), expected / MASK.sum(), **TOL)
 
 
+def test_greedy_ce_is_cross_entropy_toward_the_targets_argmax():
+    s, t = _logits(0), _logits(1)
+    labels = t.argmax(-1).masked_fill(~MASK, -100)
+    expected = F.cross_entropy(s.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    assert_close(get_loss("greedy_ce")(s, t, MASK).loss_sum, expected, **TOL)
+
+
 def test_accepted_length_matches_naive_loop():
     s, t = _logits(0, scale=0.7), _logits(1, scale=0.7)
     for draft_len in (1, 2, 3, 4):
@@ -265,7 +272,7 @@ def test_empty_mask_gives_zero_mean():
 
 
 def test_unknown_name_and_bad_shapes():
-    with pytest.raises(ValueError, match="unknown loss 'kl'; valid names: ce, fkl"):
+    with pytest.raises(ValueError, match="unknown loss 'kl'; valid names: ce, greedy_ce, fkl"):
         get_loss("kl")
     with pytest.raises(ValueError, match=r"mask \[B, T\]"):
         get_loss("fkl")(_logits(0), _logits(1), MASK[:, :3])

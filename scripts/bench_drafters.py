@@ -1,0 +1,149 @@
+"""Benchmark: drafter kinds trained for the SAME wall-clock budget, evaluated side by side on held-out prompts.
+
+For each kind (default: eagle3, the best stand-alone AR drafter (`truncated:N`) and the SpecDec `nar` drafter) a
+short probe run measures seconds per optimizer step; the kind is then trained for `--budget-min` minutes of wall
+clock (for eagle3 with offline features, extracting the feature cache counts in its budget: that is what a user
+pays). Every trained drafter, plus prompt lookup (`ngram`, untrained), is evaluated at each `--draft-lens` value on
+the same prompts with the project's evaluator, `--repeats` times interleaved; the medians of tau, acceptance,
+per-position acceptance, drafter ms per proposal, verify ms per step and speedup over plain decoding (measured in the
+same run) are printed as a markdown table and stored in <output-root>/results.json, with the load average.
+
+    python scripts/bench_drafters.py --data data/ref1k --budget-min 20 --draft-lens 2 3 4 6 8 \
+        --prompts prompts/heldout-mix.jsonl --num-prompts 16 --max-new-tokens 64 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from drafter_train.config import CONF_DIR, NgramDrafterConfig, register_configs  # noqa: E402
+from drafter_train.drafters.loading import load_drafter  # noqa: E402
+from drafter_train.drafters.registry import make_drafter  # noqa: E402
+from drafter_train.evaluate import evaluate_decoding  # noqa: E402
+from drafter_train.targets import eos_token_ids, load_target  # noqa: E402
+from drafter_train.train import eval_prompt_ids, train  # noqa: E402
+
+KINDS = {
+    "eagle3": ["drafter=eagle3", "drafter.path=new", "drafter.features=offline", "loss=fkl"],
+    "ar": ["drafter=truncated", "drafter.path=truncated:2", "loss=ce"],
+    "nar": ["drafter=nar", "drafter.path=truncated:2", "loss=ce"],
+}
+METRICS = ("tau", "acceptance_rate", "speedup", "drafter_ms_per_proposal", "verify_ms_per_step", "spec_tokens_per_s",
+           "ar_tokens_per_s")
+
+
+def compose_train(overrides: list[str]):
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return OmegaConf.to_object(compose("train", overrides=overrides))
+
+
+def timed_train(overrides: list[str]) -> float:
+    start = time.perf_counter()
+    train(compose_train(overrides))
+    return time.perf_counter() - start
+
+
+def train_for_budget(name: str, overrides: list[str], args) -> dict:
+    """Measure the one-off cost (feature extraction: the first run), the fixed cost of a run (loading) and the
+    seconds per optimizer step, then train a fresh run for as many steps as the budget leaves."""
+    common = [f"train.data_dir={args.data}", f"train.output_root={args.output_root}", "train.eval_at_start=false",
+              f"train.response={args.response}", f"train.batch_size={args.batch_size}", f"train.lr={args.lr}",
+              "eval.num_prompts=2", "eval.max_new_tokens=8", *overrides, *args.overrides]
+
+    def probe(tag: str, steps: int) -> float:
+        return timed_train([*common, f"train.run_name={name}-{tag}", f"train.max_steps={steps}",
+                            f"train.save_every={steps}"])
+
+    first, one, many = probe("probe-a", 1), probe("probe-b", 1), probe("probe-c", 1 + args.probe_steps)
+    per_step = (many - one) / args.probe_steps
+    one_off, fixed = first - one, one - per_step
+    steps = max(int((args.budget_min * 60 - one_off - fixed) / per_step), 1)
+    run = f"{name}-budget{args.budget_min:g}m"
+    seconds = timed_train([*common, f"train.run_name={run}", f"train.max_steps={steps}", f"train.save_every={steps}"])
+    print(f"{name}: one-off {one_off:.0f} s, fixed {fixed:.0f} s, {per_step:.2f} s/step, trained {steps} steps "
+          f"in {seconds:.0f} s", flush=True)
+    return {"run": run, "steps": steps, "seconds_per_step": per_step, "one_off_s": one_off, "fixed_s": fixed,
+            "train_s": seconds, "cfg": compose_train([*common, f"train.run_name={run}"])}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True, help="drafter-datagen output folder")
+    parser.add_argument("--response", default="reference", help="train.response (reference: fixed answers)")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--budget-min", type=float, default=20.0, help="training wall-clock per kind, minutes")
+    parser.add_argument("--probe-steps", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--draft-lens", type=int, nargs="+", default=[2, 3, 4, 6, 8])
+    parser.add_argument("--prompts", default="prompts/heldout-mix.jsonl")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output-root", default="checkpoints/drafter-bench")
+    parser.add_argument("--overrides", nargs="*", default=[], help="drafter-train overrides for every run")
+    args = parser.parse_args()
+
+    trained = {name: train_for_budget(name, KINDS[name], args) for name in args.kinds}
+    cfg = next(iter(trained.values()))["cfg"]
+    eval_cfg = dataclasses.replace(cfg.eval, prompts=args.prompts, num_prompts=args.num_prompts,
+                                   max_new_tokens=args.max_new_tokens, warmup=1)
+    target, tokenizer = load_target(cfg.target)
+    prompts, categories = eval_prompt_ids(dataclasses.replace(cfg, eval=eval_cfg), tokenizer)
+    eos = eos_token_ids(target, tokenizer)
+    models = {"ngram": load_drafter(NgramDrafterConfig(), target, tokenizer, "float32")}
+    for name, info in trained.items():
+        best = Path(args.output_root) / info["run"] / "best" / "drafter"
+        models[name] = load_drafter(dataclasses.replace(info["cfg"].drafter, path=str(best)), target, tokenizer,
+                                    "float32")
+    rows = []
+    for k in args.draft_lens:
+        samples = {name: [] for name in models}
+        for repeat in range(args.repeats):  # interleaved, so a load change hits every drafter alike
+            for name, model in models.items():
+                metrics = evaluate_decoding(target, make_drafter(model), prompts,
+                                            dataclasses.replace(eval_cfg, draft_len=k), eos, progress=False,
+                                            categories=categories)
+                samples[name].append(metrics)
+                print(json.dumps({"draft_len": k, "drafter": name, "repeat": repeat,
+                                  **{m: round(metrics[m], 3) for m in ("tau", "speedup", "drafter_ms_per_proposal")}}),
+                      flush=True)
+        for name, runs in samples.items():
+            row = {"draft_len": k, "drafter": name, **{m: statistics.median(r[m] for r in runs) for m in METRICS}}
+            row["per_position_acceptance"] = [statistics.median(r["per_position_acceptance"][i] for r in runs)
+                                              for i in range(k)]
+            row["greedy_match"] = min(r["greedy_match"] for r in runs)
+            row["per_category_tau"] = {c: statistics.median(r["per_category"][c]["tau"] for r in runs)
+                                       for c in runs[0]["per_category"]}
+            row["out_of_draft_vocab"] = runs[0]["out_of_draft_vocab"]
+            rows.append(row)
+    out = Path(args.output_root)
+    out.mkdir(parents=True, exist_ok=True)
+    training = {name: {k: v for k, v in info.items() if k != "cfg"} for name, info in trained.items()}
+    (out / "results.json").write_text(json.dumps({"args": vars(args), "load_avg_end": os.getloadavg(),
+                                                  "training": training, "rows": rows}, indent=2))
+    print(f"\nmedians of {args.repeats} runs; load average at the end {os.getloadavg()[0]:.2f}")
+    print("| draft_len | drafter | tau | acceptance | per-position acceptance | drafter ms / proposal | "
+          "verify ms / step | speedup | greedy_match |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        positions = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
+        print(f"| {r['draft_len']} | {r['drafter']} | {r['tau']:.2f} | {r['acceptance_rate']:.3f} | {positions} | "
+              f"{r['drafter_ms_per_proposal']:.1f} | {r['verify_ms_per_step']:.1f} | {r['speedup']:.2f} | "
+              f"{r['greedy_match']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
