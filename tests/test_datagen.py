@@ -81,7 +81,7 @@ def test_split_references_and_manifest(folders, greedy_run):
     manifest = json.loads((greedy_run / "datagen.json").read_text())
     assert manifest["target"]["path"] == str(folders / "target") and manifest["target"]["chat_template"] is False
     assert manifest["generation"] == {
-        "max_new_tokens": 12, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "store_topk": 0
+        "max_new_tokens": 12, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "store_topk": 0, "backend": "hf"
     }
     assert manifest["counts"] == {
         "eval_prompts": 2, "train_prompts": 10, "skipped": {"empty": 1, "duplicate": 1, "too_long": 1},
