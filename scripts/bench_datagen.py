@@ -8,8 +8,9 @@ datagen.batch_size; vLLM: datagen.vllm.max_num_seqs, the whole prompt set sent a
 `--repeats` times after an untimed warm-up; tokens/s is generated tokens over generate time (engine start
 excluded; it is printed apart).
 tau: drafter-datagen writes one folder per backend (same prompts, same held-out eval prompts), then the same short
-drafter-train run (`--train-overrides`, one per `--seeds`) trains a drafter on each; tau is the trainer's own
-evaluation of the last checkpoint on the shared held-out prompts. Seeds measure the noise.
+drafter-train run (`--train-overrides`, one per `--seeds`) trains a drafter on each; every final drafter then
+decodes the shared held-out prompts speculatively (greedy, `--draft-len`; greedy output is the target's own, so the
+AR pass drafter-eval adds for speedup is skipped): tau = tokens / target passes. Seeds measure the noise.
 
 Both report agreement: the share of prompts whose greedy responses are token-identical, and at each first
 divergence the HF target's top-1 minus top-2 logit (as drafter-eval reports for greedy mismatches): differences of
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import statistics
@@ -33,13 +35,19 @@ from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from drafter_train.config import CONF_DIR, register_configs  # noqa: E402
-from drafter_train.data.datagen import Throughput, _pad_id, generate_shard, load_distill_dataset, run_datagen  # noqa: E402
+from drafter_train.data.datagen import (  # noqa: E402
+    Throughput, _pad_id, generate_shard, load_distill_dataset, run_datagen)
 from drafter_train.data.generation import HFBackend  # noqa: E402
 from drafter_train.data.sources import open_source, select_prompts  # noqa: E402
 from drafter_train.data.vllm_backend import VllmBackend  # noqa: E402
+from drafter_train.decoding.drafter import make_drafter  # noqa: E402
+from drafter_train.decoding.speculative import generate_speculative  # noqa: E402
+from drafter_train.decoding.stats import DecodeStats  # noqa: E402
+from drafter_train.decoding.verify import verify_greedy  # noqa: E402
+from drafter_train.drafters.loading import load_drafter  # noqa: E402
 from drafter_train.evaluate import divergence_margin, eos_token_ids  # noqa: E402
 from drafter_train.targets import load_target  # noqa: E402
-from drafter_train.train import train  # noqa: E402
+from drafter_train.train import eval_prompt_ids, train  # noqa: E402
 
 
 def composed(name: str, overrides: list[str]):
@@ -96,7 +104,8 @@ def throughput(args, common: list[str]) -> dict:
             "hf_vs_hf_first": agreement(model, ids, outputs["hf", args.in_flight[0]], outputs["hf", in_flight]),
         })
     print(f"\nmedians of {args.repeats}; {len(prompts)} prompts x up to {cfg.datagen.max_new_tokens} tokens")
-    print("| prompts in flight | HF tokens/s | vLLM tokens/s | vLLM / HF | identical responses | margins at divergence |")
+    print("| prompts in flight | HF tokens/s | vLLM tokens/s | vLLM / HF | identical responses "
+          "| margins at divergence |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         a = r["agreement"]
@@ -117,18 +126,37 @@ def tau(args, common: list[str]) -> dict:
         print(f"datagen {backend}: {time.perf_counter() - start:.0f} s", flush=True)
     data = {name: load_distill_dataset(folder) for name, folder in folders.items()}
     assert data["hf"]["prompt_ids"] == data["vllm"]["prompt_ids"]
-    target, _ = load_target(composed("datagen", common).target)
+    target, tokenizer = load_target(composed("datagen", common).target)
     result = {"agreement": agreement(target, data["hf"]["prompt_ids"], data["hf"]["response_ids"],
                                      data["vllm"]["response_ids"]), "runs": []}
+    runs = {}
     for seed in args.seeds:
         for backend, folder in folders.items():
-            cfg = composed("train", [f"train.data_dir={folder}", f"train.output_root={root}",
-                                     f"train.run_name={backend}-seed{seed}", f"train.seed={seed}",
-                                     *args.train_overrides])
-            metrics = train(cfg)
-            result["runs"].append({"backend": backend, "seed": seed, "tau": metrics["tau"],
-                                   "acceptance_rate": metrics["acceptance_rate"]})
-            print(json.dumps(result["runs"][-1]), flush=True)
+            runs[backend, seed] = composed("train", [
+                f"train.data_dir={folder}", f"train.output_root={root}", f"train.run_name={backend}-seed{seed}",
+                f"train.seed={seed}", f"drafter.draft_len={args.draft_len}", *args.train_overrides])
+            train(runs[backend, seed])  # a finished run returns at once
+    cfg = runs["hf", args.seeds[0]]
+    prompts = eval_prompt_ids(dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, num_prompts=10**6)),
+                              tokenizer)  # every held-out prompt: the same for both folders
+    eos = eos_token_ids(target, tokenizer)
+    measured = {}  # weights sha256 -> run: identical data and seed train byte-identical drafters (greedy decoding
+    for (backend, seed), run in runs.items():  # of the same weights gives the same tau, so it is not redone)
+        last = Path(run.train.output_root) / run.train.run_name / "latest" / "drafter"  # step 60
+        digest = hashlib.sha256((last / "model.safetensors").read_bytes()).hexdigest()
+        if digest in measured:
+            row = dict(measured[digest], backend=backend, seed=seed, same_weights_as=measured[digest]["run"])
+        else:
+            drafter = make_drafter(load_drafter(dataclasses.replace(run.drafter, path=str(last)), target, tokenizer,
+                                                "float32"))
+            stats = DecodeStats(draft_len=args.draft_len)
+            for prompt in prompts:
+                stats.merge(generate_speculative(target, drafter, prompt, args.draft_len, verify_greedy,
+                                                 args.eval_tokens, eos_token_ids=eos).stats)
+            row = measured[digest] = {"backend": backend, "seed": seed, "run": run.train.run_name, "tau": stats.tau,
+                                      "acceptance_rate": stats.acceptance_rate, "prompts": len(prompts)}
+        result["runs"].append(dict(row, run=run.train.run_name, weights_sha256=digest))
+        print(json.dumps(result["runs"][-1]), flush=True)
     a = result["agreement"]
     print(f"\nidentical responses {a['identical']:.3f} of {a['prompts']}; margins {a['margins']}")
     print("| data from | " + " | ".join(f"tau seed {s}" for s in args.seeds) + " |")
@@ -153,14 +181,16 @@ def main():
     parser.add_argument("--in-flight", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--draft-len", type=int, default=4)
+    parser.add_argument("--eval-tokens", type=int, default=64, help="tau: tokens decoded per held-out prompt")
     parser.add_argument("--no-enforce-eager", dest="enforce_eager", action="store_false",
                         help="let vLLM compile (slower start; on CPU eager is what was measured)")
     parser.add_argument("--output-root", default="checkpoints/datagen-bench")
     parser.add_argument("--datagen-overrides", nargs="*", default=[], help="drafter-datagen overrides for both")
     parser.add_argument("--train-overrides", nargs="*", default=[
         "drafter.path=truncated:2", "loss=ce", "train.max_steps=60", "train.save_every=60", "train.batch_size=8",
-        "train.lr=2e-3", "train.eval_at_start=false", "eval.num_prompts=16", "eval.max_new_tokens=64",
-        "eval.warmup=0"])
+        "train.lr=2e-3", "train.eval_at_start=false", "eval.num_prompts=1", "eval.max_new_tokens=8",
+        "eval.warmup=0"], help="tau: the trainer's own checkpoint evaluation is kept minimal (tau is measured after)")
     args = parser.parse_args()
     thru = args.mode == "throughput"
     args.num_prompts = args.num_prompts or (64 if thru else 128)

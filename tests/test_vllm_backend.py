@@ -6,6 +6,7 @@ real engine's data equals the HF backend's on a tiny Llama."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -19,10 +20,13 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from drafter_train.config import DatagenConfig
 from drafter_train.data import datagen
 from drafter_train.data.datagen import load_distill_dataset, run_datagen
-from drafter_train.data.vllm_backend import BackendError, prompt_seed, sampling_params, to_continuation
+from drafter_train.data.sources import TrainPrompt
+from drafter_train.data.vllm_backend import BackendError, VllmBackend, prompt_seed, sampling_params, to_continuation
+from drafter_train.decoding.sampling import SamplingParams, logits_to_probs
 from drafter_train.errors import ConfigError
 from tests.conftest import REPO
 from tests.stubs import VOCAB, WORDS, compose_cfg, run_cli, save_tiny
+from tests.test_sampling_exactness import chi2_pvalue
 
 FAKE_VLLM = Path(__file__).with_name("fake_vllm")
 PROMPTS = [{"prompt": " ".join(WORDS[i : i + 1 + i % 5])} for i in range(14)]
@@ -203,11 +207,18 @@ def vllm_python() -> Path:
     return Path(os.environ.get("DRAFTER_TRAIN_VLLM_VENV") or REPO / ".venv-vllm") / "bin" / "python"
 
 
+needs_vllm = pytest.mark.skipif(not vllm_python().exists(), reason="no vLLM environment (scripts/setup_vllm.sh)")
+
+
+@pytest.fixture
+def cpu_kv_cache(monkeypatch):
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))  # GiB; CPU only
+
+
 @pytest.mark.slow
-@pytest.mark.skipif(not vllm_python().exists(), reason="no vLLM environment (scripts/setup_vllm.sh)")
-def test_real_vllm_matches_the_hf_backend(folders, tmp_path, monkeypatch):
+@needs_vllm
+def test_real_vllm_matches_the_hf_backend(folders, tmp_path, cpu_kv_cache):
     """Opt-in: runs where scripts/setup_vllm.sh built the environment (about a minute on 2 CPU cores)."""
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     common = ("datagen.store_topk=5", "datagen.num_prompts=8")
     hf = load_distill_dataset(run_datagen(job(folders, tmp_path / "hf", *common), progress=False))
     out = run_datagen(job(folders, tmp_path / "vllm", *common, "datagen.backend=vllm",
@@ -217,3 +228,27 @@ def test_real_vllm_matches_the_hf_backend(folders, tmp_path, monkeypatch):
     for x, y in zip(real.with_format("torch")["topk_logits"], hf.with_format("torch")["topk_logits"]):
         torch.testing.assert_close(x, y, atol=1e-4, rtol=1e-4)  # raw logits, not log-probabilities
     assert json.loads((out / "datagen.json").read_text())["run"]["vllm"]["version"] != "unknown"
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_real_vllm_samples_with_transformers_semantics(folders, tmp_path, cpu_kv_cache):
+    """The first token of 600 prompts with their own seeds against the exact distribution: temperature, then top_k
+    and top_p on the scaled logits, as transformers (the HF backend) and drafter-eval sample."""
+    params = SamplingParams(temperature=1.5, top_k=5, top_p=0.8)
+    cfg = job(folders, tmp_path / "out", "datagen.backend=vllm", f"datagen.vllm_python={vllm_python()}",
+              "datagen.vllm.enforce_eager=true", "datagen.max_new_tokens=1", f"datagen.temperature={params.temperature}",
+              f"datagen.top_k={params.top_k}", f"datagen.top_p={params.top_p}")
+    prompt = [1, 5, 9, 3]
+    target = LlamaForCausalLM.from_pretrained(folders[0] / "target").eval()
+    logits = target(torch.tensor([prompt])).logits[0, -1].detach()
+    kept = [int((logits_to_probs(logits, p) > 0).sum()) for p in (
+        params, dataclasses.replace(params, top_p=1.0), dataclasses.replace(params, top_k=0))]
+    # Both rules cut, and top-p must read the top-k-renormalised probabilities (top-p alone would keep 6).
+    assert kept == [4, 5, 6]
+    exact = logits_to_probs(logits, params)
+    with VllmBackend(cfg) as backend:
+        outputs, _ = backend.generate([TrainPrompt(i, "", prompt, []) for i in range(600)])
+    counts = torch.bincount(torch.tensor([o.response_ids[0] for o in outputs]), minlength=VOCAB).float()
+    assert counts[exact == 0].sum() == 0  # nothing outside top-k / top-p
+    assert chi2_pvalue(counts, exact) > 1e-3

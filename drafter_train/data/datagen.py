@@ -122,7 +122,8 @@ def _generate_missing_shards(
     for index, prompts in enumerate(shards):
         if shard_name(index) in finished:
             continue
-        # Seeded per shard, so a resumed run samples exactly what an uninterrupted one would have.
+        # Seeded per shard, so a resumed run samples exactly what an uninterrupted one would have (the vLLM
+        # backend seeds each prompt instead).
         torch.manual_seed(dg.seed + index)
         records = generate_shard(backend, prompts, dg, meter)
         store.write_shard(index, records, dg.store_topk)
