@@ -85,11 +85,8 @@ def data_settings(cfg: DatagenJobConfig) -> dict:
     greedy results do not depend on it, sampled ones only through the random stream). The backend is compared:
     its kernels part from the other's at near-ties, so one folder holds one backend's continuations."""
     dg = cfg.datagen
-    generation = {k: getattr(dg, k) for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "store_topk")}
-    if not dg.generate:  # recorded only when off, so folders written before the option existed still resume
-        generation["generate"] = False
-    if dg.backend != "hf":  # likewise: folders written before the vllm backend existed are hf folders
-        generation["backend"] = dg.backend
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "store_topk", "generate", "backend")
+    generation = {k: getattr(dg, k) for k in names}
     prompts = {k: getattr(dg, k) for k in ("prompt_field", "response_field", "num_eval_prompts", "num_prompts")}
     prompts.update(source=source_name(dg), max_prompt_tokens=dg.max_prompt_tokens, shard_size=dg.shard_size)
     target = dict(model_identity(cfg.target), chat_template=cfg.target.chat_template)

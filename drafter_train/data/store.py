@@ -32,7 +32,7 @@ FORMAT = "drafter-datagen/1"
 # datagen.json sections that must be identical for a rerun to continue the same data.
 COMPARED = ("format", "target", "generation", "prompts")
 # Compared settings added after FORMAT was first written, with the value that older folders were made with.
-IMPLIED = {("generation", "backend"): "hf"}
+IMPLIED = {("generation", "backend"): "hf", ("generation", "generate"): True}
 _SHARD_NAME = re.compile(r"^shard-\d{5}$")
 
 

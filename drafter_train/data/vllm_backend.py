@@ -46,7 +46,7 @@ from drafter_train.config import DatagenConfig, DatagenJobConfig, TargetConfig
 from drafter_train.data.generation import Continuation, cut_at_eos
 from drafter_train.data.sources import TrainPrompt
 from drafter_train.errors import ConfigError, DrafterTrainError
-from drafter_train.evaluate import eos_token_ids
+from drafter_train.targets import eos_token_ids
 from drafter_train.targets import EMBEDDED_PREFIX, embedded_folder, load_tokenizer
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
