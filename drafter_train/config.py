@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Dict, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
@@ -19,6 +19,7 @@ from drafter_train.cli import main_process_only
 from drafter_train.errors import ConfigError
 
 VERIFY_MODES = ("greedy", "sample", "specdec")
+DATAGEN_BACKENDS = ("hf", "vllm")
 _EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
 EXPORT_FORMATS = ("hf", "vllm", "sglang")
 DTYPES = ("float32", "bfloat16")
@@ -249,6 +250,35 @@ class EvalJobConfig:
 
 
 @dataclass
+class VllmEngineConfig:
+    """`datagen.backend=vllm`: settings of the vLLM engine, passed to `vllm.LLM` as they are (None: vLLM's default).
+
+    Batching is vLLM's own (continuous batching): `max_num_seqs` caps the prompts in flight, not datagen.batch_size.
+    """
+
+    tensor_parallel_size: int = 1
+    # Prompts in flight (sequences per engine step) and tokens per engine step.
+    max_num_seqs: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    # GPU memory share for weights + KV cache (on CPU the KV cache size is $VLLM_CPU_KVCACHE_SPACE GiB).
+    gpu_memory_utilization: Optional[float] = None
+    # Context length the engine reserves per sequence (None: datagen.max_prompt_tokens + datagen.max_new_tokens).
+    max_model_len: Optional[int] = None
+    # No CUDA graphs / torch.compile: starts faster (on CPU: ~20 s instead of ~90 s), decodes slower on GPUs.
+    enforce_eager: bool = False
+    # Any other `vllm.LLM` keyword argument, e.g. `+datagen.vllm.engine_args.kv_cache_dtype=fp8`.
+    engine_args: Dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size >= 1, "datagen.vllm.tensor_parallel_size", "must be >= 1")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            _check(value is None or value >= 1, f"datagen.vllm.{name}", f"must be >= 1, got {value}")
+        util = self.gpu_memory_utilization
+        _check(util is None or 0 < util <= 1, "datagen.vllm.gpu_memory_utilization", f"must be in (0, 1], got {util}")
+
+
+@dataclass
 class DatagenConfig:
     """Target-generated distillation data (`drafter-datagen`)."""
 
@@ -277,7 +307,7 @@ class DatagenConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    # Prompts per batched (left-padded) target generate call.
+    # backend=hf: prompts per batched (left-padded) generate call (vLLM batches on its own: datagen.vllm).
     batch_size: int = 8
     # Prompts per shard on disk: a killed run resumes after the last complete shard.
     shard_size: int = 64
@@ -286,6 +316,14 @@ class DatagenConfig:
     # Output folder (a `datasets` dataset on disk plus eval_prompts.jsonl and datagen.json).
     output_dir: str = "data/default"
     seed: int = 0
+    # What generates the continuations: "hf" (transformers `generate`, in this process, batches of batch_size) or
+    # "vllm" (a vLLM engine in a worker process, data/vllm_backend.py). Shards, resume and the settings check are
+    # the same for both; a folder is only resumed with the backend that started it.
+    backend: str = "hf"
+    # vllm only: the Python interpreter that runs the vLLM worker. None: this one (vllm installed next to
+    # drafter_train: `pip install drafter-train[vllm]`); else e.g. the venv built by scripts/setup_vllm.sh.
+    vllm_python: Optional[str] = None
+    vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "batch_size", "shard_size"):
@@ -296,6 +334,9 @@ class DatagenConfig:
         _check(self.generate or not self.store_topk, "datagen.store_topk", "needs datagen.generate=true (logits "
                "are stored for generated tokens)")
         _check(0 < self.top_p <= 1, "datagen.top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.top_k >= 0, "datagen.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        _check(self.backend in DATAGEN_BACKENDS, "datagen.backend",
+               f"must be one of {DATAGEN_BACKENDS}, got {self.backend!r}")
 
 
 @dataclass

@@ -81,7 +81,8 @@ def test_split_references_and_manifest(folders, greedy_run):
     manifest = json.loads((greedy_run / "datagen.json").read_text())
     assert manifest["target"]["path"] == str(folders / "target") and manifest["target"]["chat_template"] is False
     assert manifest["generation"] == {
-        "max_new_tokens": 12, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "store_topk": 0
+        "max_new_tokens": 12, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "store_topk": 0, "generate": True,
+        "backend": "hf",
     }
     assert manifest["counts"] == {
         "eval_prompts": 2, "train_prompts": 10, "skipped": {"empty": 1, "duplicate": 1, "too_long": 1},
@@ -249,7 +250,6 @@ def test_without_generation_only_prompts_and_references_are_stored(folders, tmp_
         raise AssertionError("the target must not generate")
 
     monkeypatch.setattr(generation, "generate_batch", no_generate)
-    monkeypatch.setattr(datagen, "generate_batch", no_generate)
     out = tmp_path / "fixed"
     run_datagen(job(folders, out, "datagen.generate=false"), progress=False)
     data = load_distill_dataset(out)

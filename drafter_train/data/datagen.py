@@ -1,6 +1,7 @@
 """`drafter-datagen`: the target's own continuations of training prompts, for distilling a drafter.
 
-Pipeline: prompt source (sources.py) -> eval/train split -> batched target generation (generation.py) -> resumable
+Pipeline: prompt source (sources.py) -> eval/train split -> target generation by the chosen backend
+(``datagen.backend``: hf = generation.py in this process, vllm = vllm_backend.py in a worker process) -> resumable
 shards on disk (store.py). ``run_datagen(cfg)`` is the importable entry point; ``main`` wraps it in Hydra.
 
     drafter-datagen target=stories260k datagen.num_prompts=16 datagen.output_dir=data/x
@@ -11,7 +12,6 @@ Consumers read the result with ``load_distill_dataset(dir)`` and ``load_eval_pro
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 from typing import Iterator, Sequence, TypeVar
 
@@ -19,13 +19,14 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from drafter_train.config import CONF_DIR, DatagenConfig, DatagenJobConfig, register_configs
 from drafter_train.cli import one_line_errors
-from drafter_train.data.generation import Continuation, generate_batch
+from drafter_train.data.generation import Continuation, HFBackend
 from drafter_train.data.sources import Selection, TrainPrompt, open_source, select_prompts, source_name
 from drafter_train.data.store import FORMAT, DatagenStore, features, load_distill_dataset, load_eval_prompts, shard_name
+from drafter_train.data.vllm_backend import VllmBackend
 from drafter_train.targets import eos_token_ids, load_target, model_identity
 
 __all__ = ["run_datagen", "load_distill_dataset", "load_eval_prompts", "main"]
@@ -56,42 +57,52 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     settings = data_settings(cfg)
     store.check_settings(settings)
     pairs = open_source(dg)  # a missing or empty prompt file fails here, also before the target
-    model, tokenizer = load_target(cfg.target)
-    selection = select_prompts(pairs, tokenizer, dg, cfg.target.chat_template)
+    backend = open_backend(cfg)
+    selection = select_prompts(pairs, backend.tokenizer, dg, cfg.target.chat_template)
     settings["prompts"]["sha256"] = selection.fingerprint()
     store.check_settings(settings)  # same source name, different content: refuse too
-    eos = eos_token_ids(model, tokenizer)
-    pad_id = _pad_id(tokenizer, eos)
-    store.start(_manifest(cfg, settings, selection, eos, pad_id), selection.eval_prompts)
-    meter = _generate_missing_shards(model, selection.train, dg, store, (eos, pad_id), progress)
+    store.start(_manifest(cfg, settings, selection, backend), selection.eval_prompts)
+    with backend:
+        meter = _generate_missing_shards(backend, selection.train, dg, store, progress)
     store.finish()
     if progress:
         print(_summary(store, meter), file=sys.stderr)
     return store.root
 
 
+def open_backend(cfg: DatagenJobConfig) -> HFBackend | VllmBackend:
+    """hf: loads the target into this process. vllm: reads only its tokenizer and configs here (the engine starts
+    in a worker process when the first shard is generated, so a finished folder never starts it)."""
+    if cfg.datagen.backend == "vllm":
+        return VllmBackend(cfg)
+    model, tokenizer = load_target(cfg.target)
+    eos = eos_token_ids(model, tokenizer)
+    return HFBackend(model, tokenizer, cfg.datagen, eos, _pad_id(tokenizer, eos))
+
+
 def data_settings(cfg: DatagenJobConfig) -> dict:
     """What the data depends on; a rerun must match these to resume (batch_size is a speed knob, not compared:
-    greedy results do not depend on it, sampled ones only through the random stream)."""
+    greedy results do not depend on it, sampled ones only through the random stream). The backend is compared:
+    its kernels part from the other's at near-ties, so one folder holds one backend's continuations."""
     dg = cfg.datagen
-    generation = {k: getattr(dg, k) for k in ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "store_topk")}
-    if not dg.generate:  # recorded only when off, so folders written before the option existed still resume
-        generation["generate"] = False
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "store_topk", "generate", "backend")
+    generation = {k: getattr(dg, k) for k in names}
     prompts = {k: getattr(dg, k) for k in ("prompt_field", "response_field", "num_eval_prompts", "num_prompts")}
     prompts.update(source=source_name(dg), max_prompt_tokens=dg.max_prompt_tokens, shard_size=dg.shard_size)
     target = dict(model_identity(cfg.target), chat_template=cfg.target.chat_template)
     return {"format": FORMAT, "target": target, "generation": generation, "prompts": prompts}
 
 
-def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, eos: list[int], pad_id: int) -> dict:
+def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, backend: HFBackend | VllmBackend) -> dict:
     num_shards = -(-len(selection.train) // cfg.datagen.shard_size)
     counts = {"eval_prompts": len(selection.eval_prompts), "train_prompts": len(selection.train)}
     counts.update(skipped=selection.skipped, shards_total=num_shards)
-    run = {"batch_size": cfg.datagen.batch_size, "eos_token_ids": eos, "pad_token_id": pad_id}
+    eos = backend.eos_token_ids
+    run = {"batch_size": backend.batch_size, "eos_token_ids": eos, "pad_token_id": _pad_id(backend.tokenizer, eos)}
     return dict(
         settings,
         counts=counts,
-        run=dict(run, torch_threads=torch.get_num_threads()),
+        run=dict(run, **backend.run_info()),
         columns=list(features(cfg.datagen.store_topk)),
         complete=False,
         config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
@@ -99,14 +110,8 @@ def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, eos: 
 
 
 def _generate_missing_shards(
-    model: PreTrainedModel,
-    train: list[TrainPrompt],
-    dg: DatagenConfig,
-    store: DatagenStore,
-    special_ids: tuple[list[int], int],
-    progress: bool,
+    backend: HFBackend | VllmBackend, train: list[TrainPrompt], dg: DatagenConfig, store: DatagenStore, progress: bool
 ) -> Throughput:
-    eos, pad_id = special_ids
     shards = list(_chunks(train, dg.shard_size))
     finished = store.finished_shards()
     done = sum(len(shard) for index, shard in enumerate(shards) if shard_name(index) in finished)
@@ -114,31 +119,27 @@ def _generate_missing_shards(
     for index, prompts in enumerate(shards):
         if shard_name(index) in finished:
             continue
-        # Seeded per shard, so a resumed run samples exactly what an uninterrupted one would have.
+        # Seeded per shard, so a resumed run samples exactly what an uninterrupted one would have (the vLLM
+        # backend seeds each prompt instead).
         torch.manual_seed(dg.seed + index)
-        records = generate_shard(model, prompts, dg, eos, pad_id, meter)
+        records = generate_shard(backend, prompts, dg, meter)
         store.write_shard(index, records, dg.store_topk)
     meter.bar.close()
     return meter
 
 
 def generate_shard(
-    model: PreTrainedModel,
-    prompts: Sequence[TrainPrompt],
-    dg: DatagenConfig,
-    eos: Sequence[int],
-    pad_id: int,
-    meter: Throughput,
+    backend: HFBackend | VllmBackend, prompts: Sequence[TrainPrompt], dg: DatagenConfig, meter: Throughput
 ) -> list[dict]:
-    """Records for one shard, in prompt order; batches are formed by prompt length to waste less on padding."""
+    """Records for one shard, in prompt order; batches (backend.batch_size prompts, None = the whole shard: vLLM
+    batches on its own) are formed by prompt length to waste less on padding."""
     if not dg.generate:  # fixed responses only (train.response=reference): no target call at all
         return [_record(p, Continuation([]), 0) for p in prompts]
     by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i].prompt_ids))
     continuations: list = [None] * len(prompts)
-    for batch in _chunks(by_length, dg.batch_size):
-        start = time.perf_counter()
-        outputs = generate_batch(model, [prompts[i].prompt_ids for i in batch], dg, eos, pad_id)
-        meter.update(len(batch), sum(len(c.response_ids) for c in outputs), time.perf_counter() - start)
+    for batch in _chunks(by_length, backend.batch_size or len(prompts)):
+        outputs, seconds = backend.generate([prompts[i] for i in batch])
+        meter.update(len(batch), sum(len(c.response_ids) for c in outputs), seconds)
         for i, continuation in zip(batch, outputs):
             continuations[i] = continuation
     return [_record(p, c, dg.store_topk) for p, c in zip(prompts, continuations)]

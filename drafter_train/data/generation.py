@@ -1,4 +1,5 @@
-"""The target's continuations of a batch of prompts: one left-padded `model.generate` call per batch.
+"""datagen.backend=hf: the target's continuations of a batch of prompts, one left-padded `model.generate` call per
+batch, in this process (``HFBackend``; the vLLM backend, data/vllm_backend.py, stores the same columns).
 
 What is stored per response token with ``store_topk = k > 0``: ``topk_ids[t]`` and ``topk_logits[t]`` are the k
 largest entries (descending) of the target's RAW next-token logits at the step that produced response token t,
@@ -10,13 +11,15 @@ returns (batch_size * max_new_tokens * V * 4 bytes, ~400 MB for 16 x 128 steps x
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_train.config import DatagenConfig
+from drafter_train.data.sources import TrainPrompt
 
 # Logits processors that a target's own generation_config may switch on; datagen pins them off so the data is
 # the target's plain greedy / sampled distribution (unset fields would otherwise come from generation_config.json).
@@ -28,6 +31,32 @@ class Continuation:
     response_ids: list[int]  # ends with the EOS token if one was generated
     topk_ids: Optional[list[list[int]]] = None  # [T][k], see the module doc
     topk_logits: Optional[list[list[float]]] = None  # [T][k]
+
+
+class HFBackend:
+    """What drafter-datagen asks of a backend: `tokenizer`, `eos_token_ids`, `batch_size` (prompts per `generate`
+    call; None = a whole shard), `generate(prompts) -> (continuations, seconds)`, `run_info()` (for datagen.json) and
+    use as a context manager (a worker process lives inside it)."""
+
+    def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: DatagenConfig,
+                 eos_token_ids: Sequence[int], pad_id: int):
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg
+        self.eos_token_ids, self.pad_id = list(eos_token_ids), pad_id
+        self.batch_size: Optional[int] = cfg.batch_size
+
+    def generate(self, prompts: Sequence[TrainPrompt]) -> tuple[list[Continuation], float]:
+        start = time.perf_counter()
+        outputs = generate_batch(self.model, [p.prompt_ids for p in prompts], self.cfg, self.eos_token_ids, self.pad_id)
+        return outputs, time.perf_counter() - start
+
+    def run_info(self) -> dict:
+        return {"backend": "hf", "torch_threads": torch.get_num_threads()}
+
+    def __enter__(self) -> "HFBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
 
 
 def generation_kwargs(cfg: DatagenConfig) -> dict:
@@ -70,7 +99,7 @@ def generate_batch(
         **generation_kwargs(cfg),
     )
     new_tokens = out.sequences[:, input_ids.shape[1] :].tolist()  # [B, steps]
-    responses = [_cut_at_eos(row, set(eos_token_ids)) for row in new_tokens]
+    responses = [cut_at_eos(row, set(eos_token_ids)) for row in new_tokens]
     if cfg.store_topk == 0:
         return [Continuation(r) for r in responses]
     topk_ids, topk_logits = _topk(out.logits, cfg.store_topk)
@@ -80,7 +109,7 @@ def generate_batch(
     ]
 
 
-def _cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
+def cut_at_eos(tokens: list[int], eos: set[int]) -> list[int]:
     """Tokens up to and including the first EOS: after it, generate only writes padding."""
     for pos, token in enumerate(tokens):
         if token in eos:

@@ -31,6 +31,8 @@ SHARDS = "shards"
 FORMAT = "drafter-datagen/1"
 # datagen.json sections that must be identical for a rerun to continue the same data.
 COMPARED = ("format", "target", "generation", "prompts")
+# Compared settings added after FORMAT was first written, with the value that older folders were made with.
+IMPLIED = {("generation", "backend"): "hf", ("generation", "generate"): True}
 _SHARD_NAME = re.compile(r"^shard-\d{5}$")
 
 
@@ -178,9 +180,9 @@ def _differences(old: dict, new: dict) -> list[str]:
             continue
         before = old.get(section) or {}
         changes += [
-            f"{section}.{key}: {before.get(key)!r} -> {value!r}"
+            f"{section}.{key}: {before.get(key, IMPLIED.get((section, key)))!r} -> {value!r}"
             for key, value in new[section].items()
-            if before.get(key) != value
+            if before.get(key, IMPLIED.get((section, key))) != value
         ]
     return changes
 
