@@ -226,9 +226,18 @@ class EvalConfig:
     seed: int = 0
     # Untimed warm-up generations before timing (first calls pay one-off allocation costs).
     warmup: int = 1
+    # Adaptive draft exit (Draft & Verify): an AR drafter stops its proposal before the first draft whose top-1
+    # draft probability is below this threshold γ, proposing nothing when the first is (a plain target step).
+    # 0 = off. Lossless: it reads only the drafter's own distribution.
+    draft_exit: float = 0.0
+    # Adapt γ after every proposal with Draft & Verify's rule toward `draft_exit_target` acceptance.
+    draft_exit_adapt: bool = False
+    draft_exit_target: float = 0.9
 
     def __post_init__(self) -> None:
         _check(self.draft_len >= 1, "eval.draft_len", f"must be >= 1, got {self.draft_len}")
+        _check(0 <= self.draft_exit < 1, "eval.draft_exit", f"must be in [0, 1), got {self.draft_exit}")
+        _check(0 < self.draft_exit_target <= 1, "eval.draft_exit_target", f"must be in (0, 1], got {self.draft_exit_target}")
         _check(self.verify in VERIFY_MODES, "eval.verify", f"must be one of {VERIFY_MODES}, got {self.verify!r}")
         _check(self.temperature > 0, "eval.temperature", f"must be > 0, got {self.temperature}")
         _check(self.top_k >= 0, "eval.top_k", f"must be >= 0, got {self.top_k}")

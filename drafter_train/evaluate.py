@@ -26,6 +26,7 @@ from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig, register_c
 from drafter_train.cli import one_line_errors
 from drafter_train.data.prompts import load_prompt_records
 from drafter_train.decoding.autoregressive import DecodeResult, generate_autoregressive
+from drafter_train.decoding.draft_exit import DraftExit, supports_draft_exit
 from drafter_train.decoding.drafter import Drafter
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
@@ -76,6 +77,18 @@ def target_logprob_sum(target: PreTrainedModel, prompt: Sequence[int], tokens: l
     return float(logits.log_softmax(-1).gather(-1, ids[0, -len(tokens):, None]).sum())
 
 
+def make_draft_exit(cfg: EvalConfig, drafter: Drafter) -> Optional[DraftExit]:
+    """eval.draft_exit's threshold state, or None when off; refused in one line for one-pass drafters."""
+    if not cfg.draft_exit:
+        return None
+    if not supports_draft_exit(drafter):
+        raise ConfigError(
+            f"eval.draft_exit: {type(drafter).__name__} does not draft token by token; draft exit applies to "
+            "autoregressive drafters (ar, eagle3)"
+        )
+    return DraftExit(cfg.draft_exit, adapt=cfg.draft_exit_adapt, target=cfg.draft_exit_target)
+
+
 def evaluate_decoding(
     target: PreTrainedModel,
     drafter: Drafter,
@@ -98,14 +111,16 @@ def evaluate_decoding(
         # The baseline decodes with the same params: AR greedy for greedy/specdec, AR sampling for sample.
         return generate_autoregressive(target, prompt, cfg.max_new_tokens, params, eos_token_ids, gen)
 
-    def run_spec(prompt, seed):
+    def run_spec(prompt, seed, exit=None):
         gen = torch.Generator(device=target.device).manual_seed(seed)
         return generate_speculative(
-            target, drafter, prompt, cfg.draft_len, verifier, cfg.max_new_tokens, params, eos_token_ids, gen
+            target, drafter, prompt, cfg.draft_len, verifier, cfg.max_new_tokens, params, eos_token_ids, gen, exit
         )
 
     for _ in range(cfg.warmup):  # untimed: first calls pay allocator and kernel-selection costs
-        run_ar(prompt_ids[0], cfg.seed), run_spec(prompt_ids[0], cfg.seed)
+        run_ar(prompt_ids[0], cfg.seed), run_spec(prompt_ids[0], cfg.seed, make_draft_exit(cfg, drafter))
+    # One adaptive threshold for the whole run (as a server would keep it), fresh after the warm-up.
+    draft_exit = make_draft_exit(cfg, drafter)
     spec_stats, ar_stats = DecodeStats(draft_len=cfg.draft_len), DecodeStats()
     spec_time = ar_time = 0.0
     by_category: dict[str, list] = {}  # category -> [spec stats, ar stats, spec seconds, ar seconds]
@@ -116,7 +131,7 @@ def evaluate_decoding(
     bar = tqdm(prompt_ids, desc=f"eval draft_len={cfg.draft_len} {cfg.verify}", disable=not progress, unit="prompt")
     for i, prompt in enumerate(bar):
         ar, t_ar = _timed(lambda: run_ar(prompt, cfg.seed + i), target.device)
-        spec, t_spec = _timed(lambda: run_spec(prompt, cfg.seed + i), target.device)
+        spec, t_spec = _timed(lambda: run_spec(prompt, cfg.seed + i, draft_exit), target.device)
         ar_stats.merge(ar.stats)
         spec_stats.merge(spec.stats)
         ar_time, spec_time = ar_time + t_ar, spec_time + t_spec
@@ -139,6 +154,9 @@ def evaluate_decoding(
         **spec_stats.summary(),
         "draft_len": cfg.draft_len,
         "verify": cfg.verify,
+        # Adaptive draft exit: the threshold γ at the start and at the end of the run (None: off).
+        "draft_exit": cfg.draft_exit or None,
+        "draft_exit_final": None if draft_exit is None else draft_exit.threshold,
         "num_prompts": len(prompt_ids),
         "ar_tokens_generated": ar_stats.tokens_generated,
         "spec_time_s": spec_time,

@@ -16,6 +16,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from drafter_train.decoding.cached_lm import CachedLM
+from drafter_train.decoding.draft_exit import draft_confidence
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 
 
@@ -55,6 +56,7 @@ class ARDrafter:
     """A small causal LM sharing the target's vocabulary: k cached forwards per proposal."""
 
     feature_layers: Sequence[int] = ()
+    exit_below: float = 0.0  # adaptive draft exit's threshold γ for the next proposal (0 = off)
 
     def __init__(self, model: PreTrainedModel):
         self.lm = CachedLM(model)
@@ -71,10 +73,14 @@ class ARDrafter:
         tokens, probs = [], []
         for i in range(draft_len):
             token, q = choose_token(logits, params, generator)
+            if self.exit_below and draft_confidence(logits, q, params) < self.exit_below:
+                break  # adaptive draft exit (decoding/draft_exit.py)
             tokens.append(token)
             probs.append(q)
             if i + 1 < draft_len:  # the last draft is only fed next step, if it is accepted
                 logits = self.lm.forward(token.view(1), num_logits=1)[-1]
+        if not tokens:
+            return Proposal(seq.new_empty(0), None if params.greedy else logits.new_empty(0, logits.numel()))
         q_draft = None if params.greedy else torch.stack(probs)
         return Proposal(tokens=torch.stack(tokens), q_draft=q_draft)
 

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from drafter_train.decoding.autoregressive import DecodeResult
 from drafter_train.decoding.cached_lm import CachedLM, as_tensor
+from drafter_train.decoding.draft_exit import DraftExit
 from drafter_train.decoding.drafter import Drafter, Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.decoding.stats import DecodeStats
@@ -60,8 +61,10 @@ def generate_speculative(
     params: SamplingParams = SamplingParams(),
     eos_token_ids: Sequence[int] = (),
     generator: Optional[torch.Generator] = None,
+    draft_exit: Optional[DraftExit] = None,
 ) -> DecodeResult:
-    """Speculative decoding of one sequence. EOS / max_new_tokens behave exactly as in `generate_autoregressive`."""
+    """Speculative decoding of one sequence. EOS / max_new_tokens behave exactly as in `generate_autoregressive`.
+    `draft_exit`: stop each proposal at the drafter's first unsure draft (draft_exit.py; AR drafters)."""
     if draft_len < 1:
         raise ValueError(f"draft_len must be >= 1, got {draft_len}")
     lm, eos = CachedLM(target), set(eos_token_ids)
@@ -77,6 +80,8 @@ def generate_speculative(
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             # A step yields at most k+1 tokens: never draft past max_new_tokens (k == 0 is a plain target step).
             k = min(draft_len, max_new_tokens - len(tokens) - 1)
+            if draft_exit is not None:
+                drafter.exit_below = draft_exit.threshold
             began = _clock(lm.device)
             proposal = drafter.propose(seq, k, params, generator) if k else Proposal(seq.new_empty(0))
             drafted = _clock(lm.device)
@@ -85,6 +90,8 @@ def generate_speculative(
             num_accepted, next_token = verifier(proposal, logits, generator)
             stats.target_forward_passes += 1
             if k:
+                if draft_exit is not None:
+                    draft_exit.update(k, num_accepted)
                 stats.record_step(k, num_accepted)
                 stats.proposals += 1
                 stats.draft_seconds += drafted - began

@@ -35,6 +35,7 @@ from drafter_train import draft_vocab
 from drafter_train.config import DrafterConfig, Eagle3DrafterConfig, TrainJobConfig
 from drafter_train.data import feature_cache
 from drafter_train.data.batches import Batch
+from drafter_train.decoding.draft_exit import draft_confidence
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.distill import apply_loss
@@ -237,6 +238,7 @@ class Eagle3Drafter:
         self.feature_layers = list(model.config.target_layers)
         self.draft_ids = draft_vocab.draft_to_target(model.d2t)  # draft id -> target id
         self.draft_vocab = model.t2d  # [V] bool: the evaluator reports how much of the output lies outside
+        self.exit_below = 0.0  # adaptive draft exit's threshold γ for the next proposal (0 = off)
         self.reset()
 
     def reset(self) -> None:
@@ -268,12 +270,17 @@ class Eagle3Drafter:
         self.length, self.pending = start + n, []
         tokens, probs = [], []
         for i in range(draft_len):
-            draft, q = choose_token(model.draft_logits(hidden)[0, -1], params, generator)
+            logits = model.draft_logits(hidden)[0, -1]
+            draft, q = choose_token(logits, params, generator)
+            if self.exit_below and draft_confidence(logits, q, params) < self.exit_below:
+                break  # adaptive draft exit (decoding/draft_exit.py)
             tokens.append(self.draft_ids[draft])
             probs.append(q)
             if i + 1 < draft_len:
                 position = torch.tensor([[start + n - 1 + i + 1]], device=seq.device)
                 hidden = model.step(tokens[-1].view(1, 1), hidden, position, None, self.cache)
+        if not tokens:
+            return Proposal(seq.new_empty(0), None if params.greedy else self._full_vocab(logits.new_empty(0, logits.numel())))
         return Proposal(torch.stack(tokens), None if params.greedy else self._full_vocab(torch.stack(probs)))
 
     def _full_vocab(self, probs: Tensor) -> Tensor:
