@@ -40,7 +40,7 @@ from drafter_train.data.datagen import (  # noqa: E402
 from drafter_train.data.generation import HFBackend  # noqa: E402
 from drafter_train.data.sources import open_source, select_prompts  # noqa: E402
 from drafter_train.data.vllm_backend import VllmBackend  # noqa: E402
-from drafter_train.decoding.drafter import make_drafter  # noqa: E402
+from drafter_train.drafters.registry import make_drafter  # noqa: E402
 from drafter_train.decoding.speculative import generate_speculative  # noqa: E402
 from drafter_train.decoding.stats import DecodeStats  # noqa: E402
 from drafter_train.decoding.verify import verify_greedy  # noqa: E402
