@@ -141,6 +141,39 @@ def test_anchor_blocks_learn_the_tokens_after_their_anchor_at_the_same_positions
                     assert not mask[b, m, k - 1]
 
 
+def test_anchors_are_redrawn_every_batch_from_torchs_rng():
+    """Each batch draws fresh anchors (over many batches every eligible response token is one) from torch's RNG,
+    the state drafter-train checkpoints: the same state gives the same anchors."""
+    batch = collate(_records(), "response_ids", 64, 0)
+    cfg = DFlashDrafterConfig(block_size=3, draft_len=2, blocks_per_sequence=2)
+    torch.manual_seed(0)
+    draws = [to_anchor_blocks(batch, cfg).context_lens - 1 for _ in range(40)]
+    torch.manual_seed(0)
+    assert torch.equal(to_anchor_blocks(batch, cfg).context_lens - 1, draws[0])
+    assert len({tuple(d.flatten().tolist()) for d in draws}) > 1
+    for b, eligible in ((0, set(range(3, 9))), (1, {2, 3})):  # response tokens with one after them
+        assert all(len(set(d[b].tolist())) == 2 and set(d[b].tolist()) <= eligible for d in draws)
+        assert set().union(*(d[b].tolist() for d in draws)) == eligible
+
+
+def test_mask_slots_use_a_learned_embedding_or_the_targets_row(make_tiny_llama):
+    """learned_mask: the mask slots hold the drafter's own trainable vector (gradients reach it); the anchor slot
+    the target's frozen embedding. learned_mask=false: the target's embedding of mask_token_id, no extra weight."""
+    target = make_tiny_llama(num_layers=4)
+    table = target.get_input_embeddings().weight
+    learned, frozen = random_dflash(target), random_dflash(target, learned_mask=False)
+    anchors = torch.tensor([5, 9])
+    for model, slot in ((learned, learned.mask_embedding), (frozen, table[3])):
+        embeds = model.block_embeds(anchors, 4)
+        torch.testing.assert_close(embeds[:, 0], table[anchors], rtol=0, atol=0)
+        torch.testing.assert_close(embeds[:, 1:], slot.expand(2, 3, -1), rtol=0, atol=0)
+    assert frozen.mask_embedding is None and "mask_embedding" not in frozen.state_dict()
+    out = learned(torch.randint(3, 64, (1, 10)), torch.randn(1, 10, 128), torch.ones(1, 10, dtype=torch.long),
+                  torch.tensor([[6]]))
+    out.sum().backward()
+    assert learned.mask_embedding.grad is not None and learned.mask_embedding.grad.abs().sum() > 0
+
+
 def test_position_weights_follow_dflash():
     torch.testing.assert_close(position_weights(16, None), torch.exp(-torch.arange(15.0) / 7))
     torch.testing.assert_close(position_weights(8, None), torch.exp(-torch.arange(7.0) / 4))
@@ -198,9 +231,13 @@ def test_greedy_with_dflash_drafter_is_lossless_on_tiny_llama(make_tiny_llama, d
     model = random_dflash(target, draft_ids=torch.tensor([0, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 15]), scale=0.5)
     prompt = [1, 5, 9, 12, 7]
     ar = generate_autoregressive(target, prompt, 40)
+    passes = [0] * len(model.layers)  # one drafter pass per proposal: each layer runs once per proposal
+    for i, layer in enumerate(model.layers):
+        layer.register_forward_hook(lambda *_, i=i: passes.__setitem__(i, passes[i] + 1))
     spec = generate_speculative(target, make_drafter(model), prompt, draft_len, GREEDY, 40)
     assert spec.tokens == ar.tokens
     assert spec.stats.accepted > 0  # some drafts were accepted, so the accept path ran
+    assert passes == [spec.stats.proposals] * len(model.layers) and spec.stats.proposals > 1
 
 
 def test_greedy_with_dflash_drafter_is_lossless_on_stories260k(stories_path):
@@ -260,7 +297,7 @@ def test_dflash_trains_checkpoints_and_resumes_exactly(tiny_data, tmp_path, feat
     run_a, _, metrics = assert_resumes_exactly(lambda out: dflash_cfg(tiny_data, out, *args), "dflash", tmp_path,
                                                monkeypatch)
     weights = load_file(run_a / "step-6" / "drafter" / "model.safetensors")
-    assert int(weights["t2d"].sum()) == 16 and "mask_embedding" in weights
+    assert int(weights["t2d"].sum()) == 16 and weights["mask_embedding"].abs().sum() > 0  # trained from zero
     assert metrics["greedy_match"] == 1.0 and "tau" in metrics
     assert losses(run_a)[6] < losses(run_a)[1]
 
