@@ -56,7 +56,7 @@ class TargetConfig:
 
 
 # Drafter kinds (drafters/registry.py maps each to its module). "auto": whatever kind a saved folder holds.
-DRAFTER_KINDS = ("ar", "nar", "eagle3", "ngram")
+DRAFTER_KINDS = ("ar", "nar", "eagle3", "ngram", "dflash")
 
 
 @dataclass
@@ -68,7 +68,8 @@ class DrafterConfig:
 
     # ar: a small causal LM proposing one token per forward (drafters/ar.py). nar: a SpecDec Spec-Drafter proposing
     # all draft_len tokens in one forward (drafters/nar.py). eagle3: one decoder layer on the target's own hidden
-    # states (drafters/eagle3.py). auto: a saved drafter folder, loaded as whatever kind it holds (an AR drafter
+    # states (drafters/eagle3.py). dflash: a one-pass block drafter on the target's context features
+    # (drafters/dflash.py). auto: a saved drafter folder, loaded as whatever kind it holds (an AR drafter
     # otherwise). A folder holding another kind than a named one is refused.
     kind: str = "auto"
     # "truncated:N": the target's first N layers with its embeddings, final norm and LM head (untrained, it is the
@@ -153,24 +154,18 @@ FEATURE_SOURCES = ("online", "offline")
 
 
 @dataclass
-class Eagle3DrafterConfig(DrafterConfig):
-    """`drafter=eagle3`: EAGLE-3 (arXiv 2503.01840), one decoder layer reading the target's own hidden states
-    (drafters/eagle3.py). `path: new` builds a fresh one for the target; a folder continues a saved one."""
+class TargetFeaturesDrafterConfig(DrafterConfig):
+    """What the kinds that read the target's own hidden states share (EAGLE-3, DFlash; drafters/conditioned.py):
+    which target layers they fuse, the reduced draft vocabulary, and where training gets the features from."""
 
-    kind: str = "eagle3"
     path: str = "new"
     # Target layers whose OUTPUTS are fused (index convention: "output of layer i" = the residual stream after the
-    # target's decoder layer i, 0-based = transformers' `output_hidden_states[i + 1]`). Empty: EAGLE-3's low/mid/
-    # high default {2, L // 2, L - 3} for a target of L layers. Serving engines number these differently; the
-    # exports translate (vLLM/SGLang capture the INPUT of their layer i, i.e. our i - 1).
+    # target's decoder layer i, 0-based = transformers' `output_hidden_states[i + 1]`). Empty: the kind's default.
+    # Serving engines number these differently; the exports translate.
     target_layers: list[int] = field(default_factory=list)
     # Size of the reduced draft vocabulary: the most frequent tokens of the training data's responses (d2t / t2d
     # mapping stored with the weights). 0 = the target's whole vocabulary.
     draft_vocab_size: int = 8192
-    # Training-time test: unrolled drafting steps per training position (step j consumes the drafter's own output
-    # of step j - 1), weighted ttt_decay ** j.
-    ttt_steps: int = 3
-    ttt_decay: float = 0.8
     # Target features during training: online (a no-grad target forward per batch) or offline (computed once into a
     # feature cache next to the data, reused by every epoch and run with the same target and layers).
     features: str = "online"
@@ -186,11 +181,75 @@ class Eagle3DrafterConfig(DrafterConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.draft_vocab_size >= 0, "drafter.draft_vocab_size", f"must be >= 0, got {self.draft_vocab_size}")
-        _check(self.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
-        _check(0 < self.ttt_decay <= 1, "drafter.ttt_decay", f"must be in (0, 1], got {self.ttt_decay}")
         _check(self.features in FEATURE_SOURCES, "drafter.features", f"must be one of {FEATURE_SOURCES}")
         _check(self.feature_dtype in ("bfloat16", "float16"), "drafter.feature_dtype", "must be bfloat16 or float16")
         _check(all(i >= 0 for i in self.target_layers), "drafter.target_layers", "layer ids must be >= 0")
+
+
+@dataclass
+class Eagle3DrafterConfig(TargetFeaturesDrafterConfig):
+    """`drafter=eagle3`: EAGLE-3 (arXiv 2503.01840), one decoder layer reading the target's own hidden states
+    (drafters/eagle3.py). `path: new` builds a fresh one for the target; a folder continues a saved one. Empty
+    target_layers: EAGLE-3's low/mid/high {2, L // 2, L - 3} for a target of L layers."""
+
+    kind: str = "eagle3"
+    # Training-time test: unrolled drafting steps per training position (step j consumes the drafter's own output
+    # of step j - 1), weighted ttt_decay ** j.
+    ttt_steps: int = 3
+    ttt_decay: float = 0.8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
+        _check(0 < self.ttt_decay <= 1, "drafter.ttt_decay", f"must be in (0, 1], got {self.ttt_decay}")
+
+
+@dataclass
+class DFlashDrafterConfig(TargetFeaturesDrafterConfig):
+    """`drafter=dflash`: a one-pass block drafter on the target's context features (DFlash, arXiv 2602.06036;
+    drafters/dflash.py). A block [last verified token, MASK x (block_size - 1)] passes through num_layers decoder
+    layers whose keys/values also hold the fused target features of every earlier position; one forward drafts
+    up to block_size - 1 tokens. Empty target_layers: num_layers layers evenly spaced from EAGLE-3's low (2) to
+    high (L - 3) layer ({2, L // 2, L - 3} for 3 on a 30-layer target, so an EAGLE-3 feature cache is reused)."""
+
+    kind: str = "dflash"
+    # Drafter depth: decoder layers of the target's architecture, each reading the injected context features.
+    num_layers: int = 1
+    # Block size B trained: one anchor token plus B - 1 mask slots; drafter.draft_len / eval.draft_len <= B - 1.
+    block_size: int = 16
+    # Per-head RMSNorm on queries and keys (DFlash's layers are Qwen3 layers, which have it; on a target without
+    # it, e.g. Llama, the layers become Qwen3 layers of the target's sizes). vLLM and SGLang serve only such layers.
+    qk_norm: bool = True
+    # Training: random anchors per sequence in the response, redrawn every batch (0 = an anchor at every position).
+    blocks_per_sequence: int = 16
+    # Loss weight of block position k (1 .. B - 1): exp(-(k - 1) / position_decay). None: DFlash's gamma for the
+    # block size (7, 5, 4 for B = 16, 10, 8; linear between and beyond those). 0: all positions weigh 1.
+    position_decay: Optional[float] = None
+    # Training, GLAT glancing: reveal this fraction of a block's wrongly predicted tokens in their mask slots and
+    # learn the rest. 0 = off.
+    glancing_ratio: float = 0.0
+    # The token id serving engines put in the mask slots (vLLM, SGLang); None: chosen when the drafter is built
+    # (a special token of the tokenizer that is not BOS, EOS or padding, else the last id).
+    mask_token_id: Optional[int] = None
+    # true: the mask slots have a learned embedding of their own (exported to vLLM as mask_embedding.pt).
+    # false: they use the target's frozen embedding of mask_token_id, as DFlash's released drafters do (what SGLang
+    # can serve); an untrained row of the target's embedding (vocabulary padding) is a trap.
+    learned_mask: bool = True
+    fc_norm: bool = False  # DFlash (and vLLM / SGLang) fuse with fc then one norm; true adds EAGLE-3's per-layer norm
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(self.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {self.num_layers}")
+        _check(self.block_size >= 2, "drafter.block_size", f"must be >= 2 (an anchor and a mask slot), got "
+               f"{self.block_size}")
+        _check(self.draft_len <= self.block_size - 1, "drafter.draft_len", f"must be <= block_size - 1 = "
+               f"{self.block_size - 1} (one forward drafts that many), got {self.draft_len}")
+        _check(self.blocks_per_sequence >= 0, "drafter.blocks_per_sequence",
+               f"must be >= 0, got {self.blocks_per_sequence}")
+        _check(self.position_decay is None or self.position_decay >= 0, "drafter.position_decay",
+               f"must be >= 0, got {self.position_decay}")
+        _check(0 <= self.glancing_ratio <= 1, "drafter.glancing_ratio", f"must be in [0, 1], got {self.glancing_ratio}")
+        _check(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
 
 
 @dataclass
@@ -566,5 +625,6 @@ def register_configs() -> None:
     # One schema per drafter kind, extended by the YAML files of the `drafter` group (conf/drafter/*.yaml).
     for name, node in (("ar_schema", ARDrafterConfig), ("nar_schema", NARDrafterConfig),
                        ("eagle3_schema", Eagle3DrafterConfig), ("ngram_schema", NgramDrafterConfig),
+                       ("dflash_schema", DFlashDrafterConfig),
                        ("any_schema", DrafterConfig)):
         cs.store(group="drafter", name=name, node=node)

@@ -47,13 +47,15 @@ def teacher_logits(target: PreTrainedModel, batch: Batch, loss: LossConfig) -> O
 
 
 def apply_loss(
-    loss: LossConfig, student: Tensor, labels: Tensor, mask: Tensor, teacher: Callable[[], Tensor], draft_len: int
+    loss: LossConfig, student: Tensor, labels: Tensor, mask: Tensor, teacher: Callable[[], Tensor], draft_len: int,
+    weights: Optional[Tensor] = None,
 ) -> LossOutput:
-    """student [B, T, V], labels/mask [B, T]; `teacher()` gives the [B, T, V] teacher logits (not called for ce)."""
+    """student [B, T, V], labels/mask [B, T]; `teacher()` gives the [B, T, V] teacher logits (not called for ce);
+    weights [B, T]: per-position loss weights (None: all 1)."""
     fn = get_loss(loss.name)
     if loss.name == "ce":
-        return fn(student, labels, mask, temperature=loss.temperature)
-    options = {"temperature": loss.temperature}
+        return fn(student, labels, mask, temperature=loss.temperature, weights=weights)
+    options = {"temperature": loss.temperature, "weights": weights}
     if loss.name == "jsd":
         options["beta"] = loss.beta
     if loss.name in ("accepted_length", "reach_weighted_tvd"):

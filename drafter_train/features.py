@@ -32,6 +32,16 @@ def default_layers(total: int) -> list[int]:
     return sorted({min(2, total - 1), total // 2, max(total - 3, 0)})
 
 
+def evenly_spaced_layers(total: int, count: int) -> list[int]:
+    """`count` layers spread evenly from EAGLE-3's low layer to its high one (2 .. L - 3; one layer: L // 2), for a
+    target of `total` layers (DFlash spaces them from layer 1). Three of them are EAGLE-3's default_layers when L - 5
+    is even (e.g. {2, 15, 27} for L = 30). Fewer distinct layers when the target has fewer than `count`."""
+    if count == 1:
+        return [total // 2]
+    low, high = min(2, total - 1), max(total - 3, 0)
+    return sorted({min(int(low + i * (high - low) / (count - 1) + 0.5), total - 1) for i in range(count)})
+
+
 def check_layers(layer_ids: Sequence[int], total: int, field: str = "drafter.target_layers") -> list[int]:
     ids = list(layer_ids)
     if not ids:

@@ -4,9 +4,11 @@ Notation follows DistillSpec (Zhou et al. 2023): p = target probs, q = draft pro
 speculative sampling (Leviathan et al. 2023) at one position is alpha = sum_x min(p(x), q(x)) = 1 - TVD(p, q).
 
 Shapes: B batch, T sequence positions, V vocabulary. Every loss takes ``mask [B, T]`` (bool or 0/1: the response
-positions that count) and returns a ``LossOutput``: the SUM of per-token losses over those positions and their
-number. Summing both over the micro-batches of an optimizer step and dividing once gives the same value and
-gradients as one big batch, which a per-micro-batch mean does not when micro-batches hold different token counts:
+positions that count) and optional ``weights [B, T]`` (each position's per-token loss is multiplied by its weight,
+e.g. DFlash's decay over block positions), and returns a ``LossOutput``: the SUM of (weighted) per-token losses over
+those positions and their number. Summing both over the micro-batches of an optimizer step and dividing once gives
+the same value and gradients as one big batch, which a per-micro-batch mean does not when micro-batches hold
+different token counts:
 
     n_total = sum(mb_mask.sum() for mb_mask in step_masks)  # all-reduced too under data parallelism
     for mb in micro_batches:
@@ -20,7 +22,7 @@ zero gradient whatever their logits hold (-inf, nan), because they are replaced 
 from __future__ import annotations
 
 import math
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -61,8 +63,11 @@ def _pair(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperatu
     return _log_probs(student_logits, mask, temperature), _log_probs(target_logits, mask, temperature), mask
 
 
-def _reduce(per_token: Tensor, mask: Tensor) -> LossOutput:
-    """Sum a [B, T] per-token loss over the mask (where, not multiply: a masked position adds exactly 0)."""
+def _reduce(per_token: Tensor, mask: Tensor, weights: Optional[Tensor] = None) -> LossOutput:
+    """Sum a [B, T] per-token loss (times weights [B, T], if given) over the mask (where, not multiply: a masked
+    position adds exactly 0); the count is the unweighted number of masked positions."""
+    if weights is not None:
+        per_token = per_token * weights
     return LossOutput(torch.where(mask, per_token, 0.0).sum(), mask.sum())
 
 
@@ -71,7 +76,8 @@ def _kl(log_a: Tensor, log_b: Tensor) -> Tensor:
     return (log_a.exp() * (log_a - log_b)).sum(-1)
 
 
-def ce(student_logits: Tensor, labels: Tensor, mask: Tensor, temperature: float = 1.0) -> LossOutput:
+def ce(student_logits: Tensor, labels: Tensor, mask: Tensor, temperature: float = 1.0,
+       weights: Optional[Tensor] = None) -> LossOutput:
     """Cross-entropy -log q(label) on target-generated tokens: sequence-level KD (Kim & Rush 2016).
 
     student_logits [B, T, V], labels [B, T] long (the token the target produced at each position; any value where
@@ -80,33 +86,37 @@ def ce(student_logits: Tensor, labels: Tensor, mask: Tensor, temperature: float 
     mask = mask.bool()
     log_q = _log_probs(student_logits, mask, temperature)
     picked = log_q.gather(-1, torch.where(mask, labels, 0)[..., None]).squeeze(-1)
-    return _reduce(-picked, mask)
+    return _reduce(-picked, mask, weights)
 
 
-def greedy_ce(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> LossOutput:
+def greedy_ce(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0,
+              weights: Optional[Tensor] = None) -> LossOutput:
     """Cross-entropy -log q(argmax p) toward the target's greedy token at each position.
 
     Sequence-level KD's labels computed on any text (e.g. fixed responses whose own tokens are not the target's):
     what greedy verification accepts is exactly the target's argmax. student/target_logits [B, T, V], mask [B, T].
     """
     mask = mask.bool()
-    return ce(student_logits, target_logits.argmax(-1), mask, temperature)
+    return ce(student_logits, target_logits.argmax(-1), mask, temperature, weights)
 
 
-def fkl(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> LossOutput:
+def fkl(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0,
+        weights: Optional[Tensor] = None) -> LossOutput:
     """Forward KL(p || q) per token: mass-covering. student/target_logits [B, T, V], mask [B, T]."""
     log_q, log_p, mask = _pair(student_logits, target_logits, mask, temperature)
-    return _reduce(_kl(log_p, log_q), mask)
+    return _reduce(_kl(log_p, log_q), mask, weights)
 
 
-def rkl(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> LossOutput:
+def rkl(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0,
+        weights: Optional[Tensor] = None) -> LossOutput:
     """Reverse KL(q || p) per token: mode-seeking. student/target_logits [B, T, V], mask [B, T]."""
     log_q, log_p, mask = _pair(student_logits, target_logits, mask, temperature)
-    return _reduce(_kl(log_q, log_p), mask)
+    return _reduce(_kl(log_q, log_p), mask, weights)
 
 
 def jsd(
-    student_logits: Tensor, target_logits: Tensor, mask: Tensor, beta: float = 0.5, temperature: float = 1.0
+    student_logits: Tensor, target_logits: Tensor, mask: Tensor, beta: float = 0.5, temperature: float = 1.0,
+    weights: Optional[Tensor] = None,
 ) -> LossOutput:
     """Generalized JSD of GKD (Agarwal et al. 2024, eq. 1; TRL ``generalized_jsd_loss``) per token.
 
@@ -118,13 +128,13 @@ def jsd(
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
     if beta == 0.0:
-        return fkl(student_logits, target_logits, mask, temperature)
+        return fkl(student_logits, target_logits, mask, temperature, weights)
     if beta == 1.0:
-        return rkl(student_logits, target_logits, mask, temperature)
+        return rkl(student_logits, target_logits, mask, temperature, weights)
     log_q, log_p, mask = _pair(student_logits, target_logits, mask, temperature)
     # log M mixed in log space: forming beta p + (1 - beta) q in probs would underflow to log(0) in the tails.
     log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
-    return _reduce(beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m), mask)
+    return _reduce(beta * _kl(log_p, log_m) + (1.0 - beta) * _kl(log_q, log_m), mask, weights)
 
 
 def _tvd_per_token(log_q: Tensor, log_p: Tensor) -> Tensor:
@@ -132,13 +142,14 @@ def _tvd_per_token(log_q: Tensor, log_p: Tensor) -> Tensor:
     return 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
 
 
-def tvd(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0) -> LossOutput:
+def tvd(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0,
+        weights: Optional[Tensor] = None) -> LossOutput:
     """Total variation 0.5 sum_x |p(x) - q(x)| per token, i.e. 1 - alpha, the chance the draft token is rejected.
 
     DistillSpec's direct acceptance-rate objective. student/target_logits [B, T, V], mask [B, T].
     """
     log_q, log_p, mask = _pair(student_logits, target_logits, mask, temperature)
-    return _reduce(_tvd_per_token(log_q, log_p), mask)
+    return _reduce(_tvd_per_token(log_q, log_p), mask, weights)
 
 
 def _window_cumprod(alpha: Tensor, mask: Tensor, draft_len: int, inclusive: bool) -> Tensor:
@@ -169,7 +180,8 @@ def _alpha(student_logits: Tensor, target_logits: Tensor, mask: Tensor, draft_le
 
 
 def accepted_length_loss(
-    student_logits: Tensor, target_logits: Tensor, mask: Tensor, draft_len: int, temperature: float = 1.0
+    student_logits: Tensor, target_logits: Tensor, mask: Tensor, draft_len: int, temperature: float = 1.0,
+    weights: Optional[Tensor] = None,
 ) -> LossOutput:
     """Minus the expected number of accepted draft tokens, summed over windows of ``draft_len`` positions.
 
@@ -184,11 +196,12 @@ def accepted_length_loss(
     the expected accepted tokens per full window. The gradient reaches an early alpha through every later product.
     """
     alpha, mask = _alpha(student_logits, target_logits, mask, draft_len, temperature)
-    return _reduce(-_window_cumprod(alpha, mask, draft_len, inclusive=True), mask)
+    return _reduce(-_window_cumprod(alpha, mask, draft_len, inclusive=True), mask, weights)
 
 
 def reach_weighted_tvd(
-    student_logits: Tensor, target_logits: Tensor, mask: Tensor, draft_len: int, temperature: float = 1.0
+    student_logits: Tensor, target_logits: Tensor, mask: Tensor, draft_len: int, temperature: float = 1.0,
+    weights: Optional[Tensor] = None,
 ) -> LossOutput:
     """TVD at each position times the probability that the position is reached: a surrogate for accepted length.
 
@@ -200,12 +213,12 @@ def reach_weighted_tvd(
     """
     alpha, mask = _alpha(student_logits, target_logits, mask, draft_len, temperature)
     reach = _window_cumprod(alpha.detach(), mask, draft_len, inclusive=False)
-    return _reduce(reach * (1.0 - alpha), mask)
+    return _reduce(reach * (1.0 - alpha), mask, weights)
 
 
 # Every entry is called as fn(student_logits, target, mask, **options): target is labels [B, T] for "ce" and
 # target_logits [B, T, V] for the rest; options are beta (jsd), draft_len (accepted_length, reach_weighted_tvd)
-# and temperature (all).
+# temperature and weights (all).
 LOSSES: dict[str, Callable[..., LossOutput]] = {
     "ce": ce,
     "greedy_ce": greedy_ce,

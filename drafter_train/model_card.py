@@ -280,11 +280,10 @@ drafter-eval target.path={target_path}{chat} drafter=path drafter.path={drafter_
 
 def _serving_usage(info: RunInfo, fmt: str, target_hub: str, drafter_ref: str) -> str:
     """How the engine this folder was exported for serves it."""
-    k, eagle = info.draft_len, info.kind.name == "eagle3"
+    k, method = info.draft_len, info.kind.engine_methods[fmt]
     if fmt == "vllm":
-        method = "eagle3" if eagle else "draft_model"
-        return f"""This folder is in vLLM's format (`drafter-export export.format=vllm`{", speculators layout" if eagle else
-        ""}):
+        layout = {"eagle3": ", speculators layout", "dflash": ", DFlashDraftModel layout"}.get(method, "")
+        return f"""This folder is in vLLM's format (`drafter-export export.format=vllm`{layout}):
 
 ```python
 from vllm import LLM, SamplingParams
@@ -293,11 +292,10 @@ llm = LLM(model="{target_hub}", speculative_config={{"method": "{method}", "mode
                                                      "num_speculative_tokens": {k}}})
 print(llm.generate(["Tell me a story."], SamplingParams(temperature=0, max_tokens=64))[0].outputs[0].text)
 ```"""
-    algorithm = "EAGLE3" if eagle else "STANDALONE"
     return f"""This folder is in SGLang's format (`drafter-export export.format=sglang`):
 
 ```bash
-python -m sglang.launch_server --model-path {target_hub} --speculative-algorithm {algorithm} \\
+python -m sglang.launch_server --model-path {target_hub} --speculative-algorithm {method} \\
   --speculative-draft-model-path {drafter_ref} --speculative-num-steps {k} --speculative-eagle-topk 1 \\
   --speculative-num-draft-tokens {k + 1}
 ```"""

@@ -50,7 +50,7 @@ def block_batch(batch: Batch, starts: Tensor, draft_len: int) -> Batch:
         idx = flat.view(*flat.shape, *[1] * (field.dim() - 2)).expand(-1, -1, *field.shape[2:])
         return field.gather(1, idx)
 
-    names = ("resp_pos", "resp_mask", "labels", "topk_ids", "topk_logits")
+    names = ("resp_pos", "resp_mask", "labels", "topk_ids", "topk_logits", "target_hidden")
     gathered = {name: take(getattr(batch, name)) for name in names if getattr(batch, name) is not None}
     gathered["resp_mask"] = gathered["resp_mask"] & valid.flatten(1)
     context_lens = gathered["resp_pos"][:, ::draft_len] + 1  # the logits predicting token s sit at s - 1
@@ -62,13 +62,12 @@ def to_blocks(batch: Batch, drafter: DrafterConfig) -> Batch:
     return block_batch(batch, sample_block_starts(batch.resp_mask, drafter.blocks_per_sequence), drafter.draft_len)
 
 
-def glance(module: nn.Module, blocks: Batch, labels: Tensor, mask: Tensor, ratio: float) -> tuple[Tensor, Tensor]:
+def glance(predicted: Tensor, labels: Tensor, mask: Tensor, ratio: float) -> tuple[Tensor, Tensor]:
     """GLAT glancing (Qian et al. 2021, used by SpecDec): reveal round(ratio * #wrong) random tokens of each block.
 
-    labels/mask [B, n, k]. Returns (glance_ids [B, n, k]: revealed token or -1, mask without the revealed positions).
+    predicted/labels/mask [B, n, k] (the drafter's argmax without glancing, the tokens to learn, which count).
+    Returns (glance_ids [B, n, k]: revealed token or -1, mask without the revealed positions).
     """
-    with torch.no_grad():
-        predicted = module(blocks.input_ids, blocks.attention_mask, blocks.context_lens).argmax(-1)
     wrong = ((predicted != labels) & mask).sum(-1, keepdim=True)  # [B, n, 1] Hamming distance per block
     num_reveal = torch.floor(wrong * ratio + 0.5)
     scores = torch.where(mask, torch.rand(mask.shape).to(mask.device), -1.0)
@@ -89,7 +88,9 @@ def nar_distill_loss(
     labels, mask = blocks.labels.view(rows, n, k), blocks.resp_mask.view(rows, n, k)
     glance_ids, learn = None, mask
     if drafter.glancing_ratio > 0:
-        glance_ids, learn = glance(module, blocks, labels, mask, drafter.glancing_ratio)
+        with torch.no_grad():
+            predicted = module(blocks.input_ids, blocks.attention_mask, context_lens).argmax(-1)
+        glance_ids, learn = glance(predicted, labels, mask, drafter.glancing_ratio)
     student = module(blocks.input_ids, blocks.attention_mask, context_lens, glance_ids)  # [B, n, k, V]
     teacher = lambda: teacher_logits(target, blocks, loss).view(rows * n, k, -1)  # noqa: E731
     out = apply_loss(loss, student.flatten(0, 1), labels.flatten(0, 1), learn.flatten(0, 1), teacher, k)

@@ -7,6 +7,11 @@ pays). Every trained drafter, plus prompt lookup (`ngram`, untrained), is evalua
 the same prompts with the project's evaluator, `--repeats` times interleaved; the medians of tau, acceptance,
 per-position acceptance, drafter ms per proposal, verify ms per step and speedup over plain decoding (measured in the
 same run) are printed as a markdown table and stored in <output-root>/results.json, with the load average.
+`--kinds` also takes the DFlash configurations dflash-b{8,16}-l{1,2,3} (block size, depth; fkl on offline features),
+each evaluated at the draft lengths its block holds (<= block - 1):
+
+    python scripts/bench_drafters.py --data data/ref1k --budget-min 10 --kinds eagle3 nar dflash-b8-l1 dflash-b16-l1 \
+        dflash-b16-l2 dflash-b16-l3 --draft-lens 3 4 7 15
 
     python scripts/bench_drafters.py --data data/ref1k --budget-min 20 --draft-lens 2 3 4 6 8 \
         --prompts prompts/heldout-mix.jsonl --num-prompts 16 --max-new-tokens 64 --repeats 3
@@ -39,6 +44,12 @@ KINDS = {
     "ar": ["drafter=truncated", "drafter.path=truncated:2", "loss=ce"],
     "nar": ["drafter=nar", "drafter.path=truncated:2", "loss=ce"],
 }
+DEFAULT_KINDS = list(KINDS)
+# DFlash (issue 11): block sizes 8 and 16 at depths 1-3, on offline features; each drafts at most block - 1 tokens.
+DFLASH_MAX_DRAFT = {f"dflash-b{block}-l{depth}": block - 1 for block in (8, 16) for depth in (1, 2, 3)}
+KINDS.update({name: ["drafter=dflash", "drafter.path=new", f"drafter.block_size={limit + 1}",
+                     f"drafter.num_layers={name[-1]}", f"drafter.draft_len={limit}", "drafter.features=offline",
+                     "loss=fkl"] for name, limit in DFLASH_MAX_DRAFT.items()})
 METRICS = ("tau", "acceptance_rate", "speedup", "drafter_ms_per_proposal", "verify_ms_per_step", "spec_tokens_per_s",
            "ar_tokens_per_s")
 
@@ -82,7 +93,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="drafter-datagen output folder")
     parser.add_argument("--response", default="reference", help="train.response (reference: fixed answers)")
-    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
+    parser.add_argument("--kinds", nargs="+", default=DEFAULT_KINDS, choices=list(KINDS))
     parser.add_argument("--budget-min", type=float, default=20.0, help="training wall-clock per kind, minutes")
     parser.add_argument("--probe-steps", type=int, default=5)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -113,6 +124,8 @@ def main():
         samples = {name: [] for name in models}
         for repeat in range(args.repeats):  # interleaved, so a load change hits every drafter alike
             for name, model in models.items():
+                if k > DFLASH_MAX_DRAFT.get(name, k):
+                    continue
                 metrics = evaluate_decoding(target, make_drafter(model), prompts,
                                             dataclasses.replace(eval_cfg, draft_len=k), eos, progress=False,
                                             categories=categories)
@@ -121,6 +134,8 @@ def main():
                                   **{m: round(metrics[m], 3) for m in ("tau", "speedup", "drafter_ms_per_proposal")}}),
                       flush=True)
         for name, runs in samples.items():
+            if not runs:
+                continue
             row = {"draft_len": k, "drafter": name, **{m: statistics.median(r[m] for r in runs) for m in METRICS}}
             row["per_position_acceptance"] = [statistics.median(r["per_position_acceptance"][i] for r in runs)
                                               for i in range(k)]

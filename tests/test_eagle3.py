@@ -294,19 +294,19 @@ def test_eagle3_trains_checkpoints_and_resumes_exactly(tiny_data, tmp_path, feat
 def test_offline_features_equal_online_ones(tiny_data, tmp_path):
     from drafter_train.data import feature_cache
     from drafter_train.data.store import load_distill_dataset
-    from drafter_train.drafters.eagle3 import feature_root, feature_spec, prepare_batch
+    from drafter_train.drafters.conditioned import attach_cached_features, feature_root, feature_spec
 
     cfg = eagle3_cfg(tiny_data, tmp_path, "drafter.features=offline", "train.max_steps=1")
     train(cfg)
     target = load_causal_lm(str(tiny_data / "target"))
     data = load_distill_dataset(tiny_data / "data")
-    spec = feature_spec(cfg, target, "response_ids")
+    spec = feature_spec(cfg, target, "response_ids", [0, 1, 2])
     root = feature_root(cfg, spec)
     manifest = json.loads((root / feature_cache.MANIFEST).read_text())
     assert manifest["records"] == len(data) and manifest["layers"] == [0, 1, 2] and manifest["bytes"] > 0
     cached = feature_cache.load_cache(root, spec, len(data))
     records = [dict(data[i], **cached[i]) for i in range(4)]
-    batch = prepare_batch(collate(records, "response_ids", 512, 0), records, cfg)
+    batch = attach_cached_features(collate(records, "response_ids", 512, 0), records, cfg)
     online_features, online_hidden = target_signals(target, collate(records, "response_ids", 512, 0), [0, 1, 2])
     real = batch.attention_mask.bool()
     torch.testing.assert_close(batch.features.float()[real], online_features[real].bfloat16().float())

@@ -276,3 +276,26 @@ def test_unknown_name_and_bad_shapes():
         get_loss("kl")
     with pytest.raises(ValueError, match=r"mask \[B, T\]"):
         get_loss("fkl")(_logits(0), _logits(1), MASK[:, :3])
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_weights_scale_each_positions_own_loss(name):
+    """weights [B, T] multiply each position's per-token loss (DFlash's position decay): all ones change nothing,
+    and the weighted sum is the weights times the one-position contributions; the count stays unweighted."""
+    s, t = _logits(0), _logits(1)
+    plain = _call(name, s, t, MASK)
+    assert_close(_call(name, s, t, MASK, weights=torch.ones(B, T, dtype=torch.float64)).loss_sum, plain.loss_sum, **TOL)
+    w = torch.rand(B, T, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    weighted = _call(name, s, t, MASK, weights=w)
+    parts = 0.0
+    for b, pos in MASK.nonzero().tolist():
+        one = torch.zeros(B, T, dtype=torch.float64)
+        one[b, pos] = 1.0
+        contribution = _call(name, s, t, MASK, weights=one).loss_sum
+        if name not in ("accepted_length", "reach_weighted_tvd"):  # per-token losses: the position on its own
+            alone = torch.zeros_like(MASK)
+            alone[b, pos] = True
+            assert_close(contribution, _call(name, s, t, alone).loss_sum, **TOL)
+        parts = parts + w[b, pos] * contribution
+    assert_close(weighted.loss_sum, parts, **TOL)
+    assert weighted.num_tokens == plain.num_tokens

@@ -20,11 +20,7 @@ step per further draft, and the draft steps' entries are dropped at the next com
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 from typing import Optional, Sequence
-
-import datasets
 
 import torch
 import torch.nn.functional as F
@@ -33,19 +29,16 @@ from transformers import AutoConfig, AutoModel, DynamicCache, PretrainedConfig, 
 
 from drafter_train import draft_vocab
 from drafter_train.config import DrafterConfig, Eagle3DrafterConfig, TrainJobConfig
-from drafter_train.data import feature_cache
 from drafter_train.data.batches import Batch
 from drafter_train.decoding.draft_exit import draft_confidence
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.distill import apply_loss
-from drafter_train.drafters import eagle3_export
+from drafter_train.drafters import conditioned, eagle3_export
+from drafter_train.drafters.conditioned import target_signals  # noqa: F401  (tests and scripts import it from here)
 from drafter_train.drafters.registry import BuildContext, DrafterKind
-from drafter_train.drafters.truncated import parse_truncated
-from drafter_train.errors import ConfigError, ModelNotFoundError
-from drafter_train.features import FeatureTap, check_layers, default_layers, num_layers
+from drafter_train.features import check_layers, default_layers, num_layers
 from drafter_train.losses import LossOutput
-from drafter_train.targets import model_identity
 
 MODEL_TYPE = "eagle3_drafter"
 
@@ -104,7 +97,7 @@ def later_rows(gather_pos: Tensor, length: int, steps: int) -> Tensor:
     return (start + torch.arange(width, device=gather_pos.device)).clamp(max=length - 1)
 
 
-class Eagle3Model(PreTrainedModel):
+class Eagle3Model(conditioned.TargetFeaturesModel):
     config_class = Eagle3Config
     base_model_prefix = "eagle3"
     _no_split_modules = []
@@ -114,12 +107,8 @@ class Eagle3Model(PreTrainedModel):
         layer_config = config.layer_config()
         base = AutoModel.from_config(layer_config)  # the target architecture's modules, one layer
         hidden, vocab = layer_config.hidden_size, layer_config.vocab_size
-        target_hidden = config.target_hidden_size or hidden
         norm_class, eps = type(base.norm), layer_config.rms_norm_eps
-        self.embed_tokens = nn.Embedding(vocab, hidden)
-        n = len(config.target_layers)
-        self.fc_norm = nn.ModuleList([norm_class(target_hidden, eps=eps) for _ in range(n)]) if config.fc_norm else None
-        self.fc = nn.Linear(n * target_hidden, hidden, bias=False)
+        self._add_inputs(config, norm_class, eps, hidden, vocab)
         layer = base.layers[0]
         attn, bias = layer.self_attn, getattr(layer_config, "attention_bias", False)
         for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding; hidden]: 2H wide
@@ -127,33 +116,14 @@ class Eagle3Model(PreTrainedModel):
         layer.hidden_norm = norm_class(hidden, eps=eps)
         self.layers = nn.ModuleList([layer])
         self.norm, self.rotary_emb = base.norm, base.rotary_emb
-        self.lm_head = nn.Linear(hidden, config.draft_vocab_size or vocab, bias=False)
-        rows = self.lm_head.out_features
-        self.register_buffer("d2t", torch.zeros(rows, dtype=torch.long))
-        self.register_buffer("t2d", torch.ones(vocab, dtype=torch.bool) if rows == vocab else
-                             torch.zeros(vocab, dtype=torch.bool))
+        self._add_head(config, hidden, vocab)
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Module:
-        return self.embed_tokens
-
-    def get_output_embeddings(self) -> nn.Module:
-        return self.lm_head
-
-    @property
-    def target_vocab_size(self) -> int:
-        """The vocabulary its tokens and drafts live in (the LM head covers only the draft vocabulary)."""
-        return self.embed_tokens.num_embeddings
 
     # ---- the pieces shared by training and decoding ----
 
     def fuse(self, features: Tensor) -> Tensor:
         """[..., n * H_t] target features -> [..., H] (each layer's feature normalised first with fc_norm)."""
-        features = features.to(self.fc.weight.dtype)
-        if self.fc_norm is not None:
-            chunks = features.chunk(len(self.fc_norm), dim=-1)
-            features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
-        return self.fc(features)
+        return self.fused_input(features)
 
     def step(self, token_ids: Tensor, hidden: Tensor, position_ids: Tensor, mask: Optional[Tensor], cache) -> Tensor:
         """One drafter step: tokens [B, n], hidden inputs [B, n, H] -> hidden outputs [B, n, H] (before the norm).
@@ -216,13 +186,7 @@ class Eagle3Model(PreTrainedModel):
                               vocab_size=vocab, eos_token_id=tconfig.eos_token_id, bos_token_id=tconfig.bos_token_id,
                               pad_token_id=getattr(tconfig, "pad_token_id", None), tie_word_embeddings=False)
         drafter = cls(config).to(target.dtype)
-        d2t, t2d = draft_vocab.mapping(draft_ids, vocab)
-        drafter.d2t.copy_(d2t)
-        drafter.t2d.copy_(t2d)
-        drafter.config.draft_vocab_fingerprint = draft_vocab.fingerprint(d2t)
-        drafter.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight.data)
-        drafter.lm_head.weight.data.copy_(target.get_output_embeddings().weight.data[draft_ids])
-        drafter.norm.load_state_dict(target.get_decoder().norm.state_dict())
+        drafter.copy_from_target(target, draft_ids)
         return drafter.to(target.device)
 
 
@@ -284,33 +248,11 @@ class Eagle3Drafter:
         return Proposal(torch.stack(tokens), None if params.greedy else self._full_vocab(torch.stack(probs)))
 
     def _full_vocab(self, probs: Tensor) -> Tensor:
-        """[k, Vd] draft probabilities -> [k, V]: zero outside the draft vocabulary (such tokens are never drafted)."""
-        full = probs.new_zeros(probs.shape[0], self.draft_vocab.numel())
-        return full.index_copy_(1, self.draft_ids, probs)
+        return conditioned.to_target_vocab(probs, self.draft_ids, self.draft_vocab.numel())
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Training
-
-
-def restricted_logits(target: PreTrainedModel, hidden: Tensor, draft_ids: Tensor) -> Tensor:
-    """The target's logits over the draft vocabulary only: its LM head rows `draft_ids` on final hidden states."""
-    logits = F.linear(hidden, target.get_output_embeddings().weight[draft_ids])
-    cap = getattr(target.config, "final_logit_softcapping", None)
-    return torch.tanh(logits / cap) * cap if cap else logits
-
-
-@torch.no_grad()
-def target_signals(target: PreTrainedModel, batch: Batch, layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
-    """(features [B, T, n*H], final hidden states [B, R, H] at the response positions) from one no-grad target
-    forward: what the offline feature cache stores, and what training computes online."""
-    if batch.features is not None:
-        return batch.features, batch.target_hidden
-    with FeatureTap(target, layer_ids) as tap:
-        last = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-        features = tap.features
-    index = batch.resp_pos[..., None].expand(-1, -1, last.shape[-1])
-    return features, torch.gather(last, 1, index)
 
 
 def eagle3_loss(module: nn.Module, target: PreTrainedModel, batch: Batch, cfg: TrainJobConfig) -> LossOutput:
@@ -318,12 +260,10 @@ def eagle3_loss(module: nn.Module, target: PreTrainedModel, batch: Batch, cfg: T
     restricted to the draft vocabulary (ce: against the data's tokens, those outside the draft vocabulary masked).
     Counted per response token (the batch's num_tokens)."""
     model = module.module if hasattr(module, "module") else module  # DDP wraps; buffers are read, not trained
-    d2t = model.d2t
-    draft_ids = draft_vocab.draft_to_target(d2t)
-    features, target_hidden = target_signals(target, batch, model.config.target_layers)
+    features, target_hidden = conditioned.target_signals(target, batch, model.config.target_layers)
     student = module(batch.input_ids, features, batch.attention_mask, batch.resp_pos, cfg.drafter.ttt_steps)
-    teacher = restricted_logits(target, target_hidden.to(target.dtype), draft_ids).float()
-    labels = draft_vocab.target_to_draft(d2t, model.t2d.numel())[batch.labels]
+    teacher = conditioned.draft_teacher(model, target, target_hidden)
+    labels = conditioned.draft_labels(model, batch.labels)
     total = torch.zeros((), device=batch.input_ids.device)
     for j, logits in enumerate(student):
         mask = batch.resp_mask & (batch.resp_pos - 1 - j >= 0)
@@ -334,50 +274,9 @@ def eagle3_loss(module: nn.Module, target: PreTrainedModel, batch: Batch, cfg: T
     return LossOutput(total, batch.resp_mask.sum())
 
 
-def feature_spec(cfg: TrainJobConfig, target: PreTrainedModel, response_key: str) -> feature_cache.CacheSpec:
-    layers = check_layers(cfg.drafter.target_layers or default_layers(num_layers(target)), num_layers(target))
-    return feature_cache.CacheSpec(target=model_identity(cfg.target), layers=tuple(layers),
-                                   hidden_size=target.config.hidden_size, response_key=response_key,
-                                   max_seq_len=cfg.train.max_seq_len, dtype=cfg.drafter.feature_dtype)
-
-
-def feature_root(cfg: TrainJobConfig, spec: feature_cache.CacheSpec) -> Path:
-    """drafter.feature_cache, else a folder next to the data named by what the features depend on."""
-    if cfg.drafter.feature_cache:
-        return Path(cfg.drafter.feature_cache)
-    return feature_cache.cache_dir(cfg.train.data_dir, spec)
-
-
-def prepare_data(cfg: TrainJobConfig, data, response_key: str, target: PreTrainedModel, tokenizer, accelerator):
-    """drafter.features=offline: extract the target's features over the whole dataset once (all ranks share the
-    work, shard by shard), then train on records that carry them; online: the records as they are."""
-    if cfg.drafter.features != "offline":
-        return data
-    spec = feature_spec(cfg, target, response_key)
-    root = feature_root(cfg, spec)
-    feature_cache.check_manifest(root, spec)
-    if not (root / feature_cache.MANIFEST).is_file():
-        def extract(batch: Batch) -> tuple[Tensor, Tensor]:
-            return target_signals(target, batch.to(accelerator.device), spec.layers)
-
-        feature_cache.build_cache(root, spec, data, extract, tokenizer.pad_token_id, cfg.train.batch_size,
-                                  accelerator.process_index, accelerator.num_processes,
-                                  progress=accelerator.is_main_process)
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            manifest = feature_cache.finish_cache(root, spec, len(data))
-            print(f"feature cache: {manifest['records']} records, {manifest['bytes'] / 2**20:.0f} MiB -> {root}",
-                  file=sys.stderr)
-        accelerator.wait_for_everyone()
-    cached = feature_cache.load_cache(root, spec, len(data))
-    return datasets.concatenate_datasets([data, cached], axis=1)
-
-
-def prepare_batch(batch: Batch, records: list, cfg: TrainJobConfig) -> Batch:
-    if cfg.drafter.features != "offline":
-        return batch
-    spec_dtype = feature_cache._DTYPES[cfg.drafter.feature_dtype]
-    return feature_cache.attach_features(batch, records, spec_dtype)
+def feature_layers(cfg: DrafterConfig, target: PreTrainedModel) -> list[int]:
+    """drafter.target_layers, else EAGLE-3's low/mid/high default, checked against the target."""
+    return check_layers(cfg.target_layers or default_layers(num_layers(target)), num_layers(target))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -385,47 +284,16 @@ def prepare_batch(batch: Batch, records: list, cfg: TrainJobConfig) -> Batch:
 
 
 def build(cfg: DrafterConfig, ctx: BuildContext) -> Eagle3Model:
-    target = ctx.target
-    if parse_truncated(cfg.path) is not None or cfg.path == "scratch":
-        raise ConfigError(f"drafter.path: an EAGLE-3 drafter is built new for its target (drafter.path=new) or "
-                          f"loaded from a saved folder, not {cfg.path!r}")
+    conditioned.check_new_or_saved(cfg, "EAGLE-3")
     if cfg.path != "new":
-        return check_target(load(cfg.path, ctx.dtype).to(target.device), target)
-    vocab = target.get_input_embeddings().num_embeddings
-    layer_ids = check_layers(cfg.target_layers or default_layers(num_layers(target)), num_layers(target))
-    draft_vocab.check_size(cfg.draft_vocab_size, vocab)
-    if 0 < cfg.draft_vocab_size < vocab:
-        if ctx.token_counts is None:
-            raise ConfigError("drafter.draft_vocab_size: a new EAGLE-3 drafter chooses its draft vocabulary from "
-                              "training data; evaluate a trained one, or use drafter.draft_vocab_size=0")
-        eos = target.config.eos_token_id
-        draft_ids = draft_vocab.select_draft_ids(ctx.token_counts(), cfg.draft_vocab_size,
-                                                 eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    else:
-        draft_ids = torch.arange(vocab)
-    return Eagle3Model.from_target(target, layer_ids, draft_ids, cfg.fc_norm, cfg.draft_len)
+        return conditioned.check_target(load(cfg.path, ctx.dtype).to(ctx.target.device), ctx.target, "EAGLE-3")
+    layer_ids = feature_layers(cfg, ctx.target)
+    draft_ids = conditioned.choose_draft_ids(cfg, ctx, "EAGLE-3")
+    return Eagle3Model.from_target(ctx.target, layer_ids, draft_ids, cfg.fc_norm, cfg.draft_len)
 
 
 def load(path: str, dtype: str) -> Eagle3Model:
-    if not Path(path).is_dir():
-        raise ModelNotFoundError(f"drafter.path: {path}: no such folder (an EAGLE-3 drafter folder, or new)")
-    try:
-        model = Eagle3Model.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    except RuntimeError as err:  # transformers: tensors whose shapes do not fit the folder's config
-        raise ConfigError(f"drafter.path: {path}: its weights do not fit its config.json ({str(err).splitlines()[0]})"
-                          ) from None
-    draft_vocab.check_mapping(model.d2t, model.t2d, model.lm_head.out_features, model.config.draft_vocab_fingerprint)
-    return model.requires_grad_(False)
-
-
-def check_target(model: Eagle3Model, target: PreTrainedModel) -> Eagle3Model:
-    """A saved drafter only works with the target (shape) it was trained on: refuse another in one line."""
-    cfg = model.config
-    if cfg.target_hidden_size != target.config.hidden_size:
-        raise ConfigError(f"drafter.path: this EAGLE-3 drafter reads features of hidden size {cfg.target_hidden_size},"
-                          f" the target's is {target.config.hidden_size} (it was trained for another target)")
-    check_layers(cfg.target_layers, num_layers(target), "drafter.path (its target_layers)")
-    return model
+    return conditioned.load_checked(Eagle3Model, path, dtype, "EAGLE-3")
 
 
 KIND = DrafterKind(
@@ -437,9 +305,10 @@ KIND = DrafterKind(
     load=load,
     decoder_drafter=Eagle3Drafter,
     loss=eagle3_loss,
-    prepare_data=prepare_data,
-    prepare_batch=prepare_batch,
+    prepare_data=conditioned.data_preparer(feature_layers),
+    prepare_batch=conditioned.attach_cached_features,
     export_formats=eagle3_export.FORMATS,
+    engine_methods={"vllm": "eagle3", "sglang": "EAGLE3"},
     summary="An EAGLE-3 draft head: one decoder layer reading the target's own hidden states, with a reduced draft "
             "vocabulary.",
     card_tags=("eagle3", "target-conditioned"),

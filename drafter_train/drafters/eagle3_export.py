@@ -45,7 +45,8 @@ def _layer_config(config: dict) -> dict:
     return layer
 
 
-def _weights(drafter_dir: Path, keep_embeddings: bool) -> dict[str, torch.Tensor]:
+def drafter_weights(drafter_dir: Path, keep_embeddings: bool) -> dict[str, torch.Tensor]:
+    """The saved drafter's tensors by name (without the embedding table when the engine shares the target's)."""
     files = sorted(drafter_dir.glob("*.safetensors"))
     if not files:
         raise ConfigError(f"export.checkpoint: {drafter_dir} has no .safetensors weights")
@@ -82,7 +83,7 @@ def write_speculators(drafter_dir: Path, out: Path, draft_len: int, verifier: st
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(spec, indent=2) + "\n")
-    save_file(_weights(drafter_dir, keep_embeddings), str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(drafter_weights(drafter_dir, keep_embeddings), str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep_embeddings: bool) -> None:
@@ -103,7 +104,8 @@ def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, ke
                   dtype=config.get("dtype") or config.get("torch_dtype") or "float32")
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(sglang, indent=2) + "\n")
-    weights = {k.replace("layers.0.", "midlayer.", 1): v for k, v in _weights(drafter_dir, keep_embeddings).items()}
+    weights = drafter_weights(drafter_dir, keep_embeddings)
+    weights = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights.items()}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 

@@ -1,4 +1,4 @@
-"""Drafter kinds. Each kind is ONE module (drafters/ar.py, nar.py, eagle3.py ...) that gives the same functions:
+"""Drafter kinds. Each kind is ONE module (drafters/ar.py, nar.py, eagle3.py, dflash.py ...) that gives the same functions:
 build/load, the training module and its loss on a batch, the decoder-side drafter and its export formats. The
 trainer, the evaluator and the exporter call these and never ask "which kind am I?".
 
@@ -77,6 +77,9 @@ class DrafterKind:
     export_formats: Mapping[str, Callable] = field(default_factory=dict)
     # Whether transformers' assisted generation can drive it (its export then carries assistant settings).
     hf_assistant: bool = False
+    # export.format -> the engine's name for the method that serves this kind (vLLM `speculative_config.method`,
+    # SGLang `--speculative-algorithm`), for model cards.
+    engine_methods: Mapping[str, str] = field(default_factory=lambda: {"vllm": "draft_model", "sglang": "STANDALONE"})
     # For model cards: a sentence on what it is, and Hub tags.
     summary: str = ""
     card_tags: tuple[str, ...] = ()
@@ -84,7 +87,8 @@ class DrafterKind:
 
 # kind name -> module defining `KIND` (imported on first use: a kind's model code loads only when it is used)
 _MODULES = {"ar": "drafter_train.drafters.ar", "nar": "drafter_train.drafters.nar",
-            "eagle3": "drafter_train.drafters.eagle3", "ngram": "drafter_train.drafters.ngram"}
+            "eagle3": "drafter_train.drafters.eagle3", "ngram": "drafter_train.drafters.ngram",
+            "dflash": "drafter_train.drafters.dflash"}
 # drafter.path values that name a way to build a drafter rather than a saved one.
 BUILT_PATHS = ("scratch", "new", "lookup")
 assert tuple(_MODULES) == DRAFTER_KINDS, "config.DRAFTER_KINDS and the registry must list the same kinds"
