@@ -70,6 +70,7 @@ class DecodeStats:
             "tokens_generated": self.tokens_generated,
             "proposed_draft_tokens": self.proposed,
             "accepted_draft_tokens": self.accepted,
+            "proposals": self.proposals,
             "drafter_ms_per_proposal": 1000 * self.draft_seconds / max(self.proposals, 1),
             "verify_ms_per_step": 1000 * self.verify_seconds / max(self.proposals, 1),
         }

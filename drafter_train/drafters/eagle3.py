@@ -440,6 +440,7 @@ KIND = DrafterKind(
     prepare_data=prepare_data,
     prepare_batch=prepare_batch,
     export_formats=eagle3_export.FORMATS,
+    engine_methods={"vllm": "eagle3", "sglang": "EAGLE3"},
     summary="An EAGLE-3 draft head: one decoder layer reading the target's own hidden states, with a reduced draft "
             "vocabulary.",
     card_tags=("eagle3", "target-conditioned"),

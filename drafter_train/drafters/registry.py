@@ -77,6 +77,9 @@ class DrafterKind:
     export_formats: Mapping[str, Callable] = field(default_factory=dict)
     # Whether transformers' assisted generation can drive it (its export then carries assistant settings).
     hf_assistant: bool = False
+    # export.format -> the engine's name for the method that serves this kind (vLLM `speculative_config.method`,
+    # SGLang `--speculative-algorithm`), for model cards.
+    engine_methods: Mapping[str, str] = field(default_factory=lambda: {"vllm": "draft_model", "sglang": "STANDALONE"})
     # For model cards: a sentence on what it is, and Hub tags.
     summary: str = ""
     card_tags: tuple[str, ...] = ()
