@@ -103,8 +103,8 @@ def worker(request_file: str) -> None:
     spec = None if request["method"] is None else {
         "method": request["method"], "model": request["drafter"], "num_speculative_tokens": request["draft_len"]}
     began = time.perf_counter()
-    llm = LLM(model=request["target"], dtype="float32", max_model_len=1024, enforce_eager=True,
-              disable_log_stats=False, speculative_config=spec, seed=0)
+    llm = LLM(model=request["target"], dtype="float32", max_model_len=request.get("max_model_len", 1024),
+              enforce_eager=True, disable_log_stats=False, speculative_config=spec, seed=0)
     result["startup_s"] = time.perf_counter() - began
     params = SamplingParams(temperature=0, max_tokens=request["max_new_tokens"], stop_token_ids=request["eos"])
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
@@ -219,6 +219,7 @@ def main(argv=None) -> int:
                         if target_cfg.path.startswith("embedded:") else Path(target_cfg.path).absolute())
     request = {"target": target_folder, "drafter": str(drafter_dir), "prompts": prompts, "draft_len": draft_len,
                "max_new_tokens": args.max_new_tokens, "eos": sorted(eos), "method": method,
+               "max_model_len": min(1024, getattr(target.config, "max_position_embeddings", None) or 1024),
                "speculators": "speculators_model_type" in exported_config}
     served = run_vllm(args.vllm_python, request, out, "vllm_spec")
     plain = None if args.no_baseline else run_vllm(args.vllm_python, dict(request, method=None, speculators=False),
