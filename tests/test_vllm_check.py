@@ -10,7 +10,6 @@ here has 2 heads of 32 (the shared tiny Llama and stories260K have 16 and 8). Ea
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -21,19 +20,13 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafter_train.train import train
+from tests.conftest import REPO
 from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, save_tiny
 from tests.test_train import train_cfg
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def vllm_python() -> Path:
-    return Path(os.environ.get("DRAFTER_TRAIN_VLLM_VENV") or REPO / ".venv-vllm") / "bin" / "python"
+from tests.test_vllm_backend import needs_vllm, vllm_python
 
 
-pytestmark = pytest.mark.skipif(not vllm_python().is_file(),
-                                reason=f"no vLLM environment at {vllm_python().parent.parent} "
-                                       "(scripts/setup_vllm.sh; set DRAFTER_TRAIN_VLLM_VENV)")
+pytestmark = [pytest.mark.slow, needs_vllm]
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +38,7 @@ def e3_run(tmp_path_factory):
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, initializer_range=0.3,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, initializer_range=0.1,
         bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
     save_tiny(target, root / "target")
     prompts = root / "prompts.jsonl"
@@ -55,7 +48,7 @@ def e3_run(tmp_path_factory):
         "datagen.num_prompts=96", "datagen.num_eval_prompts=4", "datagen.max_new_tokens=24",
         f"datagen.output_dir={root / 'data'}", "datagen.store_topk=8"])), progress=False)
     cfg = train_cfg(root, root / "runs", "drafter=eagle3", "drafter.path=new", "drafter.draft_vocab_size=16",
-                    "drafter.target_layers=[0,1,2]", "loss=fkl", "train.max_steps=60", "train.save_every=60",
+                    "drafter.target_layers=[0,1,2]", "loss=fkl", "train.max_steps=150", "train.save_every=150",
                     "train.batch_size=8")
     train(cfg)
     return root, root / "runs" / cfg.train.run_name
