@@ -1,5 +1,6 @@
 """Exported drafters served by real vLLM (scripts/vllm_check.py): vLLM's acceptance agrees with our evaluator's on the
-same prompts, and a broken export (shuffled d2t, layer ids without the engines' +1 offset) is caught.
+same prompts (EAGLE-3 as method eagle3, a stand-alone AR drafter as draft_model), and a broken EAGLE-3 export
+(shuffled d2t, layer ids without the engines' +1 offset) is caught.
 
 Opt-in: runs where a vLLM environment exists ($DRAFTER_TRAIN_VLLM_VENV, default .venv-vllm in the repo, as
 scripts/setup_vllm.sh builds it) and skips elsewhere. vLLM's CPU attention needs head_dim >= 32, so the tiny target
@@ -55,6 +56,7 @@ def e3_run(tmp_path_factory):
 
 
 def check(root: Path, run: Path, out: Path, *extra: str) -> tuple[int, dict]:
+    """scripts/vllm_check.py on `run`'s latest checkpoint: its exit status and its JSON."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("vllm_check", REPO / "scripts" / "vllm_check.py")
@@ -95,3 +97,14 @@ def test_vllm_serves_the_eagle3_export_with_our_acceptance_and_catches_broken_ex
     (no_offset / "config.json").write_text(json.dumps(config))
     status, result = check(root, run, tmp_path / "out-no-offset", "--exported", str(no_offset))
     assert status == 1 and not result["comparison"]["agree"], result["comparison"]
+
+
+def test_vllm_serves_a_standalone_ar_export_as_draft_model_with_our_acceptance(e3_run, tmp_path):
+    root, _ = e3_run
+    cfg = train_cfg(root, tmp_path / "runs", "drafter.path=truncated:1", "loss=fkl", "train.max_steps=150",
+                    "train.save_every=150", "train.batch_size=8")
+    train(cfg)
+    status, result = check(root, tmp_path / "runs" / cfg.train.run_name, tmp_path / "out")
+    assert result["method"] == "draft_model" and result["speculators"] is None
+    assert result["ours"]["mean_acceptance_length"] > 1 + 4 * result["comparison"]["tolerance"], result["ours"]
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
