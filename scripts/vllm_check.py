@@ -1,0 +1,290 @@
+"""Serve an exported drafter in vLLM and compare its acceptance with this project's evaluator on the same prompts.
+
+    python scripts/vllm_check.py --run checkpoints/<run> [--which best] [--vllm-python VENV/bin/python]
+    python scripts/vllm_check.py --checkpoint checkpoints/<run>/step-100 --exported exports/my-drafter
+
+1. Export: `drafter-export export.format=vllm` of the checkpoint (or --exported: a folder exported before). The
+   drafter kind decides the format and vLLM's method (DrafterKind.engine_methods["vllm"]): EAGLE-3 -> the
+   speculators format, method eagle3; stand-alone AR drafters -> their HF folder, method draft_model.
+2. A speculators-format folder is also loaded with the `speculators` package's own config and model classes:
+   every exported tensor must land in the model unchanged (no key left at its random init, d2t/t2d present).
+3. vLLM (greedy, num_speculative_tokens = draft_len, enforce_eager) decodes the prompts in a worker process under
+   --vllm-python (vLLM pins its own transformers, so the worker imports nothing of drafter_train), once with the
+   drafter and once without: acceptance from llm.get_metrics(), tokens/s batched (all prompts at once, as a server
+   runs them) and one prompt at a time (as our evaluator does).
+4. Our evaluator (drafter-eval's decoder, greedy, same token ids, same token budget) decodes the same prompts.
+5. Compared: per-position acceptance (P(draft i accepted | drafts before it accepted)) and the acceptance length it
+   implies (1 + sum over i of the product of the first i rates). They agree when each differs by at most
+   --tolerance (absolute). Both decoders see the same target features and the same greedy output; what may differ
+   is float rounding in the drafter (vLLM's kernels vs torch's: a near-tie flips a draft). The measured mean
+   acceptance length (1 + accepted drafts per drafting step, vLLM's definition) is reported too, but differs at the
+   token budget: in a request's last step we draft only what fits, vLLM drafts num_speculative_tokens and counts
+   drafts accepted past max_tokens (short outputs at high acceptance show it most).
+
+Results: <output>/vllm_check.json (and printed); exit status 1 when they disagree or the speculators check fails.
+The vLLM environment: scripts/setup_vllm.sh (default $DRAFTER_TRAIN_VLLM_VENV, else .venv-vllm in the repo).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_TOLERANCE = 0.1
+
+
+def default_vllm_python() -> Path:
+    return Path(os.environ.get("DRAFTER_TRAIN_VLLM_VENV") or REPO / ".venv-vllm") / "bin" / "python"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The vLLM side (runs under --vllm-python; standard library, vLLM and speculators only)
+
+
+def check_speculators(folder: str, target: str) -> dict:
+    """Load a speculators-format folder with speculators' own classes; list every exported tensor that did not
+    land in the model as written (a missing d2t or a misnamed weight leaves a random init behind silently)."""
+    from safetensors.torch import load_file
+    from speculators import SpeculatorModel, SpeculatorModelConfig
+
+    config = SpeculatorModelConfig.from_pretrained(folder)
+    config.speculators_config.verifier.name_or_path = target  # offline: the local target, not the Hub id
+    # (speculators' Eagle3DraftModel.from_pretrained breaks on output_loading_info=True: compare tensors instead)
+    model = SpeculatorModel.from_pretrained(folder, config=config)
+    state = model.state_dict()
+    written = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        written.update(load_file(file))
+    differ = sorted(name for name, tensor in written.items()
+                    if name not in state or state[name].shape != tensor.shape or not state[name].equal(tensor))
+    # what the model has that the folder does not give (besides what the engine shares with the target)
+    shared = {"embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight"}
+    not_given = sorted(name for name in state if name not in written and name not in shared
+                       and not name.startswith("rotary_emb"))
+    return {"class": type(model).__name__, "tensors_not_loaded_as_written": differ,
+            "model_tensors_not_in_folder": not_given,
+            "aux_hidden_state_layer_ids": list(model.config.eagle_aux_hidden_state_layer_ids or []),
+            "draft_vocab_size": model.config.draft_vocab_size,
+            "ok": not differ and not not_given}
+
+
+def _spec_metrics(llm) -> dict:
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    metrics = {}
+    for metric in llm.get_metrics():
+        if metric.name.startswith("vllm:spec_decode"):
+            if isinstance(metric, Counter):
+                metrics[metric.name] = metric.value
+            elif isinstance(metric, Vector):
+                metrics[metric.name] = list(metric.values)
+    return metrics
+
+
+def _delta(after: dict, before: dict) -> dict:
+    return {name: [a - b for a, b in zip(value, before.get(name, [0] * len(value)))] if isinstance(value, list)
+            else value - before.get(name, 0) for name, value in after.items()}
+
+
+def worker(request_file: str) -> None:
+    """One engine (with the drafter, or without when request["method"] is None), greedy, the request's prompts."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    request = json.loads(Path(request_file).read_text())
+    result = {}
+    if request.get("speculators"):
+        result["speculators"] = check_speculators(request["drafter"], request["target"])
+    spec = None if request["method"] is None else {
+        "method": request["method"], "model": request["drafter"], "num_speculative_tokens": request["draft_len"]}
+    began = time.perf_counter()
+    llm = LLM(model=request["target"], dtype="float32", max_model_len=request.get("max_model_len", 1024),
+              enforce_eager=True, disable_log_stats=False, speculative_config=spec, seed=0)
+    result["startup_s"] = time.perf_counter() - began
+    params = SamplingParams(temperature=0, max_tokens=request["max_new_tokens"], stop_token_ids=request["eos"])
+    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up, not counted
+    before = _spec_metrics(llm) if spec else {}
+    began = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    result["batched_s"] = time.perf_counter() - began
+    result["metrics"] = _delta(_spec_metrics(llm), before) if spec else {}
+    result["tokens"] = [list(o.outputs[0].token_ids) for o in outputs]
+    began = time.perf_counter()
+    for prompt in prompts:  # one at a time, as our evaluator decodes: the latency a single user sees
+        llm.generate([prompt], params, use_tqdm=False)
+    result["sequential_s"] = time.perf_counter() - began
+    Path(request["result"]).write_text(json.dumps(result))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Comparing
+
+
+def acceptance_from_vllm(metrics: dict) -> dict:
+    """vLLM's spec-decode counters -> mean acceptance length and conditional per-position acceptance."""
+    drafts = metrics["vllm:spec_decode_num_drafts"]
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos"]
+    reached = [drafts] + per_pos[:-1]  # draft i is checked in the steps where drafts 1..i-1 were accepted
+    per_position = [a / r if r else 0.0 for a, r in zip(per_pos, reached)]
+    return {"mean_acceptance_length": 1 + metrics["vllm:spec_decode_num_accepted_tokens"] / max(drafts, 1),
+            "implied_acceptance_length": implied_acceptance_length(per_position),
+            "per_position_acceptance": per_position, "drafting_steps": drafts, "accepted_per_position": per_pos}
+
+
+def implied_acceptance_length(per_position: list[float]) -> float:
+    """1 + expected accepted drafts per full drafting step, from the conditional per-position acceptance."""
+    length, reach = 1.0, 1.0
+    for rate in per_position:
+        reach *= rate
+        length += reach
+    return length
+
+
+def compare(ours: dict, vllm: dict, tolerance: float) -> dict:
+    """Absolute differences of each position's acceptance and of the acceptance length they imply, and the verdict.
+
+    The headline mean acceptance lengths differ at the token budget: in the last step of a request we draft only
+    the tokens that fit, vLLM drafts num_speculative_tokens and counts accepted drafts past max_tokens. Conditional
+    per-position acceptance is unbiased by that on both sides, so the verdict compares it and the length it implies.
+    """
+    length = abs(implied_acceptance_length(ours["per_position_acceptance"])
+                 - implied_acceptance_length(vllm["per_position_acceptance"]))
+    positions = [abs(a - b) for a, b in zip(ours["per_position_acceptance"], vllm["per_position_acceptance"])]
+    return {"tolerance": tolerance, "implied_acceptance_length_diff": length, "per_position_diff": positions,
+            "agree": length <= tolerance and all(d <= tolerance for d in positions)}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# This project's side
+
+
+def run_vllm(vllm_python: str, request: dict, folder: Path, name: str) -> dict:
+    request = dict(request, result=str(folder / f"{name}_raw.json"))
+    (folder / f"{name}_request.json").write_text(json.dumps(request))
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    env.pop("PYTHONPATH", None)  # the worker imports vLLM's own packages only
+    env.pop("LD_PRELOAD", None)  # libiomp made spec decoding 2-3x slower here
+    subprocess.run([vllm_python, str(Path(__file__).resolve()), "--worker", str(folder / f"{name}_request.json")],
+                   check=True, env=env)
+    return json.loads((folder / f"{name}_raw.json").read_text())
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--run", help="a drafter-train run folder (with --which)")
+    source.add_argument("--checkpoint", help="one step folder of a run")
+    source.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--which", default="best", help="with --run: best, latest or step-N")
+    parser.add_argument("--exported", help="an export.format=vllm folder of that checkpoint to serve instead of "
+                                           "exporting it again")
+    parser.add_argument("--vllm-python", default=str(default_vllm_python()))
+    parser.add_argument("--draft-len", type=int, default=None, help="default: the run's drafter.draft_len")
+    parser.add_argument("--prompts", default=None, help="prompt file (default: the evaluator's built-in prompts)")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
+    parser.add_argument("--no-baseline", action="store_true", help="skip vLLM without the drafter (tokens/s)")
+    parser.add_argument("--output", default=None, help="folder for the export and results (default: <run>/vllm)")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker)
+        return 0
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from drafter_train.config import DrafterConfig, EvalConfig, TargetConfig
+    from drafter_train.data.prompts import load_prompt_records
+    from drafter_train.drafters.loading import load_drafter
+    from drafter_train.drafters.registry import make_drafter
+    from drafter_train.evaluate import evaluate_decoding
+    from drafter_train.export import ExportConfig, export, resolve_checkpoint
+    from drafter_train.model_card import read_run_info
+    from drafter_train.targets import embedded_folder, encode_prompt, eos_token_ids, load_target
+
+    if not Path(args.vllm_python).is_file():
+        sys.exit(f"vllm_check: no vLLM interpreter at {args.vllm_python} (build one with scripts/setup_vllm.sh, "
+                 "or pass --vllm-python)")
+    export_cfg = ExportConfig(run_dir=args.run, checkpoint=args.checkpoint, which=args.which, format="vllm")
+    step_dir = resolve_checkpoint(export_cfg)
+    info = read_run_info(step_dir)
+    out = Path(args.output or step_dir.parent / "vllm").absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    drafter_dir = Path(args.exported).absolute() if args.exported else out / "drafter"
+    if not args.exported:
+        export_cfg.output_dir, export_cfg.overwrite = str(drafter_dir), True
+        export(export_cfg)
+    draft_len = args.draft_len or info.draft_len
+    method = info.kind.engine_methods["vllm"]
+    exported_config = json.loads((drafter_dir / "config.json").read_text())
+
+    fields = {f.name for f in dataclasses.fields(TargetConfig)}
+    target_cfg = TargetConfig(**{k: v for k, v in info.config.get("target", {}).items() if k in fields})
+    target, tokenizer = load_target(target_cfg)
+    eos = eos_token_ids(target, tokenizer)
+    records = load_prompt_records(args.prompts, args.num_prompts, None)
+    prompts = [encode_prompt(tokenizer, text, target_cfg.chat_template) for text, _ in records]
+    target_folder = str(embedded_folder(target_cfg.path, target_cfg.cache_dir)
+                        if target_cfg.path.startswith("embedded:") else Path(target_cfg.path).absolute())
+    request = {"target": target_folder, "drafter": str(drafter_dir), "prompts": prompts, "draft_len": draft_len,
+               "max_new_tokens": args.max_new_tokens, "eos": sorted(eos), "method": method,
+               "max_model_len": min(1024, getattr(target.config, "max_position_embeddings", None) or 1024),
+               "speculators": "speculators_model_type" in exported_config}
+    served = run_vllm(args.vllm_python, request, out, "vllm_spec")
+    plain = None if args.no_baseline else run_vllm(args.vllm_python, dict(request, method=None, speculators=False),
+                                                   out, "vllm_plain")
+
+    drafter = load_drafter(DrafterConfig(path=str(step_dir / "drafter")), target, tokenizer, "float32")
+    eval_cfg = EvalConfig(draft_len=draft_len, max_new_tokens=args.max_new_tokens, warmup=1)
+    ours = evaluate_decoding(target, make_drafter(drafter), prompts, eval_cfg, eos, progress=True)
+    ours_acceptance = {"mean_acceptance_length": 1 + ours["accepted_draft_tokens"] / max(ours["proposals"], 1),
+                       "implied_acceptance_length": implied_acceptance_length(ours["per_position_acceptance"]),
+                       "per_position_acceptance": ours["per_position_acceptance"], "drafting_steps": ours["proposals"],
+                       "tau": ours["tau"]}
+    vllm_acceptance = acceptance_from_vllm(served["metrics"])
+    ours_tokens = sum(len(t) for t in served["tokens"])  # vLLM's output; equal to ours when greedy is lossless
+    result = {
+        "checkpoint": str(step_dir), "kind": info.kind.name, "method": method, "exported": str(drafter_dir),
+        "draft_len": draft_len, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
+        "ours": dict(ours_acceptance, greedy_match=ours["greedy_match"],
+                     spec_tokens_per_s=ours["spec_tokens_per_s"], ar_tokens_per_s=ours["ar_tokens_per_s"],
+                     speedup=ours["speedup"]),
+        "vllm": dict(vllm_acceptance, startup_s=served["startup_s"],
+                     spec_tokens_per_s_batched=ours_tokens / served["batched_s"],
+                     spec_tokens_per_s_sequential=ours_tokens / served["sequential_s"]),
+        "speculators": served.get("speculators"),
+        "comparison": compare(ours_acceptance, vllm_acceptance, args.tolerance),
+        "load_avg": os.getloadavg(),
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    if plain is not None:
+        plain_tokens = sum(len(t) for t in plain["tokens"])
+        result["vllm"].update(plain_tokens_per_s_batched=plain_tokens / plain["batched_s"],
+                              plain_tokens_per_s_sequential=plain_tokens / plain["sequential_s"],
+                              output_equals_plain=plain["tokens"] == served["tokens"])
+        result["vllm"]["speedup_batched"] = result["vllm"]["spec_tokens_per_s_batched"] / \
+            result["vllm"]["plain_tokens_per_s_batched"]
+        result["vllm"]["speedup_sequential"] = result["vllm"]["spec_tokens_per_s_sequential"] / \
+            result["vllm"]["plain_tokens_per_s_sequential"]
+    (out / "vllm_check.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    ok = result["comparison"]["agree"] and (result["speculators"] is None or result["speculators"]["ok"])
+    print(f"vllm_check: {'AGREE' if ok else 'DISAGREE'}: acceptance length implied by per-position acceptance: "
+          f"ours {ours_acceptance['implied_acceptance_length']:.3f}, vLLM "
+          f"{vllm_acceptance['implied_acceptance_length']:.3f} (tolerance {args.tolerance}); measured mean "
+          f"acceptance length ours {ours_acceptance['mean_acceptance_length']:.3f}, vLLM "
+          f"{vllm_acceptance['mean_acceptance_length']:.3f}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

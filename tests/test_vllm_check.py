@@ -1,0 +1,110 @@
+"""Exported drafters served by real vLLM (scripts/vllm_check.py): vLLM's acceptance agrees with our evaluator's on the
+same prompts (EAGLE-3 as method eagle3, a stand-alone AR drafter as draft_model), and a broken EAGLE-3 export
+(shuffled d2t, layer ids without the engines' +1 offset) is caught.
+
+Opt-in: runs where a vLLM environment exists ($DRAFTER_TRAIN_VLLM_VENV, default .venv-vllm in the repo, as
+scripts/setup_vllm.sh builds it) and skips elsewhere. vLLM's CPU attention needs head_dim >= 32, so the tiny target
+here has 2 heads of 32 (the shared tiny Llama and stories260K have 16 and 8). Each vLLM run starts an engine
+(~30 s on an idle 2-core machine).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from drafter_train.train import train
+from tests.conftest import REPO
+from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, save_tiny
+from tests.test_train import train_cfg
+from tests.test_vllm_backend import needs_vllm, vllm_python
+
+
+pytestmark = [pytest.mark.slow, needs_vllm]
+
+
+@pytest.fixture(scope="module")
+def e3_run(tmp_path_factory):
+    """A target vLLM's CPU kernels accept (head_dim 32), its drafter-datagen data, and an EAGLE-3 run on it."""
+    from drafter_train.data.datagen import run_datagen
+
+    root = tmp_path_factory.mktemp("vllm")
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    save_tiny(target, root / "target")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"{s} {w}"}) + "\n" for s in SENTENCES for w in WORDS))
+    run_datagen(OmegaConf.to_object(compose_cfg("datagen", [
+        f"target.path={root / 'target'}", "target.chat_template=false", f"datagen.prompts={prompts}",
+        "datagen.num_prompts=96", "datagen.num_eval_prompts=4", "datagen.max_new_tokens=24",
+        f"datagen.output_dir={root / 'data'}", "datagen.store_topk=8"])), progress=False)
+    cfg = train_cfg(root, root / "runs", "drafter=eagle3", "drafter.path=new", "drafter.draft_vocab_size=16",
+                    "drafter.target_layers=[0,1,2]", "loss=fkl", "train.max_steps=150", "train.save_every=150",
+                    "train.batch_size=8")
+    train(cfg)
+    return root, root / "runs" / cfg.train.run_name
+
+
+def check(root: Path, run: Path, out: Path, *extra: str) -> tuple[int, dict]:
+    """scripts/vllm_check.py on `run`'s latest checkpoint: its exit status and its JSON."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_check", REPO / "scripts" / "vllm_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    status = module.main(["--run", str(run), "--which", "latest", "--vllm-python", str(vllm_python()),
+                          "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "6", "--max-new-tokens", "32",
+                          "--no-baseline", "--output", str(out), *extra])
+    return status, json.loads((out / "vllm_check.json").read_text())
+
+
+def test_vllm_serves_the_eagle3_export_with_our_acceptance_and_catches_broken_exports(e3_run, tmp_path):
+    root, run = e3_run
+    status, result = check(root, run, tmp_path / "ok")
+    ours, served = result["ours"], result["vllm"]
+    assert result["method"] == "eagle3" and result["speculators"]["ok"], result["speculators"]
+    assert result["speculators"]["aux_hidden_state_layer_ids"] == [1, 2, 3]
+    # the check means something only if the drafter is accepted often: a broken export then shows
+    assert ours["mean_acceptance_length"] > 1 + 4 * result["comparison"]["tolerance"], ours
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
+    assert ours["greedy_match"] == 1.0
+
+    exported = tmp_path / "ok" / "drafter"
+    shuffled = tmp_path / "shuffled"
+    shutil.copytree(exported, shuffled)
+    weights = load_file(shuffled / "model.safetensors")
+    draft_ids = torch.arange(len(weights["d2t"])) + weights["d2t"]
+    weights["d2t"] = draft_ids[torch.randperm(len(draft_ids), generator=torch.Generator().manual_seed(0))] - \
+        torch.arange(len(draft_ids))
+    save_file(weights, str(shuffled / "model.safetensors"))
+    status, result = check(root, run, tmp_path / "out-shuffled", "--exported", str(shuffled))
+    assert status == 1 and not result["comparison"]["agree"], result["comparison"]
+
+    no_offset = tmp_path / "no-offset"
+    shutil.copytree(exported, no_offset)
+    config = json.loads((no_offset / "config.json").read_text())
+    config["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]  # our ids, not the engines' (input of layer i) ids
+    (no_offset / "config.json").write_text(json.dumps(config))
+    status, result = check(root, run, tmp_path / "out-no-offset", "--exported", str(no_offset))
+    assert status == 1 and not result["comparison"]["agree"], result["comparison"]
+
+
+def test_vllm_serves_a_standalone_ar_export_as_draft_model_with_our_acceptance(e3_run, tmp_path):
+    root, _ = e3_run
+    cfg = train_cfg(root, tmp_path / "runs", "drafter.path=truncated:1", "loss=fkl", "train.max_steps=150",
+                    "train.save_every=150", "train.batch_size=8")
+    train(cfg)
+    status, result = check(root, tmp_path / "runs" / cfg.train.run_name, tmp_path / "out")
+    assert result["method"] == "draft_model" and result["speculators"] is None
+    assert result["ours"]["mean_acceptance_length"] > 1 + 4 * result["comparison"]["tolerance"], result["ours"]
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
