@@ -7,7 +7,10 @@ not monotonically in n, on a GPU 1 to 32 tokens cost about the same. Calibration
    for every n a candidate needs (interleaved over sizes, so load changes hit them alike);
 2. runs the speculative decoder once per candidate chain length and once per tree shape (top_k, depth) on a few
    prompts: the drafter's ms per proposal and the accepted drafts per step. A smaller tree of a shape is the larger
-   one's best nodes, so one run gives every size of a shape (DecodeStats.accepted_within; exact under greedy);
+   one's best nodes (growing a tree does not depend on total_tokens), so one run at the largest size also gives the
+   smaller sizes: in every step, a greedy verifier would have accepted exactly the path's nodes that rank below n
+   (DecodeStats.accepted_within). That is an estimate only in which contexts are visited (a smaller tree advances
+   less per step, so its own run would verify other steps);
 3. predicts each candidate's speedup over AR decoding:
        speedup = (1 + accepted drafts per step) * cost(1) / (drafter ms per proposal + cost(drafts + 1))
    (per-step bookkeeping of both decoders is left out);

@@ -41,7 +41,7 @@ class DecodeStats:
     max_nodes: int = -1
     # ... and accepted_within[n - 1]: drafts the steps would have accepted had each proposal been cut to its first n
     # draft tokens (a chain's first n drafts; a topk tree's n best nodes, which are the tree of total_tokens = n).
-    # Exact under greedy verification; what calibration predicts shorter chains and smaller trees from.
+    # Exact per step under greedy verification; what calibration predicts smaller trees from.
     accepted_within: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
