@@ -13,7 +13,7 @@ from drafter_train.decoding.cached_lm import CachedLM
 from drafter_train.decoding.drafter import ARDrafter
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative, generate_tree_speculative
-from drafter_train.decoding.tree import DraftTree, TreeSpec, ancestors, build_topk_tree, chain_tree, verify_inputs
+from drafter_train.decoding.tree import DraftTree, TreeSpec, ancestors, build_topk_tree, verify_inputs
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier, verify_tree_greedy
 from drafter_train.drafters.eagle3 import Eagle3Drafter
 from drafter_train.drafters.nar import SpecDrafter

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from drafter_train.decoding.cached_lm import CachedLM
 from drafter_train.decoding.draft_exit import draft_confidence
 from drafter_train.decoding.sampling import SamplingParams, choose_token
-from drafter_train.decoding.tree import TreePool, attention_mask
+from drafter_train.decoding.tree import TreeDrafter, TreePool, attention_mask
 
 
 @dataclass
@@ -36,7 +36,10 @@ class Proposal:
         return self.tokens.numel()
 
 
-class Drafter(Protocol):
+class Drafter(TreeDrafter, Protocol):
+    """What the decoders call. Trees: the two calls of decoding/tree.py's TreeDrafter (draft_ids, tree_root,
+    tree_expand) and `commit`'s path."""
+
     # Target layers whose outputs this drafter reads (features.py convention); empty: it reads none.
     feature_layers: Sequence[int]
 
@@ -56,17 +59,6 @@ class Drafter(Protocol):
         path: after a tree pass, the accepted nodes (candidate ids of the last tree's pool, root side first); None
         after a chain.
         """
-
-    # ---- draft trees (decoding/tree.py: TreeDrafter) ----
-
-    # [Vd] target id of each entry of the drafter's vocabulary; None: the target's vocabulary.
-    draft_ids: Optional[Tensor]
-
-    def tree_root(self, seq: Tensor) -> Tensor:
-        """Read what was verified since the last call; return draft logits [Vd] after seq[-1]."""
-
-    def tree_expand(self, pool: TreePool, nodes: list[int]) -> Tensor:
-        """Draft logits [n, Vd] after each of `nodes` (one depth of `pool`; their ancestors were expanded)."""
 
 
 class ARDrafter:

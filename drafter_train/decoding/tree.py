@@ -110,19 +110,14 @@ class DraftTree:
         kids = self.children[row]
         draws = [(node, int(self.draw_slots[node]) + j) for node in kids for j in range(int(self.node_counts[node]))]
         if self.counts is not None and len(kids) > 1:
-            order = torch.randperm(len(draws), generator=generator).tolist()
+            device = generator.device if generator is not None else None  # a CUDA generator draws on its device
+            order = torch.randperm(len(draws), generator=generator, device=device).tolist()
             draws = [draws[i] for i in order]
         return draws
 
     def path_rows(self, path: list[int]) -> list[int]:
         """Verify-pass rows of the root and an accepted path (root = row 0, node i = row i + 1)."""
         return [0] + [node + 1 for node in path]
-
-
-def chain_tree(tokens: Tensor, q_draft: Optional[Tensor] = None) -> DraftTree:
-    """k drafts as a one-path tree."""
-    k = tokens.numel()
-    return DraftTree(tokens, torch.arange(-1, k - 1, device=tokens.device), q_draft)
 
 
 def node_depths(parents: Tensor) -> Tensor:
@@ -199,9 +194,12 @@ class TreePool:
 
 
 class TreeDrafter(Protocol):
-    """The two calls a drafter kind implements so that the decoder can grow trees from it (both kinds of tree)."""
+    """The two calls a drafter kind implements so that the decoder can grow trees from it (both kinds of tree).
+    After the tree pass the decoder calls the drafter's `commit(num_valid, features, path)` with the accepted nodes'
+    candidate ids (`DraftTree.pool_ids`), so that its caches keep the prefix and that path only."""
 
-    # [Vd] target id of each entry of the drafter's vocabulary; None: it drafts over the target's vocabulary.
+    # [Vd] target id of each entry of the drafter's vocabulary; None: it drafts over the target's vocabulary (with
+    # draft_ids set, `draft_vocab` [V] bool marks the target ids it covers).
     draft_ids: Optional[Tensor]
 
     def tree_root(self, seq: Tensor) -> Tensor:
