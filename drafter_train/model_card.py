@@ -197,7 +197,10 @@ def _metrics_section(info: RunInfo) -> str:
     evals = info.config.get("eval", {})
     prompts = f"`{public_name(evals['prompts'])}`" if evals.get("prompts") else "held-out prompts"
     cap = f", up to {evals['max_new_tokens']} new tokens each" if "max_new_tokens" in evals else ""
-    where = f"{m.get('num_prompts')} {prompts}{cap}, `{m.get('verify')}` verification, draft_len {m.get('draft_len')}"
+    tree = m.get("tree")
+    shape = (f"a draft tree of top_k {tree['top_k']}, depth {tree['depth']}, {tree['total_tokens']} draft tokens per "
+             f"pass ({tree['branching']})" if tree else f"draft_len {m.get('draft_len')}")
+    where = f"{m.get('num_prompts')} {prompts}{cap}, `{m.get('verify')}` verification, {shape}"
     return f"Measured by drafter_train's speculative decoder at step {step_text(info)} ({where}):\n\n" + _table(
         [(f"`{k}`", _fmt(m[k])) for k in keys if k in m], ("metric", "value"))
 

@@ -136,23 +136,29 @@ def make_tree_sample_verifier(params: SamplingParams, rule: str = "sample") -> T
     """
 
     def verify(tree: DraftTree, target_logits: Tensor, generator=None) -> tuple[list[int], Tensor]:
-        p_target = logits_to_probs(target_logits, params)  # [N + 1, V]
+        p_target = logits_to_probs(target_logits, params)  # [N + 1, V] row 0: after the root, row i + 1: after node i
         # one uniform per draw (none for an empty tree: the last, shortened step is a plain target sample)
         u = torch.rand(tree.num_draws, generator=generator, device=p_target.device) if tree.num_draws else None
         tokens, path, row = tree.tokens.tolist(), [], 0
+
+        def q_of(node: int) -> Tensor:  # [V] what node's token was drawn from; one-hot for a deterministic child
+            if tree.q_draft is not None:
+                return tree.q_draft[node]
+            return F.one_hot(tree.tokens[node], p_target.shape[-1]).to(p_target.dtype)
+
         while True:
-            p, draws = p_target[row], tree.draws(row, generator)  # [V]; (node, draw slot) of the children
-            rho = kseq_rho(p, tree.q_draft[draws[0][0]], len(draws)) if rule == "spectr" and draws else 1.0
+            p, draws = p_target[row], tree.draws(row, generator)  # [V]; the children as (node, draw slot)
+            if not draws:  # a leaf: the bonus token
+                return path, sample(p, generator)
+            rho = kseq_rho(p, q_of(draws[0][0]), len(draws)) if rule == "spectr" else 1.0  # siblings share q
             for child, slot in draws:
-                x = tokens[child]
-                q = tree.q_draft[child] if tree.q_draft is not None else F.one_hot(tree.tokens[child], p.numel()).to(p.dtype)
+                q, x = q_of(child), tokens[child]
                 if u[slot] * rho * q[x] < p[x]:  # accept with probability min(1, p(x) / (rho q(x)))
                     break
-                if rule == "sample":
+                if rule == "sample":  # the next sibling is tested against what is left of p
                     p = _residual(p, q)
-            else:  # no child accepted: bonus token (a leaf) or the correction
-                return path, sample(_residual(p, rho * tree.q_draft[draws[0][0]]) if rule == "spectr" and draws
-                                    else p, generator)
+            else:  # every child rejected: the correction
+                return path, sample(_residual(p, rho * q) if rule == "spectr" else p, generator)
             path.append(child)
             row = child + 1
 
