@@ -40,24 +40,28 @@ from drafter_train.evaluate import calibration_decoder, sampling_params, specula
 from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # noqa: E402
 
 
-def settings(args, mode: str) -> dict[str, EvalConfig]:
-    """The grid: name -> eval config (verify mode, chain or tree)."""
+def settings(args, mode: str, max_depth: int) -> dict[str, EvalConfig]:
+    """The grid: name -> eval config (verify mode, chain or tree), at most max_depth drafts deep."""
     base = EvalConfig(verify="greedy" if mode == "greedy" else "sample", temperature=1.0,
                       max_new_tokens=args.max_new_tokens)
-    grid = {f"chain k={k}": replace(base, draft_len=k) for k in args.chains}
+    grid = {f"chain k={k}": replace(base, draft_len=k) for k in args.chains if k <= max_depth}
     for text in args.trees:
         top_k, depth, total = (int(x) for x in text.split("x"))
-        grid[f"tree {top_k}x{depth} n={total}"] = replace(base, draft_len=depth, tree=TreeConfig(top_k, depth, total))
+        if depth <= max_depth:
+            grid[f"tree {top_k}x{depth} n={total}"] = replace(base, draft_len=depth,
+                                                              tree=TreeConfig(top_k, depth, total))
     if mode == "sample" and args.spectr:
         top_k, depth = (int(x) for x in args.spectr.split("x"))
+        depth = min(depth, max_depth)
         grid[f"spectr iid {top_k}x{depth}"] = replace(base, verify="spectr", draft_len=depth,
                                                       tree=TreeConfig(top_k, depth, branching="iid"))
     return grid
 
 
-def calibrated(args, target, drafter, prompts, eos, mode: str):
-    cal = CalibrationConfig(enabled=True, draft_lens=args.chains, tree_top_k=args.cal_top_k,
-                            tree_depth=args.cal_depth, tree_sizes=args.cal_sizes, num_prompts=len(prompts),
+def calibrated(args, target, drafter, prompts, eos, mode: str, max_depth: int):
+    cal = CalibrationConfig(enabled=True, draft_lens=[k for k in args.chains if k <= max_depth],
+                            tree_top_k=args.cal_top_k, tree_depth=[d for d in args.cal_depth if d <= max_depth],
+                            tree_sizes=args.cal_sizes, num_prompts=len(prompts),
                             max_new_tokens=args.max_new_tokens, repeats=args.cal_repeats)
     cfg = EvalConfig(verify="greedy" if mode == "greedy" else "sample", temperature=1.0,
                      max_new_tokens=args.max_new_tokens, calibration=cal)
@@ -187,12 +191,14 @@ def main():
         model = load_drafter(DrafterConfig(path=path), target, tokenizer, "float32")
         kind = model_kind(model).name
         hf_drafter = model if kind == "ar" else None
+        # one-pass kinds draft at most as deep as their trained block (their mask queries)
+        max_depth = model.config.draft_len if kind in ("nar", "dflash") else 1 << 30
         for mode in args.modes:
             drafter = make_drafter(model)
             print(f"{name} ({kind}), {mode}: calibrating", file=sys.stderr, flush=True)
             with torch.inference_mode():
-                candidates, costs, cal_s = calibrated(args, target, drafter, cal_prompts, eos, mode)
-                grid = settings(args, mode)
+                candidates, costs, cal_s = calibrated(args, target, drafter, cal_prompts, eos, mode, max_depth)
+                grid = settings(args, mode, max_depth)
                 pick = next((n for n, c in grid.items() if c.verify != "spectr" and
                              c.draft_len == candidates[0].draft_len and c.tree == candidates[0].apply(c).tree), None)
                 if pick is None:

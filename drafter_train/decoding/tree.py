@@ -225,17 +225,19 @@ def _to_target(drafter: TreeDrafter, ids: Tensor) -> Tensor:
 def build_topk_tree(drafter: TreeDrafter, seq: Tensor, spec: TreeSpec, params: SamplingParams) -> DraftTree:
     """EAGLE-2's dynamic tree (see the module doc); `spec.depth` expansions, the best spec.nodes() nodes kept."""
     pool = TreePool(seq.device)
-    top = _draft_logprobs(drafter.tree_root(seq), params).topk(spec.top_k)  # values/indices [top_k]
-    frontier = pool.add(_to_target(drafter, top.indices), [-1] * spec.top_k, top.values)
+    logprobs = _draft_logprobs(drafter.tree_root(seq), params)  # [Vd]
+    top_k = min(spec.top_k, logprobs.shape[-1])
+    top = logprobs.topk(top_k)  # values/indices [top_k]
+    frontier = pool.add(_to_target(drafter, top.indices), [-1] * top_k, top.values)
     for _ in range(spec.depth - 1):
         scores = torch.tensor([pool.scores[i] for i in frontier])
-        expand = [frontier[i] for i in scores.topk(min(spec.top_k, len(frontier))).indices.tolist()]
+        expand = [frontier[i] for i in scores.topk(min(top_k, len(frontier))).indices.tolist()]
         expand = [node for node in expand if pool.scores[node] > float("-inf")]
         if not expand:
             break
-        top = _draft_logprobs(drafter.tree_expand(pool, expand), params).topk(spec.top_k, dim=-1)  # [n, top_k]
+        top = _draft_logprobs(drafter.tree_expand(pool, expand), params).topk(top_k, dim=-1)  # [n, top_k]
         cumulative = torch.tensor([pool.scores[i] for i in expand])[:, None] + top.values.cpu()
-        parents = [node for node in expand for _ in range(spec.top_k)]
+        parents = [node for node in expand for _ in range(top_k)]
         frontier = pool.add(_to_target(drafter, top.indices.reshape(-1)), parents, cumulative.reshape(-1))
     return _best_nodes(pool, spec.nodes(spec.depth))
 
