@@ -17,6 +17,7 @@ from drafter_train.decoding.tree import DraftTree, TreeSpec, ancestors, build_to
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier, verify_tree_greedy
 from drafter_train.drafters.eagle3 import Eagle3Drafter
 from drafter_train.drafters.nar import SpecDrafter
+from drafter_train.drafters.ngram import NgramConfig, NgramModel, PromptLookupDrafter
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.drafters.truncated import cut_from_target
 from drafter_train.features import FeatureTap
@@ -154,6 +155,8 @@ def test_greedy_tree_verification_on_hand_written_logits():
 
 
 def kind_drafter(kind, target):
+    if kind == "ngram":
+        return PromptLookupDrafter(NgramModel(NgramConfig(vocab_size=target.config.vocab_size)))
     if kind == "ar":
         return ARDrafter(cut_from_target(target, 2))
     if kind == "nar":
@@ -162,7 +165,7 @@ def kind_drafter(kind, target):
     return make_drafter(random_eagle3(target, draft_ids=torch.arange(2, 64, 2), scale=0.4))
 
 
-@pytest.mark.parametrize("kind", ["ar", "nar", "eagle3"])
+@pytest.mark.parametrize("kind", ["ar", "nar", "eagle3", "ngram"])
 @pytest.mark.parametrize("spec", SHAPES, ids=lambda s: f"k{s.top_k}d{s.depth}")
 def test_greedy_tree_decoding_is_lossless(kind, spec):
     target = tiny_llama(vocab_size=64, num_layers=4, init=0.4)
@@ -292,3 +295,30 @@ def test_tree_stats_count_depths_on_hand_written_bigrams():
     assert sum(s.accepted_hist) == s.proposals and s.accepted == sum(m * c for m, c in enumerate(s.accepted_hist))
     assert s.per_position_acceptance[0] == 1.0  # a depth-1 node is always right with two guesses
     assert s.reached[0] == s.proposals and s.accepted_at[0] <= s.reached[0]
+
+
+# ---- prompt lookup: a retrieval tree -------------------------------------------------------------------------------
+
+
+def test_prompt_lookup_tree_children_follow_the_matching_suffix():
+    drafter = PromptLookupDrafter(NgramModel(NgramConfig(min_ngram=1, max_ngram=3, vocab_size=12)))
+    seq = torch.tensor([5, 6, 7, 5, 6, 8, 5, 6])  # [5, 6] occurred twice: followed by 7, then (more recently) 8
+    tree = build_topk_tree(drafter, seq, TreeSpec(2, 2), SamplingParams())
+    paths = [tree.tokens[path_to(tree, i)].tolist() for i in range(tree.num_nodes)]
+    # the more recent follower first; the only follower of a path has probability 1: it ranks right after its parent
+    assert paths == [[8], [8, 5], [7], [7, 5]]
+    assert build_topk_tree(drafter, torch.tensor([1, 2, 3]), TreeSpec(2, 2), SamplingParams()).num_nodes == 0
+
+
+@pytest.mark.parametrize("spec,mode", [(TreeSpec(2, 4, 6), "greedy"), (TreeSpec(2, 3, None, "iid"), "sample")])
+def test_prompt_lookup_trees_accept_a_repeating_target(spec, mode):
+    """A target that cycles 0->1->2->3: no match at first (plain steps, nothing counted as a proposal), then the
+    lookup tree predicts every token."""
+    target = BigramLM(greedy_table({0: 1, 1: 2, 2: 3, 3: 0}, 4, scale=30.0))
+    drafter = PromptLookupDrafter(NgramModel(NgramConfig(vocab_size=4)))
+    params = SamplingParams() if mode == "greedy" else SamplingParams(temperature=1.0)
+    out = generate_tree_speculative(target, drafter, [0], spec, make_tree_verifier(mode, params), 30, params,
+                                    generator=torch.Generator().manual_seed(0))
+    assert out.tokens == [(i + 1) % 4 for i in range(30)]
+    assert out.stats.acceptance_rate > 0.5 and out.stats.tau > 2
+    assert out.stats.proposals < out.stats.target_forward_passes - 1  # the first steps proposed nothing

@@ -166,7 +166,7 @@ def generate_tree_speculative(
             rows = tree.path_rows(path)  # verified and kept: the root (seq[-1]) and the accepted nodes
             lm.keep(torch.cat([torch.arange(past, device=lm.device), past + torch.tensor(rows, device=lm.device)]))
             stats.target_forward_passes += 1
-            if depth:
+            if tree.num_nodes:  # a drafter may propose nothing (prompt lookup without a match): a plain step
                 stats.record_step(tree.num_nodes, len(path), _tested_depth(tree, path), path)
                 stats.proposals += 1
                 stats.draft_seconds += drafted - began

@@ -212,10 +212,14 @@ class TreeDrafter(Protocol):
 
 
 def _draft_logprobs(logits: Tensor, params: SamplingParams) -> Tensor:
-    """What a node is scored by: log of the processed draft distribution (greedy: the plain softmax)."""
-    if params.greedy:
-        return torch.log_softmax(logits.float(), dim=-1)
-    return torch.log(logits_to_probs(logits, params))
+    """What a node is scored by: log of the processed draft distribution (greedy: the plain softmax). A drafter with
+    nothing to propose after a node (all logits -inf: prompt lookup without a match) gives it no children."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1) if params.greedy else torch.log(logits_to_probs(logits, params))
+    return logprobs.masked_fill(torch.isnan(logprobs), float("-inf"))
+
+
+def _has_mass(probs: Tensor) -> bool:
+    return bool(torch.isfinite(probs).all() and probs.sum() > 0)
 
 
 def _to_target(drafter: TreeDrafter, ids: Tensor) -> Tensor:
@@ -247,7 +251,7 @@ def _best_nodes(pool: TreePool, total: int) -> DraftTree:
     that order; candidates the drafter gives probability 0 are never kept."""
     scores = torch.tensor(pool.scores, dtype=torch.float64)
     order = torch.argsort(-scores, stable=True)[:total]
-    order = order[scores[order] > float("-inf")]
+    order = order[torch.isfinite(scores[order])]
     new_id = {int(old): new for new, old in enumerate(order.tolist())}
     parents = [new_id[pool.parents[int(old)]] if pool.parents[int(old)] >= 0 else -1 for old in order]
     device = pool.device
@@ -263,22 +267,28 @@ def build_iid_tree(drafter: TreeDrafter, seq: Tensor, spec: TreeSpec, params: Sa
     dist = {-1: _full_vocab(drafter, logits_to_probs(drafter.tree_root(seq), params))}  # node -> q after it [V]
     at = [-1] * spec.top_k  # the node each sequence has reached (-1: the root)
     for depth in range(spec.depth):
-        drawn = sample(torch.stack([dist[node] for node in at]), generator).tolist()  # [top_k] one draw each
+        live = [s for s, node in enumerate(at) if _has_mass(dist[node])]  # sequences the drafter can continue
+        if not live:
+            break
+        drawn = sample(torch.stack([dist[at[s]] for s in live]), generator).tolist()  # one draw each
         made: dict[tuple[int, int], int] = {}
-        for s, (parent, token) in enumerate(zip(at, drawn)):
+        for s, token in zip(live, drawn):
+            parent = at[s]
             if (parent, token) not in made:
                 (made[parent, token],) = pool.add(torch.tensor([token]), [parent], torch.zeros(1))
                 q_rows.append(dist[parent])
                 counts.append(0)
             at[s] = made[parent, token]
             counts[at[s]] += 1
+        at = [node for s, node in enumerate(at) if s in live]  # a sequence the drafter could not continue ends
         if depth + 1 < spec.depth:
             new = list(made.values())
             probs = _full_vocab(drafter, logits_to_probs(drafter.tree_expand(pool, new), params))  # [n, V]
             dist = dict(zip(new, probs))
     device = seq.device
     return DraftTree(torch.tensor(pool.tokens, dtype=torch.long, device=device),
-                     torch.tensor(pool.parents, dtype=torch.long, device=device), q_draft=torch.stack(q_rows),
+                     torch.tensor(pool.parents, dtype=torch.long, device=device),
+                     q_draft=torch.stack(q_rows) if q_rows else None,
                      counts=torch.tensor(counts, dtype=torch.long, device=device),
                      pool_ids=torch.arange(len(pool.tokens), device=device))
 
