@@ -151,6 +151,26 @@ def test_greedy_tree_verification_on_hand_written_logits():
     assert (path, int(token)) == ([], 3)  # no child of the root matches: the target's token
 
 
+@torch.no_grad()
+def test_nar_tree_children_are_the_top_k_of_their_block_position():
+    """A one-pass drafter's tree: one drafter pass, and every expanded node's children are the top-k tokens of the
+    next block position's distribution (whatever its parent drafted)."""
+    target = tiny_llama(vocab_size=64, num_layers=4, init=0.4)
+    drafter = kind_drafter("nar", target)
+    drafter.reset()
+    seq = torch.tensor([1, 5, 9, 33, 7])
+    block = drafter.model.draft_logits(seq, drafter.caches)  # the one pass, computed here by hand
+    drafter.reset()
+    tree = build_topk_tree(drafter, seq, TreeSpec(3, 3), SamplingParams())
+    assert tree.num_nodes == TreeSpec(3, 3).candidates()
+    assert set(tree.tokens[tree.children[0]].tolist()) == set(block[0].topk(3).indices.tolist())
+    for node, children in enumerate(tree.children[1:]):
+        if children:
+            depth = int(tree.depths[node])  # 1-based: its children sit at block position `depth`
+            assert set(tree.tokens[children].tolist()) == set(block[depth].topk(3).indices.tolist())
+    assert sum(1 for c in tree.children[1:] if c) == 3 * 2  # top_k nodes expanded at each of the first two depths
+
+
 # ---- greedy decoding with trees is lossless, for every drafter kind -----------------------------------------------
 
 
