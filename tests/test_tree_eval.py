@@ -200,3 +200,108 @@ def test_calibration_mode_picks_measures_and_records(tiny_run, tmp_path):  # noq
                             calibration=str(tmp_path / "calibration.json")))
     with pytest.raises(ConfigError, match=r"export\.calibration: cannot read"):
         export(ExportConfig(run_dir=str(tiny_run), output_dir=str(tmp_path / "x"), calibration=str(tmp_path / "no")))
+
+
+# ---- the report plots tree-size sweeps ----------------------------------------------------------------------------
+
+
+def write_eval_job(folder, draft_len, tree, tau, speedup):
+    """A drafter-eval job folder as a `-m` sweep leaves it: metrics.json with its config and the measured tree."""
+    folder.mkdir(parents=True)
+    config = {"drafter": {"path": "d"}, "eval": {"draft_len": draft_len}}
+    metrics = {"config": config, "tau": tau, "acceptance_rate": 0.5, "speedup": speedup, "draft_len": draft_len,
+               "drafter_kind": "ar", "tree": tree}
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_report_plots_tree_size_sweeps_next_to_the_chains(tmp_path, monkeypatch):
+    """One plot line per tree shape (x = total_tokens) beside the chain's (x = draft_len), with the measured tau and
+    speedup, in the table as in the PNG."""
+    from matplotlib.figure import Figure
+
+    from drafter_train.config import TrackerConfig
+    from drafter_train.report import write_report
+    from tests.test_report import assert_valid_png, table_rows
+
+    sweep = tmp_path / "sweep"
+    shape = {"top_k": 2, "depth": 3, "branching": "topk"}
+    points = {  # folder -> (draft_len, tree, tau, speedup)
+        "chain-2": (2, None, 1.5, 1.1), "chain-4": (4, None, 1.75, 1.2),
+        "tree-4": (3, {**shape, "total_tokens": 4}, 2.0, 1.3), "tree-8": (3, {**shape, "total_tokens": 8}, 2.5, 1.25),
+        "iid-6": (2, {"top_k": 3, "depth": 2, "total_tokens": 6, "branching": "iid"}, 1.8, 1.05),
+    }
+    for name, point in points.items():
+        write_eval_job(sweep / name, *point)
+    figures = []
+    original = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), original(fig, *a, **k)))
+    report = write_report(sweep, tmp_path / "out", TrackerConfig())
+    assert_valid_png(report.plot)
+    (fig,) = figures
+    ax_tau, ax_speedup = fig.axes
+    drawn = {line.get_label(): (list(line.get_xdata()), list(line.get_ydata())) for line in ax_tau.get_lines()}
+    speed = {line.get_label(): list(line.get_ydata()) for line in ax_speedup.get_lines() if line.get_label()[0] != "_"}
+    assert drawn == {"drafter=d, kind=ar": ([2, 4], [1.5, 1.75]),
+                     "drafter=d, kind=ar, tree top_k=2 depth=3": ([4, 8], [2.0, 2.5]),
+                     "drafter=d, kind=ar, tree top_k=3 depth=2 iid": ([6], [1.8])}
+    assert speed["drafter=d, kind=ar, tree top_k=2 depth=3"] == [1.3, 1.25]
+    rows = {(r["tree"], r["draft_tokens"]): r for r in table_rows(report.markdown.read_text())}
+    assert set(rows) == {("-", "2"), ("-", "4"), ("top_k=2 depth=3", "4"), ("top_k=2 depth=3", "8"),
+                         ("top_k=3 depth=2 iid", "6")}
+    assert rows["top_k=2 depth=3", "8"]["tau"] == "2.500" and rows["top_k=2 depth=3", "8"]["draft_len"] == "3"
+
+
+# ---- calibration with an injected cost curve: the pick follows the machine, and is decoded for real ---------------
+
+
+def steep(n):  # a machine where every extra verified token costs a lot (the drafter's ms are negligible beside it)
+    return 1000.0 * n ** 3
+
+
+def flat(n):  # a GPU-like machine: 1 to 32 tokens cost the same (drafter ms are noise beside it)
+    return 1e6
+
+
+@pytest.mark.parametrize("cost", [steep, flat])
+def test_calibration_pick_follows_the_cost_curve_and_is_measured_for_real(folders, tmp_path, monkeypatch, capsys,  # noqa: F811
+                                                                          cost):
+    """With the cost curve injected (the acceptance and drafter ms still measured), the prediction is the module's
+    formula over it, the pick is its best, and a steep curve picks the shortest chain while a flat one picks the
+    setting that accepts most. The pick is then decoded on the evaluation prompts: its measured tau is what
+    evaluating that setting directly gives, and both numbers are printed side by side."""
+    import drafter_train.calibrate as calibrate_module
+
+    def curve(target, prefix, plain, tree, repeats):
+        return {"plain": {n: cost(n) for n in plain}, "tree": {n: cost(n) for n in tree}}
+
+    monkeypatch.setattr(calibrate_module, "verify_cost_curve", curve)
+    cal = ("eval.calibration.enabled=true", "eval.calibration.num_prompts=2", "eval.calibration.draft_lens=[1,3]",
+           "eval.calibration.tree_top_k=[2]", "eval.calibration.tree_depth=[3]", "eval.calibration.tree_sizes=[4,6]",
+           "eval.calibration.repeats=1", "eval.num_prompts=2", "eval.warmup=0")
+    capsys.readouterr()
+    metrics = run_eval_job(job(folders, *cal, f"eval.output={tmp_path / 'metrics.json'}"))
+    printed = capsys.readouterr().err
+    record = json.loads((tmp_path / "calibration.json").read_text())
+    candidates, pick = record["candidates"], record["pick"]
+    assert {c["name"] for c in candidates} == {"chain draft_len=1", "chain draft_len=3", "tree top_k=2 depth=3 "
+                                               "total_tokens=4", "tree top_k=2 depth=3 total_tokens=6"}
+    for c in candidates:
+        assert c["verify_ms"] == cost(c["draft_tokens"] + 1)
+        assert c["predicted_speedup"] == pytest.approx((1 + c["accepted_per_step"]) * cost(1)
+                                                       / (c["draft_ms"] + cost(c["draft_tokens"] + 1)))
+    assert pick["name"] == max(candidates, key=lambda c: c["predicted_speedup"])["name"]
+    if cost is steep:
+        assert pick["name"] == "chain draft_len=1"
+    else:
+        assert pick["predicted_tau"] == max(c["predicted_tau"] for c in candidates)
+        shortest = next(c for c in candidates if c["name"] == "chain draft_len=1")
+        assert pick["predicted_tau"] > shortest["predicted_tau"]  # so the two machines get different picks
+    # the pick decoded for real: the same tau as evaluating that setting by hand, printed beside the prediction
+    setting = ([f"eval.draft_len={pick['draft_len']}"] if pick["tree"] is None else
+               [f"eval.tree.{key}={pick['tree'][key]}" for key in ("top_k", "depth", "total_tokens")])
+    direct = run_eval_job(job(folders, "eval.num_prompts=2", "eval.warmup=0", f"eval.output={tmp_path / 'd.json'}",
+                              *setting))
+    assert metrics["tau"] == direct["tau"] == pick["measured_tau"] and metrics["greedy_match"] == 1.0
+    assert metrics["tree"] == direct["tree"] and metrics["draft_len"] == direct["draft_len"]
+    assert (f"pick: {pick['name']}: predicted speedup {pick['predicted_speedup']:.3f}, measured "
+            f"{pick['measured_speedup']:.3f}") in " ".join(printed.split())
