@@ -48,6 +48,8 @@ TREE = ("eval.tree.top_k=2", "eval.tree.depth=3", "eval.tree.total_tokens=5")
     (("eval.verify=spectr",), "eval.verify"),
     (("eval.calibration.enabled=true", "eval.verify=specdec"), "eval.calibration.enabled"),
     (("eval.calibration.repeats=0",), "eval.calibration.repeats"),
+    (("eval.tree.top_k=2", "eval.draft_exit=0.3"), "eval.draft_exit"),  # draft exit cuts chains only
+    (("eval.calibration.enabled=true", "eval.draft_exit=0.3"), "eval.calibration.enabled"),
     (("eval.calibration.tree_sizes=[0,4]",), "eval.calibration.tree_sizes"),
 ])
 def test_impossible_tree_settings_are_one_clear_error(overrides, field):
