@@ -23,6 +23,7 @@ from drafter_train.drafters.truncated import cut_from_target
 from drafter_train.features import FeatureTap
 from tests.conftest import tiny_llama
 from tests.stubs import BigramLM, greedy_table
+from tests.test_dflash import random_dflash
 from tests.test_eagle3 import random_eagle3
 
 GREEDY = make_verifier("greedy", SamplingParams())
@@ -182,10 +183,12 @@ def kind_drafter(kind, target):
     if kind == "nar":
         torch.manual_seed(0)
         return make_drafter(SpecDrafter.from_target(target, 2, 0, 5).eval())
+    if kind == "dflash":
+        return make_drafter(random_dflash(target, layers=(1, 2), block_size=6, draft_ids=torch.arange(2, 64, 2)))
     return make_drafter(random_eagle3(target, draft_ids=torch.arange(2, 64, 2), scale=0.4))
 
 
-@pytest.mark.parametrize("kind", ["ar", "nar", "eagle3", "ngram"])
+@pytest.mark.parametrize("kind", ["ar", "nar", "eagle3", "dflash", "ngram"])
 @pytest.mark.parametrize("spec", SHAPES, ids=lambda s: f"k{s.top_k}d{s.depth}")
 def test_greedy_tree_decoding_is_lossless(kind, spec):
     target = tiny_llama(vocab_size=64, num_layers=4, init=0.4)
@@ -196,7 +199,7 @@ def test_greedy_tree_decoding_is_lossless(kind, spec):
     assert out.stats.proposed >= out.stats.proposals  # every step verified at least one node
 
 
-@pytest.mark.parametrize("kind", ["ar", "nar", "eagle3"])
+@pytest.mark.parametrize("kind", ["ar", "nar", "eagle3", "dflash"])
 def test_a_wider_tree_accepts_more_than_the_chain(kind):
     target = tiny_llama(vocab_size=64, num_layers=4, init=0.4)
     prompts = [[1, 5, 9, 33, 7], [1, 12, 40, 3], [1, 60, 2, 18, 19, 20]]
