@@ -18,7 +18,8 @@ from omegaconf import OmegaConf
 from drafter_train.cli import main_process_only
 from drafter_train.errors import ConfigError
 
-VERIFY_MODES = ("greedy", "sample", "specdec")
+VERIFY_MODES = ("greedy", "sample", "specdec", "spectr")
+TREE_BRANCHING = ("topk", "iid")
 DATAGEN_BACKENDS = ("hf", "vllm")
 _EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
 EXPORT_FORMATS = ("hf", "vllm", "sglang")
@@ -253,13 +254,97 @@ class DFlashDrafterConfig(TargetFeaturesDrafterConfig):
 
 
 @dataclass
+class TreeConfig:
+    """Draft trees (decoding/tree.py): several continuations verified in ONE target pass. top_k unset: a chain."""
+
+    # topk: children per expanded node and nodes expanded per depth (EAGLE-2). iid: the number of draft sequences.
+    top_k: Optional[int] = None
+    # Levels of the tree (the most drafts one pass can accept); unset: eval.draft_len.
+    depth: Optional[int] = None
+    # topk: draft nodes kept, the best by cumulative draft log-probability (the target verifies total_tokens + 1
+    # tokens per pass); unset: every candidate, top_k + (depth - 1) * top_k^2. iid: leave unset.
+    total_tokens: Optional[int] = None
+    # topk: EAGLE-2's dynamic tree of the drafter's most likely tokens (verify=greedy or sample). iid: top_k draft
+    # sequences sampled from the drafter, equal prefixes merged (SpecInfer / SpecTr; verify=sample or spectr).
+    branching: str = "topk"
+
+    @property
+    def enabled(self) -> bool:
+        return self.top_k is not None
+
+    def __post_init__(self) -> None:
+        _check(self.branching in TREE_BRANCHING, "eval.tree.branching", f"must be one of {TREE_BRANCHING}, got "
+               f"{self.branching!r}")
+        if not self.enabled:
+            _check(self.depth is None and self.total_tokens is None, "eval.tree.top_k", "set it to draft a tree "
+                   "(eval.tree.depth / total_tokens shape a tree; without top_k the decoder drafts a chain)")
+            return
+        _check(self.top_k >= 1, "eval.tree.top_k", f"must be >= 1, got {self.top_k}")
+        _check(self.depth is None or self.depth >= 1, "eval.tree.depth", f"must be >= 1, got {self.depth}")
+        if self.branching == "iid":
+            _check(self.total_tokens is None, "eval.tree.total_tokens", "an iid tree holds top_k sequences of depth "
+                   "tokens: leave total_tokens unset")
+
+    def check_size(self, depth: int) -> None:
+        """total_tokens against the tree's depth (eval.draft_len when depth is unset)."""
+        if not self.enabled or self.total_tokens is None:
+            return
+        candidates = self.top_k + (depth - 1) * self.top_k ** 2
+        _check(depth <= self.total_tokens <= candidates, "eval.tree.total_tokens", f"must be in [depth, top_k + "
+               f"(depth - 1) * top_k^2] = [{depth}, {candidates}], got {self.total_tokens}")
+
+
+@dataclass
+class CalibrationConfig:
+    """`drafter-eval eval.calibration.enabled=true`: choose the draft length or tree size for THIS machine.
+
+    Measures the target's verify cost for every candidate size and the drafter's cost and acceptance for every
+    candidate (short speculative runs on prompts that follow the evaluated ones), predicts each candidate's speedup,
+    picks the best, then evaluates the pick for real and prints predicted next to measured (evaluate.py, calibrate.py).
+    """
+
+    enabled: bool = False
+    # Chain candidates (draft lengths).
+    draft_lens: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8])
+    # Tree candidates (EAGLE-2 topk trees): every (top_k, depth) pair is run once with its largest size; every size
+    # in tree_sizes up to it is predicted from that run (a smaller tree is the larger one's best nodes).
+    tree_top_k: list[int] = field(default_factory=lambda: [2, 4])
+    tree_depth: list[int] = field(default_factory=lambda: [4, 6])
+    tree_sizes: list[int] = field(default_factory=lambda: [4, 6, 8, 12, 16, 24, 32])
+    # Prompts and new tokens per prompt of the acceptance runs (unset max_new_tokens: eval.max_new_tokens).
+    num_prompts: int = 4
+    max_new_tokens: Optional[int] = None
+    # Timed repeats per size of the verify-cost curve (the median is used).
+    repeats: int = 5
+    # Where calibration.json is written; unset: next to metrics.json.
+    output: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in ("draft_lens", "tree_top_k", "tree_depth", "tree_sizes"):
+            values = getattr(self, name)
+            _check(all(v >= 1 for v in values), f"eval.calibration.{name}", f"values must be >= 1, got {values}")
+        _check(bool(self.draft_lens or (self.tree_top_k and self.tree_depth and self.tree_sizes)),
+               "eval.calibration.draft_lens", "name at least one chain length or one tree shape and size")
+        _check(self.num_prompts >= 1, "eval.calibration.num_prompts", f"must be >= 1, got {self.num_prompts}")
+        _check(self.repeats >= 1, "eval.calibration.repeats", f"must be >= 1, got {self.repeats}")
+        _check(self.max_new_tokens is None or self.max_new_tokens >= 2, "eval.calibration.max_new_tokens",
+               f"must be >= 2, got {self.max_new_tokens}")
+
+
+@dataclass
 class EvalConfig:
     """One evaluation: the AR baseline and the speculative decoder on the same prompts, in the same process."""
 
     # Draft tokens proposed per target verification pass.
     draft_len: int = 4
-    # Verification rule: greedy | sample (lossless speculative sampling) | specdec (SpecDec relaxed top-beta).
+    # Verification rule: greedy | sample (lossless speculative sampling; over a tree: recursive rejection sampling,
+    # SpecInfer) | specdec (SpecDec relaxed top-beta; chains only) | spectr (SpecTr's K-SEQ over eval.tree.top_k
+    # i.i.d. sampled draft sequences; lossless).
     verify: str = "greedy"
+    # A draft tree per target pass instead of a chain (unset top_k: a chain of draft_len).
+    tree: TreeConfig = field(default_factory=TreeConfig)
+    # Cost-aware choice of draft length / tree size for this machine.
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     # Sampling temperature for verify=sample (applied identically to target and drafter).
     temperature: float = 1.0
     # Keep only the top_k most likely tokens before sampling (0 = off); verify=sample.
@@ -306,6 +391,31 @@ class EvalConfig:
         _check(self.max_new_tokens >= 1, "eval.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         _check(self.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {self.num_prompts}")
         _check(self.warmup >= 0, "eval.warmup", f"must be >= 0, got {self.warmup}")
+        self.tree.check_size(self.tree_depth)
+        if self.tree.enabled:
+            _check(self.verify != "specdec", "eval.verify", "specdec verifies chains only: unset eval.tree.top_k, or "
+                   "use greedy, sample or spectr")
+            _check(self.verify != "greedy" or self.tree.branching == "topk", "eval.tree.branching", "iid trees are "
+                   "sampled: verify them with eval.verify=sample or spectr (greedy uses topk trees)")
+            _check(not self.draft_exit, "eval.draft_exit", "draft exit cuts chains short; a tree is pruned by its "
+                   "total_tokens instead: unset eval.tree.top_k or eval.draft_exit")
+        _check(self.verify != "spectr" or (self.tree.enabled and self.tree.branching == "iid"), "eval.verify",
+               "spectr verifies i.i.d. sampled drafts: set eval.tree.top_k (the number of draft sequences) and "
+               "eval.tree.branching=iid")
+        _check(not self.calibration.enabled or self.verify in ("greedy", "sample"), "eval.calibration.enabled",
+               f"calibration compares chains and topk trees under greedy or sample verification, not {self.verify}")
+        _check(not (self.calibration.enabled and self.draft_exit), "eval.calibration.enabled",
+               "calibration compares fixed chain lengths and tree sizes: unset eval.draft_exit")
+
+    @property
+    def tree_depth(self) -> int:
+        """Levels of the draft tree (or the chain's length)."""
+        return self.tree.depth or self.draft_len
+
+    @property
+    def samples(self) -> bool:
+        """Whether decoding samples at eval.temperature (else it is greedy)."""
+        return self.verify in ("sample", "spectr")
 
 
 @dataclass
@@ -554,6 +664,9 @@ class ExportConfig:
     # serves (EAGLE-3: its speculators format; a stand-alone AR drafter is served as the hf folder, method
     # draft_model). sglang: SGLang's format (EAGLE-3: LlamaForCausalLMEagle3; AR: the hf folder).
     format: str = "hf"
+    # calibration.json that `drafter-eval eval.calibration.enabled=true` wrote for this checkpoint's drafter: the card
+    # then records the draft length / tree size it picked and the machine it was measured on.
+    calibration: Optional[str] = None
 
     def __post_init__(self) -> None:
         # Checks that hold for the defaults too (the ConfigStore builds them); required inputs: require_inputs().

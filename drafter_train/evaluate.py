@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -21,6 +22,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
+from drafter_train.calibrate import calibrate, calibration_record, machine_info
 from drafter_train.checkpoint import verify_drafter_folder
 from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig, register_configs
 from drafter_train.cli import one_line_errors
@@ -29,9 +31,10 @@ from drafter_train.decoding.autoregressive import DecodeResult, generate_autoreg
 from drafter_train.decoding.draft_exit import DraftExit, supports_draft_exit
 from drafter_train.decoding.drafter import Drafter
 from drafter_train.decoding.sampling import SamplingParams
-from drafter_train.decoding.speculative import generate_speculative
+from drafter_train.decoding.speculative import generate_speculative, generate_tree_speculative, tree_stats
 from drafter_train.decoding.stats import DecodeStats
-from drafter_train.decoding.verify import make_verifier
+from drafter_train.decoding.tree import TreeSpec
+from drafter_train.decoding.verify import make_tree_verifier, make_verifier
 from drafter_train.drafters.loading import load_drafter
 from drafter_train.drafters.registry import make_drafter, model_kind
 from drafter_train.errors import CheckpointDamagedError, ConfigError
@@ -39,10 +42,48 @@ from drafter_train.targets import encode_prompt, eos_token_ids, load_target, mod
 
 
 def sampling_params(cfg: EvalConfig) -> SamplingParams:
-    """verify=sample samples at the configured temperature; greedy and specdec decode greedily."""
-    if cfg.verify == "sample":
+    """verify=sample and spectr sample at the configured temperature; greedy and specdec decode greedily."""
+    if cfg.samples:
         return SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
     return SamplingParams()
+
+
+def tree_spec(cfg: EvalConfig) -> Optional[TreeSpec]:
+    """eval.tree as the decoder's TreeSpec (None: a chain)."""
+    if not cfg.tree.enabled:
+        return None
+    return TreeSpec(cfg.tree.top_k, cfg.tree_depth, cfg.tree.total_tokens, cfg.tree.branching)
+
+
+def tree_record(cfg: EvalConfig) -> Optional[dict]:
+    """What metrics.json records of the tree (total_tokens resolved: the draft nodes of a full-depth tree)."""
+    spec = tree_spec(cfg)
+    if spec is None:
+        return None
+    return {"top_k": spec.top_k, "depth": spec.depth, "total_tokens": spec.nodes(), "branching": spec.branching}
+
+
+def speculative_runner(target: PreTrainedModel, drafter: Drafter, cfg: EvalConfig, eos_token_ids: Sequence[int]):
+    """(run(prompt, seed, draft exit) -> DecodeResult, new empty DecodeStats of the same shape) for eval's chain or
+    tree."""
+    params, spec = sampling_params(cfg), tree_spec(cfg)
+    if spec is None:
+        verifier = make_verifier(cfg.verify, params, cfg.specdec_top_beta, cfg.specdec_tolerance)
+
+        def run(prompt, seed, exit: Optional[DraftExit] = None):
+            gen = torch.Generator(device=target.device).manual_seed(seed)
+            return generate_speculative(target, drafter, prompt, cfg.draft_len, verifier, cfg.max_new_tokens, params,
+                                        eos_token_ids, gen, exit)
+
+        return run, lambda: DecodeStats(draft_len=cfg.draft_len)
+    tree_verifier = make_tree_verifier(cfg.verify, params)
+
+    def run_tree(prompt, seed, exit: Optional[DraftExit] = None):  # draft exit is for chains (config checks it)
+        gen = torch.Generator(device=target.device).manual_seed(seed)
+        return generate_tree_speculative(target, drafter, prompt, spec, tree_verifier, cfg.max_new_tokens, params,
+                                         eos_token_ids, gen)
+
+    return run_tree, lambda: tree_stats(spec)
 
 
 def _timed(fn, device: torch.device) -> tuple[DecodeResult, float]:
@@ -104,31 +145,26 @@ def evaluate_decoding(
     when prompts have task categories, the same headline numbers per category.
     """
     params = sampling_params(cfg)
-    verifier = make_verifier(cfg.verify, params, cfg.specdec_top_beta, cfg.specdec_tolerance)
 
     def run_ar(prompt, seed):
         gen = torch.Generator(device=target.device).manual_seed(seed)
-        # The baseline decodes with the same params: AR greedy for greedy/specdec, AR sampling for sample.
+        # The baseline decodes with the same params: AR greedy for greedy/specdec, AR sampling for sample/spectr.
         return generate_autoregressive(target, prompt, cfg.max_new_tokens, params, eos_token_ids, gen)
 
-    def run_spec(prompt, seed, exit=None):
-        gen = torch.Generator(device=target.device).manual_seed(seed)
-        return generate_speculative(
-            target, drafter, prompt, cfg.draft_len, verifier, cfg.max_new_tokens, params, eos_token_ids, gen, exit
-        )
-
+    run_spec, new_stats = speculative_runner(target, drafter, cfg, eos_token_ids)
     for _ in range(cfg.warmup):  # untimed: first calls pay allocator and kernel-selection costs
         run_ar(prompt_ids[0], cfg.seed), run_spec(prompt_ids[0], cfg.seed, make_draft_exit(cfg, drafter))
     # One adaptive threshold for the whole run (as a server would keep it), fresh after the warm-up.
     draft_exit = make_draft_exit(cfg, drafter)
-    spec_stats, ar_stats = DecodeStats(draft_len=cfg.draft_len), DecodeStats()
+    spec_stats, ar_stats = new_stats(), DecodeStats()
     spec_time = ar_time = 0.0
     by_category: dict[str, list] = {}  # category -> [spec stats, ar stats, spec seconds, ar seconds]
     matches, margins = 0, []
     # Drafters with a reduced draft vocabulary (EAGLE-3) can never propose a token outside it: count those tokens.
     draft_vocab, outside = getattr(drafter, "draft_vocab", None), 0
     logprob = {"spec": 0.0, "ar": 0.0}  # verify=specdec: how far the relaxed output moves from AR greedy
-    bar = tqdm(prompt_ids, desc=f"eval draft_len={cfg.draft_len} {cfg.verify}", disable=not progress, unit="prompt")
+    shape = tree_spec(cfg).describe() if cfg.tree.enabled else f"draft_len={cfg.draft_len}"
+    bar = tqdm(prompt_ids, desc=f"eval {shape} {cfg.verify}", disable=not progress, unit="prompt")
     for i, prompt in enumerate(bar):
         ar, t_ar = _timed(lambda: run_ar(prompt, cfg.seed + i), target.device)
         spec, t_spec = _timed(lambda: run_spec(prompt, cfg.seed + i, draft_exit), target.device)
@@ -136,7 +172,7 @@ def evaluate_decoding(
         spec_stats.merge(spec.stats)
         ar_time, spec_time = ar_time + t_ar, spec_time + t_spec
         if categories is not None and categories[i] is not None:
-            group = by_category.setdefault(categories[i], [DecodeStats(draft_len=cfg.draft_len), DecodeStats(), 0.0, 0.0])
+            group = by_category.setdefault(categories[i], [new_stats(), DecodeStats(), 0.0, 0.0])
             group[0].merge(spec.stats), group[1].merge(ar.stats)
             group[2], group[3] = group[2] + t_spec, group[3] + t_ar
         matches += spec.tokens == ar.tokens
@@ -152,7 +188,10 @@ def evaluate_decoding(
     ar_tps = ar_stats.tokens_generated / ar_time
     return {
         **spec_stats.summary(),
-        "draft_len": cfg.draft_len,
+        # Chains: the draft length; trees: their depth (the most drafts one pass can accept).
+        "draft_len": cfg.tree_depth if cfg.tree.enabled else cfg.draft_len,
+        # The tree's shape (top_k, depth, total_tokens: draft nodes per pass, branching); None for a chain.
+        "tree": tree_record(cfg),
         "verify": cfg.verify,
         # Adaptive draft exit: the threshold γ at the start and at the end of the run (None: off).
         "draft_exit": cfg.draft_exit or None,
@@ -167,7 +206,7 @@ def evaluate_decoding(
         # Share of prompts whose speculative output is token-identical to the AR baseline's: must be 1.0 for
         # greedy (lossless); for specdec it measures how far the relaxation moves the output; not defined when
         # sampling (two independent samples).
-        "greedy_match": None if cfg.verify == "sample" else matches / len(prompt_ids),
+        "greedy_match": None if cfg.samples else matches / len(prompt_ids),
         # For each greedy mismatch: the target's top-1 minus top-2 logit where the outputs part (near 0 = a tie
         # broken differently by rounding; see divergence_margin).
         "greedy_mismatch_margins": margins,
@@ -238,15 +277,68 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     target, tokenizer = load_target(cfg.target)
     model = load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype)
     drafter = make_drafter(model)
-    records = load_prompt_records(cfg.eval.prompts, cfg.eval.num_prompts, cfg.eval.prompt_field)
+    cal = cfg.eval.calibration
+    extra = cal.num_prompts if cal.enabled else 0
+    records = load_prompt_records(cfg.eval.prompts, cfg.eval.num_prompts + extra, cfg.eval.prompt_field)
     prompt_ids = [encode_prompt(tokenizer, text, cfg.target.chat_template) for text, _ in records]
     eos = eos_token_ids(target, tokenizer)
-    metrics = evaluate_decoding(target, drafter, prompt_ids, cfg.eval, eos, categories=[c for _, c in records])
+    eval_cfg, num = cfg.eval, cfg.eval.num_prompts
+    if cal.enabled:  # on the prompts after the evaluated ones when the prompt set has them
+        calibration_prompts = prompt_ids[num:] or prompt_ids[: cal.num_prompts]
+        candidates, costs = calibrate(target, calibration_prompts, cfg.eval,
+                                      calibration_decoder(target, drafter, calibration_prompts, eos, cfg.eval))
+        eval_cfg = candidates[0].apply(cfg.eval)
+    metrics = evaluate_decoding(target, drafter, prompt_ids[:num], eval_cfg, eos,
+                                categories=[c for _, c in records[:num]])
     metrics.update(target=model_identity(cfg.target), drafter=cfg.drafter.path, drafter_kind=model_kind(model).name,
                    torch_threads=torch.get_num_threads())
     metrics["config"] = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    if cal.enabled:
+        info = {"machine": machine_info(target.device, cfg.target.dtype), "target": model_identity(cfg.target),
+                "drafter": str(Path(cfg.drafter.path).resolve()) if Path(cfg.drafter.path).exists() else
+                cfg.drafter.path, "drafter_kind": model_kind(model).name, "verify": cfg.eval.verify,
+                "calibration_prompts": "disjoint" if len(prompt_ids) > num else "the evaluated ones"}
+        record = calibration_record(candidates, costs, {**metrics, "max_new_tokens": eval_cfg.max_new_tokens}, info)
+        path = Path(cal.output) if cal.output else output.parent / "calibration.json"
+        path.write_text(json.dumps(record, indent=2))
+        metrics["calibration"] = {**record["pick"], "file": str(path.resolve())}
+        print_calibration(record)
     output.write_text(json.dumps(metrics, indent=2))
     return metrics
+
+
+def calibration_decoder(target, drafter: Drafter, prompts, eos: Sequence[int], base: EvalConfig):
+    """decode(eval config) -> DecodeStats over the calibration prompts (the first call pays an untimed warm-up)."""
+    warm = []
+
+    def decode(cfg: EvalConfig) -> DecodeStats:
+        run, new_stats = speculative_runner(target, drafter, replace(
+            cfg, max_new_tokens=base.calibration.max_new_tokens or base.max_new_tokens), eos)
+        if not warm:
+            warm.append(run(prompts[0], base.seed))
+        stats = new_stats()
+        for i, prompt in enumerate(prompts):
+            stats.merge(run(prompt, base.seed + i).stats)
+        return stats
+
+    return decode
+
+
+def print_calibration(record: dict, console: Optional[Console] = None, rows: int = 10) -> None:
+    """The best predicted settings, then the pick's predicted and measured speedup side by side."""
+    table = Table(title=f"calibration on {record['machine']['cpu']} ({record['machine']['device']}, "
+                        f"{record['machine']['torch_threads']} threads)")
+    for column in ("setting", "predicted tau", "drafter ms", "verify ms", "predicted speedup"):
+        table.add_column(column, justify="left" if column == "setting" else "right")
+    for c in record["candidates"][:rows]:
+        table.add_row(c["name"], f"{c['predicted_tau']:.2f}", f"{c['draft_ms']:.1f}", f"{c['verify_ms']:.1f}",
+                      f"{c['predicted_speedup']:.3f}")
+    pick = record["pick"]
+    console = console or Console(stderr=True)
+    console.print(table)
+    console.print(f"pick: {pick['name']}: predicted speedup {pick['predicted_speedup']:.3f}, measured "
+                  f"{pick['measured_speedup']:.3f} (tau predicted {pick['predicted_tau']:.2f}, measured "
+                  f"{pick['measured_tau']:.2f}; AR pass {record['ar_ms_per_token']:.1f} ms)")
 
 
 def to_job_config(cfg: DictConfig) -> EvalJobConfig:

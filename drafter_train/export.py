@@ -28,8 +28,9 @@ from drafter_train.model_card import MARKER, RunInfo, looks_local, model_card, r
 # Keys that describe how a file was loaded on the training machine, not the model.
 _LOAD_TIME_KEYS = {"_name_or_path", "name_or_path", "_commit_hash", "is_local", "local_files_only"}
 # The files whose text the export writes or rewrites (card and configs): the ones scanned for leaked paths.
+CALIBRATION_FILE = "calibration.json"
 _SCANNED = ("README.md", "config.json", "generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
-            "chat_template.jinja")
+            "chat_template.jinja", CALIBRATION_FILE)
 
 
 class HubPushError(DrafterTrainError):
@@ -272,6 +273,7 @@ def export(cfg: ExportConfig) -> ExportResult:
     cfg.require_inputs()
     step_dir = resolve_checkpoint(cfg)
     info = read_run_info(step_dir)
+    info.calibration = read_calibration(cfg.calibration, step_dir / "drafter") if cfg.calibration else None
     out = prepare_output(cfg, step_dir)
     if cfg.push:
         check_can_push()  # before writing: offline or logged out, nothing is done
@@ -281,6 +283,8 @@ def export(cfg: ExportConfig) -> ExportResult:
         write_format(cfg.format, info, tmp, target_names(info, cfg.target_id)[2])
         (tmp / "README.md").write_text(model_card(info, cfg.repo_id or f"path/to/{out.name}", cfg.target_id,
                                                   cfg.format))
+        if info.calibration is not None:  # local paths (the drafter it was measured from, say) scrubbed
+            (tmp / CALIBRATION_FILE).write_text(json.dumps(scrub(info.calibration), indent=2))
         check_no_leaks(tmp, _local_strings(info.config) | _local_inputs(cfg) | {str(step_dir.parent), str(out)})
         _move_into_place(tmp, out)
     finally:
@@ -289,9 +293,25 @@ def export(cfg: ExportConfig) -> ExportResult:
     return ExportResult(out, step_dir, url)
 
 
+def read_calibration(path: str, drafter_dir: Path) -> dict:
+    """export.calibration: a calibration.json measured for this checkpoint's drafter (refused in one line if not)."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError(f"export.calibration: cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    if not isinstance(record, dict) or "pick" not in record or "machine" not in record:
+        raise ConfigError(f"export.calibration: {path} is not a calibration.json of drafter-eval "
+                          "eval.calibration.enabled=true")
+    measured = Path(str(record.get("drafter", "")))
+    if not measured.exists() or measured.resolve() != drafter_dir.resolve():
+        raise ConfigError(f"export.calibration: {path} was measured for the drafter {record.get('drafter')!r}, not "
+                          f"this checkpoint's ({drafter_dir})")
+    return record
+
+
 def _local_inputs(cfg: ExportConfig) -> set[str]:
     """This export's own paths, as given and absolute, and the home folder."""
-    given = [p for p in (cfg.run_dir, cfg.checkpoint, cfg.output_dir) if p]
+    given = [p for p in (cfg.run_dir, cfg.checkpoint, cfg.output_dir, cfg.calibration) if p]
     return {str(Path.home())} | {str(Path(p).expanduser().absolute()) for p in given}
 
 

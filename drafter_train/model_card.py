@@ -36,6 +36,7 @@ class RunInfo:
     history: list[dict]
     draft_len: int
     kind: Optional[DrafterKind] = None  # what the checkpoint's drafter/ holds (None: read from the folder)
+    calibration: Optional[dict] = None  # export.calibration: drafter-eval's calibration.json for this drafter
 
     def __post_init__(self) -> None:
         self.kind = self.kind or folder_kind(str(self.step_dir / "drafter")) or get_kind("ar")
@@ -196,7 +197,10 @@ def _metrics_section(info: RunInfo) -> str:
     evals = info.config.get("eval", {})
     prompts = f"`{public_name(evals['prompts'])}`" if evals.get("prompts") else "held-out prompts"
     cap = f", up to {evals['max_new_tokens']} new tokens each" if "max_new_tokens" in evals else ""
-    where = f"{m.get('num_prompts')} {prompts}{cap}, `{m.get('verify')}` verification, draft_len {m.get('draft_len')}"
+    tree = m.get("tree")
+    shape = (f"a draft tree of top_k {tree['top_k']}, depth {tree['depth']}, {tree['total_tokens']} draft tokens per "
+             f"pass ({tree['branching']})" if tree else f"draft_len {m.get('draft_len')}")
+    where = f"{m.get('num_prompts')} {prompts}{cap}, `{m.get('verify')}` verification, {shape}"
     return f"Measured by drafter_train's speculative decoder at step {step_text(info)} ({where}):\n\n" + _table(
         [(f"`{k}`", _fmt(m[k])) for k in keys if k in m], ("metric", "value"))
 
@@ -209,6 +213,23 @@ _DEFINITIONS = (
     "the drafter (it depends on that hardware). "
     "`greedy_match`: share of prompts whose speculative output equals plain greedy decoding (1.0 = lossless)."
 )
+
+
+def _calibration_section(record: dict) -> str:
+    """The draft length / tree size drafter-eval's calibration picked, and the machine it measured."""
+    pick, machine = record["pick"], record["machine"]
+    where = (f"{machine['cpu']} ({machine['device']}, {machine['logical_cores']} logical cores, "
+             f"{machine['torch_threads']} torch threads, {machine['dtype']}, torch {machine['torch']}; load average "
+             f"{' / '.join(str(x) for x in machine['load_average'])})")
+    rows = [(c["name"], f"{c['predicted_tau']:.2f}", f"{c['draft_ms']:.1f}", f"{c['verify_ms']:.1f}",
+             f"{c['predicted_speedup']:.3f}") for c in record["candidates"][:5]]
+    table = "\n".join(["| setting | predicted tau | drafter ms | verify ms | predicted speedup |",
+                       "|---|---|---|---|---|"] + ["| " + " | ".join(row) + " |" for row in rows])
+    return (f"`drafter-eval eval.calibration.enabled=true` measured this machine's verify cost curve and this "
+            f"drafter's cost and acceptance ({record['verify']} verification, {record['measured_at']}) on {where}, "
+            f"and picked **{pick['name']}**: predicted speedup {pick['predicted_speedup']:.3f}, measured "
+            f"{pick['measured_speedup']:.3f} ({pick['measured_on']}; tau {pick['measured_tau']:.2f}). The best "
+            f"setting depends on the hardware: calibrate again on yours.\n\n{table}")
 
 
 def _history_section(info: RunInfo) -> str:
@@ -313,6 +334,8 @@ def model_card(info: RunInfo, drafter_ref: str, target_id: Optional[str] = None,
         f"drafter_train. {MARKER} from checkpoint step {step_text(info)}.",
         "## Training\n\n" + _table(_training_rows(info, target), ("setting", "value")),
         "## Measured speculative decoding\n\n" + _metrics_section(info) + "\n\n" + _DEFINITIONS,
+        *(["## Draft length / tree size for this machine\n\n" + _calibration_section(info.calibration)]
+          if info.calibration else []),
         "## Evaluation history\n\n" + _history_section(info),
         "## Usage\n\n" + (_usage_section(info, target_path, hub, drafter_ref) if fmt == "hf" else
                             _serving_usage(info, fmt, hub, drafter_ref)),

@@ -1,4 +1,6 @@
-"""`drafter-report`: tau and speedup against draft length over a sweep, as a markdown table and a PNG plot.
+"""`drafter-report`: tau and speedup against draft length or tree size over a sweep, as a markdown table and a PNG
+plot. The x axis is the number of draft tokens one target pass verifies: a chain's draft_len, a tree's total_tokens
+(a sweep over `eval.tree.total_tokens` draws one line per tree shape, next to the chains').
 
 It reads what the runs wrote, nothing else:
 - a drafter-train run folder: config.yaml (the resolved config) and its `best` checkpoint's metrics.json;
@@ -31,7 +33,8 @@ from drafter_train.tracking import log_report
 
 # drafter.kind (ar | nar | eagle3 ...) is recorded by newer runs; runs from before it existed trained autoregressive drafters.
 DEFAULT_KIND = "ar"
-COLUMNS = ("loss", "kind", "drafter", "draft_len", "tau", "acceptance_rate", "speedup", "run", "measured_at")
+COLUMNS = ("loss", "kind", "drafter", "draft_len", "tau", "acceptance_rate", "speedup", "tree", "draft_tokens", "run",
+           "measured_at")
 
 
 @dataclass
@@ -45,6 +48,8 @@ class RunResult:
     tau: float
     acceptance_rate: float
     speedup: float
+    tree: str  # the tree's shape ("top_k=4 depth=6"), "-" for a chain
+    draft_tokens: int  # draft tokens per target pass: a chain's draft_len, a tree's total_tokens
     run: str  # the run (or job) folder's name
     measured_at: str  # which metrics.json: the best checkpoint's, or the evaluator job's
 
@@ -52,7 +57,7 @@ class RunResult:
     def line(self) -> str:
         """The plot line this point belongs to."""
         first = f"loss={self.loss}" if self.loss != "-" else f"drafter={self.drafter}"
-        return f"{first}, kind={self.kind}"
+        return f"{first}, kind={self.kind}" + ("" if self.tree == "-" else f", tree {self.tree}")
 
     def row(self) -> list:
         return [getattr(self, name) for name in COLUMNS]
@@ -89,8 +94,12 @@ def _result(config: dict, metrics: dict, loss: str, run: str, measured_at: str) 
     draft_len = metrics.get("draft_len") or config.get("eval", {}).get("draft_len") or drafter.get("draft_len")
     # The kind the evaluator loaded (drafter=path configs say "auto"), else the configured one.
     kind = metrics.get("drafter_kind") or drafter.get("kind", DEFAULT_KIND)
-    return RunResult(loss, kind, str(drafter.get("path", "?")), int(draft_len),
-                     metrics["tau"], metrics["acceptance_rate"], metrics["speedup"], run, measured_at)
+    tree = metrics.get("tree")  # the measured tree (None or absent: a chain)
+    shape = "-" if not tree else f"top_k={tree['top_k']} depth={tree['depth']}" + (
+        "" if tree.get("branching", "topk") == "topk" else f" {tree['branching']}")
+    size = int(tree["total_tokens"]) if tree else int(draft_len)
+    return RunResult(loss, kind, str(drafter.get("path", "?")), int(draft_len), metrics["tau"],
+                     metrics["acceptance_rate"], metrics["speedup"], shape, size, run, measured_at)
 
 
 def train_result(run_dir: Path, found: Collected) -> None:
@@ -153,9 +162,9 @@ def collect(folder: Path) -> Collected:
 
 
 def group_lines(results: list[RunResult]) -> dict[str, list[RunResult]]:
-    """Results by plot line, each line in draft-length order."""
+    """Results by plot line, each line in order of draft tokens per pass."""
     lines = defaultdict(list)
-    for result in sorted(results, key=lambda r: (r.line, r.draft_len, r.run)):
+    for result in sorted(results, key=lambda r: (r.line, r.draft_tokens, r.run)):
         lines[result.line].append(result)
     return dict(lines)
 
@@ -171,21 +180,23 @@ def markdown_table(title: str, results: list[RunResult], skipped: list[str], plo
         f"# {title}", "",
         "Training runs are reported through their **best checkpoint** (highest tau over its evaluations: "
         "`best/metrics.json`); evaluator jobs through their `metrics.json`. tau = tokens per target forward pass, "
-        "speedup = speculative over AR tokens/s (definitions: README).", "",
+        "speedup = speculative over AR tokens/s, draft_tokens = draft tokens verified per target pass (a chain's "
+        "draft_len, a tree's total_tokens; definitions: README).", "",
         "| " + " | ".join(COLUMNS) + " |",
-        "|" + "|".join("---:" if c in ("draft_len", "tau", "acceptance_rate", "speedup") else "---" for c in COLUMNS)
+        "|" + "|".join("---:" if c in ("draft_len", "tau", "acceptance_rate", "speedup", "draft_tokens") else "---"
+                       for c in COLUMNS)
         + "|",
     ]
     for points in group_lines(results).values():
         lines += ["| " + " | ".join(_cell(c, v) for c, v in zip(COLUMNS, point.row())) + " |" for point in points]
-    lines += ["", f"![tau and speedup against draft length]({plot_name})", ""]
+    lines += ["", f"![tau and speedup against draft tokens per pass]({plot_name})", ""]
     if skipped:
         lines += ["Not reported:", "", *[f"- {reason}" for reason in skipped], ""]
     return "\n".join(lines)
 
 
 def plot(results: list[RunResult], path: Path, title: str) -> None:
-    """tau and speedup against draft length, one line per group (matplotlib's Agg canvas: no display needed)."""
+    """tau and speedup against draft tokens per pass, one line per group (matplotlib's Agg canvas: no display)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
@@ -194,12 +205,12 @@ def plot(results: list[RunResult], path: Path, title: str) -> None:
     FigureCanvasAgg(fig)
     ax_tau, ax_speedup = fig.subplots(1, 2)
     for line, points in group_lines(results).items():
-        draft_lens = [p.draft_len for p in points]
-        ax_tau.plot(draft_lens, [p.tau for p in points], marker="o", label=line)
-        ax_speedup.plot(draft_lens, [p.speedup for p in points], marker="o", label=line)
+        sizes = [p.draft_tokens for p in points]
+        ax_tau.plot(sizes, [p.tau for p in points], marker="o", label=line)
+        ax_speedup.plot(sizes, [p.speedup for p in points], marker="o", label=line)
     ax_speedup.axhline(1.0, color="grey", linestyle="--", linewidth=1)  # AR decoding
     for ax, ylabel in ((ax_tau, "tau (tokens per target pass)"), (ax_speedup, "speedup over AR decoding")):
-        ax.set_xlabel("draft length")
+        ax.set_xlabel("draft tokens per target pass (chain: draft_len, tree: total_tokens)")
         ax.set_ylabel(ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
@@ -211,7 +222,7 @@ def plot(results: list[RunResult], path: Path, title: str) -> None:
 def write_report(folder: Path, output_dir: Path, tracker: TrackerConfig) -> Report:
     """report.md and report.png for the runs under `folder`, written into `output_dir`, and logged to `tracker`."""
     found = collect(folder)
-    title = f"Draft-length sweep: {folder.resolve().name}"
+    title = f"Draft-length / tree-size sweep: {folder.resolve().name}"
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
         report = Report(output_dir / "report.md", output_dir / "report.png", found.results)

@@ -52,15 +52,17 @@ class ForwardCounter:
         self.calls += 1
 
 
-def hf_assisted(target, drafter, prompt, draft_len, max_new_tokens, eos):
+def hf_assisted(target, drafter, prompt, draft_len, max_new_tokens, eos, temperature=0.0):
     # Same work as ours: a constant draft length and no confidence-based early stop of the drafter.
     drafter.generation_config.num_assistant_tokens = draft_len
     drafter.generation_config.num_assistant_tokens_schedule = "constant"
     drafter.generation_config.assistant_confidence_threshold = 0.0
     ids = torch.tensor([prompt], device=target.device)
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else \
+        {"do_sample": False}
     out = target.generate(
-        ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, do_sample=False,
-        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0],
+        ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=max_new_tokens,
+        eos_token_id=eos, pad_token_id=eos[0], **sampling,
     )
     return out[0, len(prompt):].tolist()
 

@@ -25,7 +25,12 @@ class BigramLM(torch.nn.Module):
     def device(self) -> torch.device:
         return self.table.device
 
-    def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=0):
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.table.dtype
+
+    def forward(self, input_ids, past_key_values=None, use_cache=True, logits_to_keep=0, **tree_inputs):
+        # a bigram's next token depends on the last token only: tree masks and positions change nothing
         logits = self.table[input_ids]  # [1, n, V]
         if logits_to_keep:
             logits = logits[:, -logits_to_keep:]

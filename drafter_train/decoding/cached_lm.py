@@ -38,6 +38,25 @@ class CachedLM:
         self.length += tokens.numel()
         return out.logits[0, -num_logits:]
 
+    def forward_tree(self, tokens: Tensor, mask: Tensor, position_ids: Tensor) -> Tensor:
+        """Feed tokens [n] (a tree: decoding/tree.py) with an additive mask [1, 1, n, length + n] and position ids
+        [1, n]; return the logits [n, V] of every row."""
+        out = self.model(input_ids=tokens.view(1, -1), attention_mask=mask, position_ids=position_ids,
+                         past_key_values=self.cache, use_cache=True, logits_to_keep=tokens.numel())
+        self.length += tokens.numel()
+        return out.logits[0]
+
+    def keep(self, positions: Tensor) -> None:
+        """Keep only the cached positions `positions` (increasing; e.g. the prefix and one accepted tree path: not a
+        contiguous range, so an index selection rather than a crop)."""
+        for layer in self.cache.layers:
+            if getattr(layer, "is_sliding", False):
+                raise ValueError("tree decoding needs a full KV cache; this model has sliding-window layers")
+            if getattr(layer, "is_initialized", False) and layer.keys.numel():
+                layer.keys = layer.keys.index_select(-2, positions)
+                layer.values = layer.values.index_select(-2, positions)
+        self.length = positions.numel()
+
     def crop(self, length: int) -> None:
         """Keep only the first `length` cached positions (no-op if fewer are cached)."""
         if length < self.length:

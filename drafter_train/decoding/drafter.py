@@ -4,6 +4,9 @@ The decoder does not care how drafts are made: an AR drafter runs k cached forwa
 (SpecDec) predicts all k in one pass, an EAGLE-3 drafter reads the target's own hidden states. Each returns a
 `Proposal`, and after every target pass is told how much of the sequence is verified (`commit`), with the target's
 features of the newly verified positions when it reads them. Each kind's module (drafters/) builds its drafter.
+
+Draft trees (decoding/tree.py) are grown by the decoder through two more calls, `tree_root` and `tree_expand`;
+after a tree pass `commit` also gets the accepted path, so that caches keep the prefix and that path only.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from transformers import PreTrainedModel
 from drafter_train.decoding.cached_lm import CachedLM
 from drafter_train.decoding.draft_exit import draft_confidence
 from drafter_train.decoding.sampling import SamplingParams, choose_token
+from drafter_train.decoding.tree import TreeDrafter, TreePool, attention_mask
 
 
 @dataclass
@@ -32,7 +36,10 @@ class Proposal:
         return self.tokens.numel()
 
 
-class Drafter(Protocol):
+class Drafter(TreeDrafter, Protocol):
+    """What the decoders call. Trees: the two calls of decoding/tree.py's TreeDrafter (draft_ids, tree_root,
+    tree_expand) and `commit`'s path."""
+
     # Target layers whose outputs this drafter reads (features.py convention); empty: it reads none.
     feature_layers: Sequence[int]
 
@@ -44,25 +51,33 @@ class Drafter(Protocol):
     ) -> Proposal:
         """Propose `draft_len` tokens to follow `seq` [L] (prompt + everything accepted so far)."""
 
-    def commit(self, num_valid: int, features: Optional[Tensor]) -> None:
+    def commit(self, num_valid: int, features: Optional[Tensor], path: Optional[Sequence[int]] = None) -> None:
         """A target pass verified the sequence up to `num_valid` tokens: anything beyond (rejected drafts) is gone.
 
         features [n, F]: the target's features (at `feature_layers`) of the n positions that pass verified and kept,
         i.e. positions num_valid - n .. num_valid - 1; None for drafters that read none.
+        path: after a tree pass, the accepted nodes (candidate ids of the last tree's pool, root side first); None
+        after a chain.
         """
 
 
 class ARDrafter:
-    """A small causal LM sharing the target's vocabulary: k cached forwards per proposal."""
+    """A small causal LM sharing the target's vocabulary: k cached forwards per proposal.
+
+    Trees: one cached forward per depth over the nodes it expands, each attending to the prefix, its ancestors and
+    itself; after verification the cache keeps the prefix and the accepted nodes it holds (an index selection).
+    """
 
     feature_layers: Sequence[int] = ()
     exit_below: float = 0.0  # adaptive draft exit's threshold γ for the next proposal (0 = off)
+    draft_ids: Optional[Tensor] = None
 
     def __init__(self, model: PreTrainedModel):
         self.lm = CachedLM(model)
 
     def reset(self) -> None:
         self.lm.reset()
+        self.base, self.slots = 0, {}  # the tree's prefix length; expanded node -> its cache position
 
     def propose(
         self, seq: Tensor, draft_len: int, params: SamplingParams, generator: Optional[torch.Generator]
@@ -84,5 +99,24 @@ class ARDrafter:
         q_draft = None if params.greedy else torch.stack(probs)
         return Proposal(tokens=torch.stack(tokens), q_draft=q_draft)
 
-    def commit(self, num_valid: int, features: Optional[Tensor] = None) -> None:
+    def commit(self, num_valid: int, features: Optional[Tensor] = None, path: Optional[Sequence[int]] = None) -> None:
+        if path is not None:  # keep the prefix and the accepted nodes that were fed (a prefix of the path)
+            kept = [self.slots[node] for node in path if node in self.slots]
+            self.lm.keep(torch.cat([torch.arange(self.base), torch.tensor(kept, dtype=torch.long)]).to(self.lm.device))
+            self.slots = {}
         self.lm.crop(num_valid)
+
+    def tree_root(self, seq: Tensor) -> Tensor:
+        logits = self.lm.forward(seq[self.lm.length :], num_logits=1)[-1]
+        self.base, self.slots = self.lm.length, {}
+        return logits
+
+    def tree_expand(self, pool: TreePool, nodes: list[int]) -> Tensor:
+        fed = list(self.slots)  # expanded nodes, in cache order
+        mask = attention_mask(pool.visible(nodes, fed + nodes), self.base, self.lm.model.dtype)
+        # seq[-1] sits at base - 1, so a depth-d node at base + d - 1
+        positions = torch.tensor([[self.base + pool.depths[n] - 1 for n in nodes]], device=self.lm.device)
+        logits = self.lm.forward_tree(torch.tensor([pool.tokens[n] for n in nodes], device=self.lm.device), mask,
+                                      positions)
+        self.slots.update({node: self.base + len(fed) + i for i, node in enumerate(nodes)})
+        return logits

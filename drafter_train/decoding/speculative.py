@@ -10,11 +10,19 @@ with the next drafts), the drafter's cache holds some prefix of seq. One step:
 
 Drafters that read the target's hidden states (EAGLE-3) get the features of every position a target pass verified
 and kept from that same pass (features.py's tap): no extra target forward.
+
+`generate_tree_speculative` verifies a draft TREE per step (decoding/tree.py), still in ONE target pass:
+
+    tree (N nodes)   <- build_tree(drafter, seq)                  (EAGLE-2 topk tree, or i.i.d. sampled sequences)
+    logits [N+1, V]  <- target(seq[-1], tree; ancestor mask, positions = prefix length + depth)
+    path, t          <- verify(tree, logits)                      (the accepted root-to-node path, then t)
+    seq              <- seq + tokens[path] + t;  both caches keep prefix + root + path (index selection)
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Optional, Sequence
 
 import torch
@@ -26,7 +34,8 @@ from drafter_train.decoding.draft_exit import DraftExit
 from drafter_train.decoding.drafter import Drafter, Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.decoding.stats import DecodeStats
-from drafter_train.decoding.verify import Verifier
+from drafter_train.decoding.tree import DraftTree, TreeSpec, build_tree, verify_inputs
+from drafter_train.decoding.verify import TreeVerifier, Verifier
 from drafter_train.features import tap_for
 
 
@@ -50,6 +59,15 @@ def _stop_index(new_tokens: list[int], eos: set[int]) -> Optional[int]:
     return None
 
 
+def _prefill(lm: CachedLM, drafter: Drafter, tap, prompt_ids, params: SamplingParams,
+             generator: Optional[torch.Generator]) -> tuple[torch.Tensor, list[int]]:
+    """The target's pass over the prompt yields the first token, as in the AR baseline: (seq, generated tokens)."""
+    prompt = as_tensor(prompt_ids, lm.device)
+    first, _ = choose_token(lm.forward(prompt, 1)[-1], params, generator)
+    drafter.commit(prompt.numel(), _kept(tap.features, prompt.numel()))
+    return torch.cat([prompt, first.view(1)]), [int(first)]
+
+
 @torch.inference_mode()
 def generate_speculative(
     target: PreTrainedModel,
@@ -71,12 +89,8 @@ def generate_speculative(
     stats = DecodeStats(draft_len=draft_len)
     drafter.reset()
     with tap_for(target, drafter.feature_layers) as tap:
-        # Prefill: the target's pass over the prompt yields the first token, as in the AR baseline.
-        prompt = as_tensor(prompt_ids, lm.device)
-        first, _ = choose_token(lm.forward(prompt, 1)[-1], params, generator)
-        drafter.commit(prompt.numel(), _kept(tap.features, prompt.numel()))
-        seq = torch.cat([prompt, first.view(1)])
-        tokens, stats.target_forward_passes = [int(first)], 1
+        seq, tokens = _prefill(lm, drafter, tap, prompt_ids, params, generator)
+        stats.target_forward_passes = 1
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             # A step yields at most k+1 tokens: never draft past max_new_tokens (k == 0 is a plain target step).
             k = min(draft_len, max_new_tokens - len(tokens) - 1)
@@ -104,5 +118,64 @@ def generate_speculative(
             new_list = new.tolist()
             stop = _stop_index(new_list, eos)
             tokens.extend(new_list[:stop])
+    stats.tokens_generated = len(tokens)
+    return DecodeResult(tokens=tokens, stats=stats)
+
+
+def tree_stats(spec: TreeSpec) -> DecodeStats:
+    """Empty counters for trees of `spec` (accepted_within only for topk trees, whose first n nodes are a tree)."""
+    return DecodeStats(draft_len=spec.depth, max_nodes=spec.nodes() if spec.branching == "topk" else 0)
+
+
+def _tested_depth(tree: DraftTree, path: list[int]) -> int:
+    """How deep verification looked: one below the path's end, unless that end has no children."""
+    end = path[-1] + 1 if path else 0
+    return len(path) + (1 if tree.children[end] else 0)
+
+
+@torch.inference_mode()
+def generate_tree_speculative(
+    target: PreTrainedModel,
+    drafter: Drafter,
+    prompt_ids: Sequence[int],
+    spec: TreeSpec,
+    verifier: TreeVerifier,
+    max_new_tokens: int,
+    params: SamplingParams = SamplingParams(),
+    eos_token_ids: Sequence[int] = (),
+    generator: Optional[torch.Generator] = None,
+) -> DecodeResult:
+    """Speculative decoding of one sequence with a draft tree per target pass (see the module doc)."""
+    lm, eos = CachedLM(target), set(eos_token_ids)
+    stats = tree_stats(spec)
+    drafter.reset()
+    with tap_for(target, drafter.feature_layers) as tap:
+        seq, tokens = _prefill(lm, drafter, tap, prompt_ids, params, generator)
+        stats.target_forward_passes = 1
+        while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+            # never draft past max_new_tokens: the tree is at most as deep as the tokens left - 1 (0: a plain step)
+            depth = min(spec.depth, max_new_tokens - len(tokens) - 1)
+            began = _clock(lm.device)
+            tree = build_tree(drafter, seq, replace(spec, depth=depth), params, generator) if depth else \
+                DraftTree(seq.new_empty(0), seq.new_empty(0))
+            drafted = _clock(lm.device)
+            past = seq.numel() - 1  # the target's cache holds seq[:-1]
+            inputs, mask, positions = verify_inputs(tree, seq[-1], past, target.dtype)
+            logits = lm.forward_tree(inputs, mask, positions)  # [N+1, V]
+            path, next_token = verifier(tree, logits, generator)
+            rows = tree.path_rows(path)  # verified and kept: the root (seq[-1]) and the accepted nodes
+            lm.keep(torch.cat([torch.arange(past, device=lm.device), past + torch.tensor(rows, device=lm.device)]))
+            stats.target_forward_passes += 1
+            if tree.num_nodes:  # a drafter may propose nothing (prompt lookup without a match): a plain step
+                stats.record_step(tree.num_nodes, len(path), _tested_depth(tree, path), path)
+                stats.proposals += 1
+                stats.draft_seconds += drafted - began
+                stats.verify_seconds += _clock(lm.device) - drafted
+            features = None if tap.features is None else tap.features[0, rows]
+            drafter.commit(seq.numel() + len(path), features, tree.pool_ids[path].tolist() if depth else None)
+            new = torch.cat([tree.tokens[path], next_token.view(1)])
+            seq = torch.cat([seq, new])
+            new_list = new.tolist()
+            tokens.extend(new_list[:_stop_index(new_list, eos)])
     stats.tokens_generated = len(tokens)
     return DecodeResult(tokens=tokens, stats=stats)

@@ -3,11 +3,18 @@
 tau                      = tokens_generated / target_forward_passes   (every target forward counts, prefill included)
 acceptance_rate          = accepted draft tokens / proposed draft tokens
 per_position_acceptance  = [P(draft i accepted | drafts 1..i-1 accepted)] for i = 1..draft_len
+accepted_length_histogram[m] = verify steps that accepted exactly m drafts
+
+Draft trees: "proposed" counts every node the target verified (a tree of total_tokens nodes proposes total_tokens
+drafts per step, so alpha is the share of verified draft tokens that were kept), "accepted" the nodes of the accepted
+path, and position i is depth i: per_position_acceptance[i] = P(a depth-i node accepted | the path reached depth
+i - 1 at a node that has children). A chain is the tree with one node per depth: every number is the chain's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 
 @dataclass
@@ -28,26 +35,46 @@ class DecodeStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     proposals: int = 0
+    # accepted_hist[m]: verify steps that accepted exactly m drafts (m = 0..draft_len).
+    accepted_hist: list[int] = field(default_factory=list)
+    # Draft tokens the largest proposal holds (a chain: draft_len; a topk tree: its total_tokens; 0: not tracked) ...
+    max_nodes: int = -1
+    # ... and accepted_within[n - 1]: drafts the steps would have accepted had each proposal been cut to its first n
+    # draft tokens (a chain's first n drafts; a topk tree's n best nodes, which are the tree of total_tokens = n).
+    # Exact per step under greedy verification; what calibration predicts smaller trees from.
+    accepted_within: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.reached = self.reached or [0] * self.draft_len
         self.accepted_at = self.accepted_at or [0] * self.draft_len
+        self.accepted_hist = self.accepted_hist or [0] * (self.draft_len + 1)
+        self.max_nodes = self.draft_len if self.max_nodes < 0 else self.max_nodes
+        self.accepted_within = self.accepted_within or [0] * self.max_nodes
 
-    def record_step(self, proposed: int, accepted: int) -> None:
-        """One verify pass that checked `proposed` drafts and kept the first `accepted`."""
+    def record_step(self, proposed: int, accepted: int, tested: Optional[int] = None,
+                    path: Optional[list[int]] = None) -> None:
+        """One verify pass that checked `proposed` drafts and kept `accepted` of them: a chain's first `accepted`,
+        or a tree path (`path`: its node indices) whose end was tested at `tested` depths (the depth of the
+        deepest node the verifier looked at: one more than `accepted` unless the path ends in a leaf)."""
+        tested = min(accepted + 1, proposed) if tested is None else tested
+        path = range(accepted) if path is None else path
         self.proposed += proposed
         self.accepted += accepted
-        for i in range(min(accepted + 1, proposed)):
+        self.accepted_hist[accepted] += 1
+        for i in range(tested):
             self.reached[i] += 1
         for i in range(accepted):
             self.accepted_at[i] += 1
+        for node in path:
+            for n in range(node, self.max_nodes):
+                self.accepted_within[n] += 1
 
     def merge(self, other: "DecodeStats") -> None:
         for name in ("tokens_generated", "target_forward_passes", "proposed", "accepted", "draft_seconds",
                      "verify_seconds", "proposals"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
-        self.reached = [a + b for a, b in zip(self.reached, other.reached)]
-        self.accepted_at = [a + b for a, b in zip(self.accepted_at, other.accepted_at)]
+        for name in ("reached", "accepted_at", "accepted_hist", "accepted_within"):
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
 
     @property
     def tau(self) -> float:
@@ -73,4 +100,6 @@ class DecodeStats:
             "proposals": self.proposals,
             "drafter_ms_per_proposal": 1000 * self.draft_seconds / max(self.proposals, 1),
             "verify_ms_per_step": 1000 * self.verify_seconds / max(self.proposals, 1),
+            "draft_tokens_per_step": self.proposed / max(self.proposals, 1),
+            "accepted_length_histogram": self.accepted_hist,
         }

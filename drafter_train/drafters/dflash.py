@@ -36,6 +36,7 @@ from drafter_train.config import DFlashDrafterConfig, DrafterConfig, TrainJobCon
 from drafter_train.data.batches import Batch
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
+from drafter_train.decoding.tree import TreePool
 from drafter_train.distill import apply_loss
 from drafter_train.drafters import conditioned, dflash_export
 from drafter_train.drafters.registry import BuildContext, DrafterKind
@@ -264,18 +265,18 @@ class DFlashDrafter:
         self.length = 0  # verified positions whose context keys/values are in the cache
         self.pending: list[Tensor] = []  # target features [n, F] of verified positions not yet in the cache
 
-    def commit(self, num_valid: int, features: Optional[Tensor]) -> None:
+    def commit(self, num_valid: int, features: Optional[Tensor], path=None) -> None:
+        # Trees too: `features` are those of the accepted path's positions, so nothing else is needed.
         self.pending.append(features)
         held = self.length + sum(f.shape[0] for f in self.pending)
         if held != num_valid:
             raise RuntimeError(f"DFlash drafter out of step: features for {held} positions, {num_valid} verified")
 
-    @torch.inference_mode()
-    def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
-                generator: Optional[torch.Generator]) -> Proposal:
+    def _block_logits(self, seq: Tensor, draft_len: int, setting: str) -> Tensor:
+        """The one pass: draft logits [draft_len, Vd] of the mask slots after seq[-1]."""
         model = self.model
         if draft_len > model.block_size - 1:
-            raise ConfigError(f"eval.draft_len: this DFlash drafter was trained with blocks of {model.block_size} "
+            raise ConfigError(f"{setting}: this DFlash drafter was trained with blocks of {model.block_size} "
                               f"(an anchor and {model.block_size - 1} mask slots), it drafts at most "
                               f"{model.block_size - 1}, not {draft_len}")
         if self.pending:  # the newly verified positions join the context
@@ -291,13 +292,32 @@ class DFlashDrafter:
         no_mask = torch.zeros(1, 1, rows, anchor + rows, dtype=embeds.dtype, device=seq.device)  # all visible
         hidden = model.run_block(embeds, positions, no_mask, self.cache)
         self.cache.crop(-rows)  # negative: drop the block's keys/values again
-        logits = model.draft_logits(hidden[0, 1:])  # [draft_len, Vd]
+        return model.draft_logits(hidden[0, 1:])  # [draft_len, Vd]
+
+    @torch.inference_mode()
+    def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
+                generator: Optional[torch.Generator]) -> Proposal:
+        logits = self._block_logits(seq, draft_len, "eval.draft_len")
         drafts = [choose_token(logits[r], params, generator) for r in range(draft_len)]
         tokens = self.draft_ids[torch.stack([token for token, _ in drafts])]
         if params.greedy:
             return Proposal(tokens)
         q = torch.stack([q for _, q in drafts])
         return Proposal(tokens, conditioned.to_target_vocab(q, self.draft_ids, self.draft_vocab.numel()))
+
+    # Trees: like nar, the one pass gives every block position's distribution whatever was drafted before it, so a
+    # node's children are the top-k (or samples) of the next slot: one drafter pass per tree, as deep as the block.
+    @torch.inference_mode()
+    def tree_root(self, seq: Tensor) -> Tensor:
+        self.block = self._block_logits(seq, self.model.block_size - 1, "eval.tree.depth")
+        return self.block[0]
+
+    def tree_expand(self, pool: TreePool, nodes: list[int]) -> Tensor:
+        positions = [pool.depths[node] for node in nodes]  # block slot of the nodes' children (0-based)
+        if max(positions) >= self.block.shape[0]:
+            raise ConfigError(f"eval.tree.depth: this DFlash drafter drafts at most {self.block.shape[0]} deep "
+                              f"(blocks of {self.model.block_size}), not {max(positions) + 1}")
+        return self.block[positions]
 
 
 # ----------------------------------------------------------------------------------------------------------------

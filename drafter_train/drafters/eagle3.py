@@ -33,6 +33,7 @@ from drafter_train.data.batches import Batch
 from drafter_train.decoding.draft_exit import draft_confidence
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
+from drafter_train.decoding.tree import TreePool, attention_mask
 from drafter_train.distill import apply_loss
 from drafter_train.drafters import conditioned, eagle3_export
 from drafter_train.drafters.conditioned import target_signals  # noqa: F401  (tests and scripts import it from here)
@@ -195,7 +196,7 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
 
 
 class Eagle3Drafter:
-    """The decoder-side EAGLE-3 drafter: chain drafting on the target's verify-pass features."""
+    """The decoder-side EAGLE-3 drafter: chain or tree drafting on the target's verify-pass features."""
 
     def __init__(self, model: Eagle3Model):
         self.model = model
@@ -210,7 +211,7 @@ class Eagle3Drafter:
         self.length = 0  # verified positions whose step-0 entries are in the cache
         self.pending: list[Tensor] = []  # target features [n, F] of verified positions not yet in the cache
 
-    def commit(self, num_valid: int, features: Optional[Tensor]) -> None:
+    def commit(self, num_valid: int, features: Optional[Tensor], path=None) -> None:
         drop = self.cache.get_seq_length() - self.length
         if drop > 0:
             self.cache.crop(-drop)  # the last proposal's draft steps (negative: drop that many)
@@ -219,9 +220,9 @@ class Eagle3Drafter:
         if held != num_valid:
             raise RuntimeError(f"EAGLE-3 drafter out of step: features for {held} positions, {num_valid} verified")
 
-    @torch.inference_mode()
-    def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
-                generator: Optional[torch.Generator]) -> Proposal:
+    def _step0(self, seq: Tensor) -> Tensor:
+        """Step 0 on the positions verified since the last proposal (their target features): their entries join the
+        cache; returns the last row's output hidden [1, 1, H], the input of the first draft step."""
         model, start = self.model, self.length
         features = torch.cat(self.pending)  # positions start .. start + n - 1, each reads the token after it
         n = features.shape[0]
@@ -232,6 +233,12 @@ class Eagle3Drafter:
         hidden = model.step(seq[start + 1: start + n + 1][None], model.fuse(features)[None], positions, mask,
                             self.cache)[:, -1:]
         self.length, self.pending = start + n, []
+        return hidden
+
+    @torch.inference_mode()
+    def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
+                generator: Optional[torch.Generator]) -> Proposal:
+        model, hidden = self.model, self._step0(seq)
         tokens, probs = [], []
         for i in range(draft_len):
             logits = model.draft_logits(hidden)[0, -1]
@@ -241,11 +248,32 @@ class Eagle3Drafter:
             tokens.append(self.draft_ids[draft])
             probs.append(q)
             if i + 1 < draft_len:
-                position = torch.tensor([[start + n - 1 + i + 1]], device=seq.device)
+                position = torch.tensor([[self.length - 1 + i + 1]], device=seq.device)
                 hidden = model.step(tokens[-1].view(1, 1), hidden, position, None, self.cache)
         if not tokens:
             return Proposal(seq.new_empty(0), None if params.greedy else self._full_vocab(logits.new_empty(0, logits.numel())))
         return Proposal(torch.stack(tokens), None if params.greedy else self._full_vocab(torch.stack(probs)))
+
+    # ---- trees: draft steps over one depth of nodes at once, each attending to the committed step-0 entries, its
+    # ancestors' draft-step entries and itself; they are dropped at the next commit like a chain's ----
+
+    @torch.inference_mode()
+    def tree_root(self, seq: Tensor) -> Tensor:
+        hidden = self._step0(seq)
+        self.hidden, self.slots = {-1: hidden[0, -1]}, []  # node -> its step's output hidden; expanded nodes
+        return self.model.draft_logits(hidden)[0, -1]
+
+    @torch.inference_mode()
+    def tree_expand(self, pool: TreePool, nodes: list[int]) -> Tensor:
+        device = self.cache.layers[0].keys.device
+        tokens = torch.tensor([[pool.tokens[n] for n in nodes]], device=device)
+        hidden = torch.stack([self.hidden[pool.parents[n]] for n in nodes])[None]  # [1, n, H] the parents' outputs
+        positions = torch.tensor([[self.length - 1 + pool.depths[n] for n in nodes]], device=device)
+        mask = attention_mask(pool.visible(nodes, self.slots + nodes), self.length, hidden.dtype)
+        out = self.model.step(tokens, hidden, positions, mask, self.cache)  # [1, n, H]
+        self.hidden.update(zip(nodes, out[0]))
+        self.slots += nodes
+        return self.model.draft_logits(out)[0]
 
     def _full_vocab(self, probs: Tensor) -> Tensor:
         return conditioned.to_target_vocab(probs, self.draft_ids, self.draft_vocab.numel())

@@ -35,6 +35,7 @@ from drafter_train.config import DrafterConfig, NARDrafterConfig, TrainJobConfig
 from drafter_train.data.batches import Batch
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
+from drafter_train.decoding.tree import TreePool
 from drafter_train.drafters.ar import SCRATCH, scratch_config
 from drafter_train.drafters.registry import BuildContext, DrafterKind
 from drafter_train.drafters.truncated import parse_truncated
@@ -274,8 +275,23 @@ class NARDrafter:
         q_draft = None if params.greedy else torch.stack([q for _, q in drafts])
         return Proposal(tokens=torch.stack([token for token, _ in drafts]), q_draft=q_draft)
 
-    def commit(self, num_valid: int, features: Optional[Tensor] = None) -> None:
+    def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
         self.caches.crop(num_valid)  # drafts never enter the cache, so this only matters for shorter sequences
+
+    # Trees: the one pass gives every block position's distribution, whatever was drafted before it, so a node's
+    # children are the top-k (or samples) of the next position's distribution: no drafter call per depth.
+    draft_ids: Optional[Tensor] = None
+
+    def tree_root(self, seq: Tensor) -> Tensor:
+        self.block = self.model.draft_logits(seq[self.caches.length :], self.caches)  # [model draft_len, V]
+        return self.block[0]
+
+    def tree_expand(self, pool: TreePool, nodes: list[int]) -> Tensor:
+        positions = [pool.depths[node] for node in nodes]  # block position of the nodes' children (0-based)
+        if max(positions) >= self.model.draft_len:
+            raise ConfigError(f"eval.tree.depth: this Spec-Drafter has {self.model.draft_len} mask queries, cannot "
+                              f"draft {max(positions) + 1} deep")
+        return self.block[positions]
 
 
 # ----------------------------------------------------------------------------------------------------------------

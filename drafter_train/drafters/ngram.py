@@ -77,13 +77,56 @@ def lookup(tokens: list[int], draft_len: int, min_ngram: int, max_ngram: int) ->
     return []
 
 
+def followers(tokens: list[int], min_ngram: int, max_ngram: int) -> dict[int, float]:
+    """The tokens that followed earlier occurrences of the longest suffix n-gram of `tokens` that occurred before
+    (n = max_ngram .. min_ngram), each scored by how often it followed (ties: the more recent first); {} when no
+    suffix n-gram occurred before."""
+    length = len(tokens)
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix, scores = tokens[length - n:], {}
+        for start in range(length - n - 1, -1, -1):  # most recent first; the suffix itself is excluded
+            if tokens[start:start + n] == suffix:
+                follower = tokens[start + n]
+                # +1 per occurrence, and a recency bonus below 1 (the most recent occurrence adds the most)
+                scores[follower] = scores.get(follower, 0.0) + 1 + 1e-3 * (start + 1) / length
+        if scores:
+            return scores
+    return {}
+
+
 class PromptLookupDrafter:
-    """The decoder-side prompt-lookup drafter (no cache: each proposal searches the sequence)."""
+    """The decoder-side prompt-lookup drafter (no cache: each proposal searches the sequence).
+
+    Trees (a retrieval tree, as in REST / lookahead decoding): a node's children are the tokens that followed the
+    earlier occurrences of the longest suffix n-gram of the sequence continued by the node's path, with logits
+    log(occurrences); a node whose context matches nothing has no children.
+    """
 
     feature_layers: Sequence[int] = ()
+    draft_ids: Optional[Tensor] = None
 
     def __init__(self, model: NgramModel):
         self.min_ngram, self.max_ngram = model.config.min_ngram, model.config.max_ngram
+        self.vocab_size = getattr(model.config, "vocab_size", None)  # the target's (trees score every token id)
+
+    def _logits(self, tokens: list[int], device: torch.device) -> Tensor:
+        """[V] log(score) of each follower (followers()), -inf for every other token."""
+        if not self.vocab_size:
+            raise ConfigError("drafter.path: this ngram folder records no vocab_size (the target's), which draft "
+                              "trees need; save it again with drafter-eval drafter=ngram")
+        logits = torch.full((self.vocab_size,), float("-inf"), device=device)
+        scores = followers(tokens, self.min_ngram, self.max_ngram)
+        if scores:
+            logits[list(scores)] = torch.tensor(list(scores.values()), device=device).log()
+        return logits
+
+    def tree_root(self, seq: Tensor) -> Tensor:
+        self.seq = seq.tolist()
+        return self._logits(self.seq, seq.device)
+
+    def tree_expand(self, pool, nodes: list[int]) -> Tensor:
+        paths = [[pool.tokens[a] for a in pool.ancestors_of(node)] for node in nodes]
+        return torch.stack([self._logits(self.seq + path, pool.device) for path in paths])
 
     def reset(self) -> None:
         pass
@@ -94,7 +137,7 @@ class PromptLookupDrafter:
                               device=seq.device)
         return Proposal(drafts, q_draft=None)  # deterministic drafts: one-hot q (verify.py)
 
-    def commit(self, num_valid: int, features: Optional[Tensor] = None) -> None:
+    def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
         pass
 
 
