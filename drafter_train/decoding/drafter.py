@@ -94,8 +94,8 @@ class ARDrafter:
             probs.append(q)
             if i + 1 < draft_len:  # the last draft is only fed next step, if it is accepted
                 logits = self.lm.forward(token.view(1), num_logits=1)[-1]
-        if not tokens:
-            return Proposal(seq.new_empty(0), None if params.greedy else logits.new_empty(0, logits.numel()))
+        if not tokens:  # the first draft was already unsure: a plain target step (as the loop's k == 0 step)
+            return Proposal(seq.new_empty(0))
         q_draft = None if params.greedy else torch.stack(probs)
         return Proposal(tokens=torch.stack(tokens), q_draft=q_draft)
 

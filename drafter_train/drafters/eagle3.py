@@ -250,8 +250,8 @@ class Eagle3Drafter:
             if i + 1 < draft_len:
                 position = torch.tensor([[self.length - 1 + i + 1]], device=seq.device)
                 hidden = model.step(tokens[-1].view(1, 1), hidden, position, None, self.cache)
-        if not tokens:
-            return Proposal(seq.new_empty(0), None if params.greedy else self._full_vocab(logits.new_empty(0, logits.numel())))
+        if not tokens:  # the first draft was already unsure: a plain target step (as the loop's k == 0 step)
+            return Proposal(seq.new_empty(0))
         return Proposal(torch.stack(tokens), None if params.greedy else self._full_vocab(torch.stack(probs)))
 
     # ---- trees: draft steps over one depth of nodes at once, each attending to the committed step-0 entries, its
