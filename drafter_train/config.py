@@ -16,6 +16,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from drafter_train.cli import main_process_only
+from drafter_train.cpu_kernels import CPU_KERNELS
 from drafter_train.errors import ConfigError
 
 VERIFY_MODES = ("greedy", "sample", "specdec", "spectr")
@@ -50,10 +51,16 @@ class TargetConfig:
     chat_template: bool = True
     # Where the embedded target's HF folder is cached (default: $DRAFTER_TRAIN_CACHE or ~/.cache/drafter_train).
     cache_dir: Optional[str] = None
+    # Matmul kernels of the target's and the drafter's Linear layers at inference on the CPU in float32:
+    # "onednn" (oneDNN; reads each weight once for the few rows decoding feeds it, so a k+1-token verify pass costs
+    # little more than a 1-token step: cpu_kernels.py) or "default" (PyTorch's MKL path). Training is unaffected.
+    cpu_kernels: str = "onednn"
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "target.path", "must name a hub id, a local folder or a .gguf file")
         _check(self.dtype in DTYPES, "target.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _check(self.cpu_kernels in CPU_KERNELS, "target.cpu_kernels",
+               f"must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
 
 
 # Drafter kinds (drafters/registry.py maps each to its module). "auto": whatever kind a saved folder holds.

@@ -276,7 +276,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     _check_intact(cfg.drafter.path)
     target, tokenizer = load_target(cfg.target)
     model = load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype)
-    drafter = make_drafter(model)
+    drafter = make_drafter(model, cfg.target.cpu_kernels)
     cal = cfg.eval.calibration
     extra = cal.num_prompts if cal.enabled else 0
     records = load_prompt_records(cfg.eval.prompts, cfg.eval.num_prompts + extra, cfg.eval.prompt_field)

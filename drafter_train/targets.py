@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_train.config import TargetConfig
+from drafter_train.cpu_kernels import use_onednn_linears
 from drafter_train.errors import ModelNotFoundError, VocabMismatchError
 
 EMBEDDED_PREFIX = "embedded:"
@@ -47,12 +48,15 @@ _EMBEDDED = {
 
 
 def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The target model (eval mode, frozen, in ``cfg.dtype``) and its tokenizer (with a pad token)."""
+    """The target model (eval mode, frozen, in ``cfg.dtype``, with ``cfg.cpu_kernels``) and its tokenizer (with a pad
+    token)."""
     path, gguf_file = cfg.path, cfg.gguf_file
     if path.startswith(EMBEDDED_PREFIX):
         # The embedded model is loaded from its dequantised cache folder, never from the GGUF file again.
         path, gguf_file = str(embedded_folder(path, cfg.cache_dir)), None
-    return load_causal_lm(path, cfg.dtype, gguf_file), load_tokenizer(path, gguf_file)
+    model = load_causal_lm(path, cfg.dtype, gguf_file)
+    use_onednn_linears(model, cfg.cpu_kernels)
+    return model, load_tokenizer(path, gguf_file)
 
 
 def load_causal_lm(

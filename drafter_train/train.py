@@ -82,8 +82,8 @@ def evaluate_checkpoint(cfg, target, model, prompts, eos) -> dict:
     """Real speculative decoding with the current drafter (full weights, see full_drafter) on the held-out prompts
     ((ids, categories); main process only)."""
     model.eval()
-    metrics = evaluate_decoding(target, make_drafter(model), prompts[0], cfg.eval, eos, progress=False,
-                                categories=prompts[1])
+    drafter = make_drafter(model, cfg.target.cpu_kernels)
+    metrics = evaluate_decoding(target, drafter, prompts[0], cfg.eval, eos, progress=False, categories=prompts[1])
     model.train()
     return metrics
 

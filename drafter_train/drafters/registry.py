@@ -19,6 +19,7 @@ from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_train.config import DRAFTER_KINDS, DrafterConfig
+from drafter_train.cpu_kernels import use_onednn_linears
 from drafter_train.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -153,6 +154,8 @@ def is_saved_drafter(path: str) -> bool:
     return path not in BUILT_PATHS and not path.startswith("truncated:")
 
 
-def make_drafter(model: PreTrainedModel) -> "Drafter":
-    """The decoder-side drafter for a loaded drafter model."""
+def make_drafter(model: PreTrainedModel, cpu_kernels: str = "onednn") -> "Drafter":
+    """The decoder-side drafter for a loaded drafter model, its Linear layers on `cpu_kernels` (cpu_kernels.py:
+    inference only, training through the same model is unaffected)."""
+    use_onednn_linears(model, cpu_kernels)
     return model_kind(model).decoder_drafter(model)
