@@ -38,6 +38,7 @@ from drafter_train.decoding.verify import make_tree_verifier, make_verifier
 from drafter_train.drafters.loading import load_drafter
 from drafter_train.drafters.registry import make_drafter, model_kind
 from drafter_train.errors import CheckpointDamagedError, ConfigError
+from drafter_train.data.store import _write_atomic
 from drafter_train.targets import encode_prompt, eos_token_ids, load_target, model_identity
 
 
@@ -245,11 +246,14 @@ def print_table(metrics: dict, console: Optional[Console] = None) -> None:
 
 
 def _check_writable(path: Path) -> None:
-    """Fail before the (long) evaluation rather than after it."""
+    """Fail before the (long) evaluation rather than after it, leaving no empty file behind if it fails."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
         with open(path, "a"):
             pass
+        if not existed:
+            path.unlink()
     except OSError as err:
         raise ConfigError(f"eval.output: cannot write {path}: {err.strerror}") from None
 
@@ -303,7 +307,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
         path.write_text(json.dumps(record, indent=2))
         metrics["calibration"] = {**record["pick"], "file": str(path.resolve())}
         print_calibration(record)
-    output.write_text(json.dumps(metrics, indent=2))
+    _write_atomic(output, json.dumps(metrics, indent=2))  # a kill mid-write leaves the old file or none
     return metrics
 
 

@@ -258,6 +258,8 @@ def _check_folder(folder: Path, path: str, gguf_file: Optional[str]) -> None:
     elif not (folder / "config.json").is_file():
         ggufs = sorted(p.name for p in folder.glob("*.gguf"))
         hint = f"; it holds {', '.join(ggufs)}: name one as gguf_file" if ggufs else ""
+        if (folder / "drafter" / "config.json").is_file():  # a training checkpoint (step-N, best, latest)
+            hint = f"; it is a drafter-train checkpoint: its drafter is {Path(path) / 'drafter'}"
         raise ModelNotFoundError(f"{path}: folder has no config.json, so it is not a HF model folder{hint}")
 
 

@@ -100,9 +100,11 @@ def test_bad_input_is_one_clear_error(folders, overrides, error, words):
         run_eval_job(job(folders, *overrides))
 
 
-def test_vocab_mismatch_is_refused(folders):
+def test_vocab_mismatch_is_refused(folders, tmp_path):
+    output = tmp_path / "out" / "metrics.json"
     with pytest.raises(VocabMismatchError, match="vocabulary"):
-        run_eval_job(job(folders, f"drafter.path={folders / 'other_vocab'}"))
+        run_eval_job(job(folders, f"drafter.path={folders / 'other_vocab'}", f"eval.output={output}"))
+    assert not output.exists()  # the early writability check leaves no empty metrics file behind
 
 
 def test_cli_error_is_one_line_without_traceback(folders, tmp_path):

@@ -171,6 +171,10 @@ def test_folder_and_file_errors(tmp_path, tiny_dir):
         load_causal_lm(str(tiny_dir / "config.json"))
     with pytest.raises(ModelNotFoundError, match="no tokenizer files"):
         load_tokenizer(str(tmp_path_with_config(tmp_path / "config_only")))
+    step = tmp_path / "run" / "step-100"  # a training checkpoint: the drafter lives in its drafter/ folder
+    tmp_path_with_config(step / "drafter")
+    with pytest.raises(ModelNotFoundError, match=r"drafter-train checkpoint: its drafter is .*step-100/drafter"):
+        load_causal_lm(str(step))
 
 
 def tmp_path_with_config(folder: Path) -> Path:
