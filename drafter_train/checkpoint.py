@@ -12,6 +12,7 @@ were recorded) is accepted unverified.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -70,12 +71,13 @@ RUN_IDENTITY = ("target", "drafter", "loss", "train.data_dir", "train.response",
                 "train.grad_accum", "train.seed", "train.lr", "train.lr_schedule", "train.max_seq_len")
 
 
-def check_same_run(run_dir: Path, config: dict) -> None:
-    """Refuse to resume a run whose saved config.yaml differs from `config` in what defines the run."""
+def check_same_run(run_dir: Path, config: dict, ignore: Sequence[str] = (), started: bool = False) -> None:
+    """Refuse to resume a run whose saved config.yaml differs from `config` in what defines the run (dotted keys in
+    `ignore` may change: how long a run goes on, say). started: the run holds progress even without a checkpoint."""
     saved_path = run_dir / "config.yaml"
-    if latest_checkpoint(run_dir) is None or not saved_path.exists():
+    if (latest_checkpoint(run_dir) is None and not started) or not saved_path.exists():
         return
-    saved = OmegaConf.to_container(OmegaConf.load(saved_path))
+    saved, config = _without(OmegaConf.to_container(OmegaConf.load(saved_path)), ignore), _without(config, ignore)
     changed = [key for key in RUN_IDENTITY if _get(saved, key) != _get(config, key)]
     if changed:
         detail = ", ".join(f"{k}: {_get(saved, k)!r} -> {_get(config, k)!r}" for k in changed)
@@ -88,6 +90,17 @@ def save_run_config(run_dir: Path, config: dict) -> None:
     tmp = run_dir / f".config.yaml.tmp-{os.getpid()}"
     tmp.write_text(OmegaConf.to_yaml(config))
     os.replace(tmp, run_dir / "config.yaml")
+
+
+def _without(config: dict, dotted_keys: Sequence[str]) -> dict:
+    """A copy of `config` without these dotted keys."""
+    config = copy.deepcopy(config)
+    for dotted in dotted_keys:
+        *parents, last = dotted.split(".")
+        node = _get(config, ".".join(parents)) if parents else config
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return config
 
 
 def _get(config: dict, dotted: str):

@@ -64,7 +64,7 @@ class TargetConfig:
 
 
 # Drafter kinds (drafters/registry.py maps each to its module). "auto": whatever kind a saved folder holds.
-DRAFTER_KINDS = ("ar", "nar", "eagle3", "ngram", "dflash")
+DRAFTER_KINDS = ("ar", "nar", "eagle3", "ngram", "dflash", "layerskip")
 
 
 @dataclass
@@ -77,7 +77,8 @@ class DrafterConfig:
     # ar: a small causal LM proposing one token per forward (drafters/ar.py). nar: a SpecDec Spec-Drafter proposing
     # all draft_len tokens in one forward (drafters/nar.py). eagle3: one decoder layer on the target's own hidden
     # states (drafters/eagle3.py). dflash: a one-pass block drafter on the target's context features
-    # (drafters/dflash.py). auto: a saved drafter folder, loaded as whatever kind it holds (an AR drafter
+    # (drafters/dflash.py). layerskip: the target itself with some sub-layers skipped (drafters/layerskip.py).
+    # auto: a saved drafter folder, loaded as whatever kind it holds (an AR drafter
     # otherwise). A folder holding another kind than a named one is refused.
     kind: str = "auto"
     # "truncated:N": the target's first N layers with its embeddings, final norm and LM head (untrained, it is the
@@ -156,6 +157,50 @@ class NgramDrafterConfig(DrafterConfig):
         super().__post_init__()
         _check(self.min_ngram >= 1, "drafter.min_ngram", f"must be >= 1, got {self.min_ngram}")
         _check(self.max_ngram >= self.min_ngram, "drafter.max_ngram", "must be >= drafter.min_ngram")
+
+
+@dataclass
+class LayerSkipDrafterConfig(DrafterConfig):
+    """`drafter=layerskip`: self-speculative decoding (Draft & Verify, arXiv 2309.08168): the target drafts for itself
+    with some attention and MLP sub-layers skipped, on its own KV cache (drafters/layerskip.py). `path: skips` builds
+    it from skip_attn / skip_mlp; a saved layerskip folder (what `drafter-train drafter=layerskip` writes) loads its
+    own, for the target it was searched for only.
+
+    `drafter-train drafter=layerskip` searches the skip set (layer_search.py): optuna's TPE sampler (seeded by
+    train.seed) proposes per-sub-layer skip flags; each trial is scored, without decoding, by SWIFT's proxy: one
+    parallel forward with the skips over target-generated text (train.data_dir's responses) gives the share alpha of
+    positions whose argmax equals the full target's; with c the kept share of the target's cost (parameters of the
+    kept sub-layers plus embeddings and LM head, over all), the objective is the expected speedup of drafting
+    draft_len tokens: (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)). The search_confirm best trials are then decoded
+    for real (the evaluator, with eval.draft_exit) and the fastest is saved."""
+
+    kind: str = "layerskip"
+    path: str = "skips"
+    # Target layers (0-based) whose attention / MLP sub-layer is skipped while drafting. The first and last layers
+    # are never skipped. drafter-train: when set, the search's first trial.
+    skip_attn: list[int] = field(default_factory=list)
+    skip_mlp: list[int] = field(default_factory=list)
+    # Adaptive draft exit's threshold gamma this drafter starts from when the evaluator sets none (eval.draft_exit=0):
+    # it stops a proposal before the first draft whose top-1 probability is below it (0 = never). A searched folder
+    # carries the gamma its confirmation run ended with.
+    exit_threshold: float = 0.0
+    # drafter-train: trials of the search (a rerun with more continues the same search), ...
+    search_trials: int = 100
+    # ... the target-generated records (train.data_dir) the proxy reads, each cut to search_max_tokens tokens, ...
+    search_sequences: int = 8
+    search_max_tokens: int = 256
+    # ... and how many of the best trials are confirmed by real speculative decoding on the eval prompts.
+    search_confirm: int = 3
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("skip_attn", "skip_mlp"):
+            layers = list(getattr(self, name))
+            _check(all(i >= 0 for i in layers), f"drafter.{name}", f"layer ids must be >= 0, got {layers}")
+            _check(len(set(layers)) == len(layers), f"drafter.{name}", f"names a layer twice: {layers}")
+        _check(0 <= self.exit_threshold < 1, "drafter.exit_threshold", f"must be in [0, 1), got {self.exit_threshold}")
+        for name in ("search_trials", "search_sequences", "search_max_tokens", "search_confirm"):
+            _check(getattr(self, name) >= 1, f"drafter.{name}", f"must be >= 1, got {getattr(self, name)}")
 
 
 FEATURE_SOURCES = ("online", "offline")
@@ -745,6 +790,6 @@ def register_configs() -> None:
     # One schema per drafter kind, extended by the YAML files of the `drafter` group (conf/drafter/*.yaml).
     for name, node in (("ar_schema", ARDrafterConfig), ("nar_schema", NARDrafterConfig),
                        ("eagle3_schema", Eagle3DrafterConfig), ("ngram_schema", NgramDrafterConfig),
-                       ("dflash_schema", DFlashDrafterConfig),
+                       ("dflash_schema", DFlashDrafterConfig), ("layerskip_schema", LayerSkipDrafterConfig),
                        ("any_schema", DrafterConfig)):
         cs.store(group="drafter", name=name, node=node)

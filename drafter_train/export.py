@@ -133,11 +133,12 @@ def check_no_leaks(folder: Path, needles: set[str]) -> None:
 # Writing the folder
 
 
-def copy_drafter(step_dir: Path, out: Path, draft_len: int, hf_assistant: bool = True) -> None:
+def copy_drafter(step_dir: Path, out: Path, draft_len: int, hf_assistant: bool = True, weights: bool = True) -> None:
     """Weights, config and tokenizer files of the checkpoint's drafter/, configs scrubbed, generation config set
-    for drafters transformers' assisted generation can drive (not for Spec-Drafters or EAGLE-3 heads)."""
+    for drafters transformers' assisted generation can drive (not for Spec-Drafters or EAGLE-3 heads). weights=False:
+    a kind whose folders hold settings only (layer skipping)."""
     src = step_dir / "drafter"
-    if not list(src.glob("*.safetensors")):
+    if weights and not list(src.glob("*.safetensors")):
         raise ConfigError(f"export.checkpoint: {src} has no .safetensors weights")
     out.mkdir(parents=True)
     for path in sorted(src.iterdir()):
@@ -154,7 +155,7 @@ def write_format(fmt: str, info: RunInfo, out: Path, target_hub: str) -> None:
     by the engines as that same folder (vLLM `draft_model`, SGLang's standalone drafter); other kinds write their
     own engine formats (drafters/<kind>_export.py)."""
     if fmt == "hf" or (info.kind.hf_assistant and fmt not in info.kind.export_formats):
-        copy_drafter(info.step_dir, out, info.draft_len, info.kind.hf_assistant)
+        copy_drafter(info.step_dir, out, info.draft_len, info.kind.hf_assistant, info.kind.has_weights)
         return
     if fmt not in info.kind.export_formats:
         known = ", ".join(["hf", *info.kind.export_formats])

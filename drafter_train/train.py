@@ -130,6 +130,9 @@ def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJo
 def train(cfg: TrainJobConfig) -> dict:
     """Train a drafter as configured; returns the last checkpoint's metrics (evaluated on the main process: other ranks
     may get {})."""
+    fit = resolve_kind(cfg.drafter).fit
+    if fit is not None:  # a kind trained otherwise than by gradient descent (layerskip: a search)
+        return fit(cfg)
     tcfg = cfg.train
     run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
     config = OmegaConf.to_container(OmegaConf.structured(cfg))  # plain dict: saved, compared, tracked

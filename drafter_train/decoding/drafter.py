@@ -5,6 +5,9 @@ The decoder does not care how drafts are made: an AR drafter runs k cached forwa
 `Proposal`, and after every target pass is told how much of the sequence is verified (`commit`), with the target's
 features of the newly verified positions when it reads them. Each kind's module (drafters/) builds its drafter.
 
+A drafter that drafts on the target's own KV cache (self-speculative layer skipping) also has
+`share_target(lm: CachedLM)`, which the decoder calls after `reset` with the target's cache of the verified prefix.
+
 Draft trees (decoding/tree.py) are grown by the decoder through two more calls, `tree_root` and `tree_expand`;
 after a tree pass `commit` also gets the accepted path, so that caches keep the prefix and that path only.
 """

@@ -8,7 +8,8 @@ with the next drafts), the drafter's cache holds some prefix of seq. One step:
     n, t             <- verify(drafts, logits)                    (keep d_1..d_n, then t = correction or bonus)
     seq              <- seq + d_1..d_n + t;  crop both caches to the valid prefix (no prefix recomputation)
 
-Drafters that read the target's hidden states (EAGLE-3) get the features of every position a target pass verified
+A self-speculative drafter (layerskip) drafts on the target's own cache (`share_target`) and cuts it back to seq[:-1]
+before returning. Drafters that read the target's hidden states (EAGLE-3) get the features of every position a target pass verified
 and kept from that same pass (features.py's tap): no extra target forward.
 
 `generate_tree_speculative` verifies a draft TREE per step (decoding/tree.py), still in ONE target pass:
@@ -59,6 +60,14 @@ def _stop_index(new_tokens: list[int], eos: set[int]) -> Optional[int]:
     return None
 
 
+def _start(drafter: Drafter, lm: CachedLM) -> None:
+    """A new sequence: the drafter forgets the last one, and a drafter that drafts on the target's own KV cache
+    (layer skipping) is handed it; such a drafter leaves the cache holding seq[:-1] whenever it returns."""
+    drafter.reset()
+    if hasattr(drafter, "share_target"):
+        drafter.share_target(lm)
+
+
 def _prefill(lm: CachedLM, drafter: Drafter, tap, prompt_ids, params: SamplingParams,
              generator: Optional[torch.Generator]) -> tuple[torch.Tensor, list[int]]:
     """The target's pass over the prompt yields the first token, as in the AR baseline: (seq, generated tokens)."""
@@ -87,7 +96,7 @@ def generate_speculative(
         raise ValueError(f"draft_len must be >= 1, got {draft_len}")
     lm, eos = CachedLM(target), set(eos_token_ids)
     stats = DecodeStats(draft_len=draft_len)
-    drafter.reset()
+    _start(drafter, lm)
     with tap_for(target, drafter.feature_layers) as tap:
         seq, tokens = _prefill(lm, drafter, tap, prompt_ids, params, generator)
         stats.target_forward_passes = 1
@@ -148,7 +157,7 @@ def generate_tree_speculative(
     """Speculative decoding of one sequence with a draft tree per target pass (see the module doc)."""
     lm, eos = CachedLM(target), set(eos_token_ids)
     stats = tree_stats(spec)
-    drafter.reset()
+    _start(drafter, lm)
     with tap_for(target, drafter.feature_layers) as tap:
         seq, tokens = _prefill(lm, drafter, tap, prompt_ids, params, generator)
         stats.target_forward_passes = 1

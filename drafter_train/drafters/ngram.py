@@ -18,13 +18,14 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-from torch import Tensor, nn
-from transformers import AutoConfig, AutoModel, PretrainedConfig, PreTrainedModel
+from torch import Tensor
+from transformers import AutoConfig, AutoModel, PretrainedConfig
 
 from drafter_train.config import DrafterConfig, NgramDrafterConfig
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.drafters.registry import BuildContext, DrafterKind
+from drafter_train.drafters.weightless import WeightlessModel
 from drafter_train.errors import ConfigError
 
 MODEL_TYPE = "ngram_drafter"
@@ -38,29 +39,11 @@ class NgramConfig(PretrainedConfig):
         super().__init__(**kwargs)
 
 
-class NgramModel(PreTrainedModel):
+class NgramModel(WeightlessModel):
     """Holds the n-gram settings so the kind saves, loads and reports like the others; it has no weights."""
 
     config_class = NgramConfig
     base_model_prefix = "ngram"
-    _no_split_modules = []
-
-    def __init__(self, config: NgramConfig):
-        super().__init__(config)
-        self.post_init()
-
-    def _init_weights(self, module: nn.Module) -> None:
-        pass
-
-    @property
-    def dtype(self) -> torch.dtype:  # no parameters to take it from; saving asks for one
-        return torch.float32
-
-    def get_input_embeddings(self):
-        return None
-
-    def get_output_embeddings(self):
-        return None
 
 
 def lookup(tokens: list[int], draft_len: int, min_ngram: int, max_ngram: int) -> list[int]:
@@ -171,6 +154,7 @@ KIND = DrafterKind(
     summary="Prompt-lookup decoding: drafts copy what followed the latest earlier occurrence of the sequence's "
             "last n-gram; no model, no training.",
     card_tags=("prompt-lookup", "ngram"),
+    has_weights=False,
 )
 
 AutoConfig.register(MODEL_TYPE, NgramConfig, exist_ok=True)

@@ -84,14 +84,19 @@ class DrafterKind:
     # For model cards: a sentence on what it is, and Hub tags.
     summary: str = ""
     card_tags: tuple[str, ...] = ()
+    # Whether its saved folders hold weights (prompt lookup and layer skipping save settings only).
+    has_weights: bool = True
+    # (job config) -> the last metrics: a kind whose "training" is not gradient descent (layerskip's search) runs its
+    # own recipe under drafter-train; None: train.py's loop with `loss`.
+    fit: Optional[Callable[["TrainJobConfig"], dict]] = None
 
 
 # kind name -> module defining `KIND` (imported on first use: a kind's model code loads only when it is used)
 _MODULES = {"ar": "drafter_train.drafters.ar", "nar": "drafter_train.drafters.nar",
             "eagle3": "drafter_train.drafters.eagle3", "ngram": "drafter_train.drafters.ngram",
-            "dflash": "drafter_train.drafters.dflash"}
+            "dflash": "drafter_train.drafters.dflash", "layerskip": "drafter_train.drafters.layerskip"}
 # drafter.path values that name a way to build a drafter rather than a saved one.
-BUILT_PATHS = ("scratch", "new", "lookup")
+BUILT_PATHS = ("scratch", "new", "lookup", "skips")
 assert tuple(_MODULES) == DRAFTER_KINDS, "config.DRAFTER_KINDS and the registry must list the same kinds"
 
 
