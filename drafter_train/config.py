@@ -170,9 +170,9 @@ class LayerSkipDrafterConfig(DrafterConfig):
     train.seed) proposes per-sub-layer skip flags; each trial is scored, without decoding, by SWIFT's proxy: one
     parallel forward with the skips over target-generated text (train.data_dir's responses) gives the share alpha of
     positions whose argmax equals the full target's; with c the kept share of the target's cost (parameters of the
-    kept sub-layers plus embeddings and LM head, over all), the objective is the expected speedup of drafting
-    draft_len tokens: (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)). The search_confirm best trials are then decoded
-    for real (the evaluator, with eval.draft_exit) and the fastest is saved."""
+    kept sub-layers plus the LM head, over all), the objective is the expected speedup
+    (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)) at the best k <= draft_len. The search_confirm best trials are then
+    decoded for real (the evaluator, with eval.draft_exit) and the fastest is saved."""
 
     kind: str = "layerskip"
     path: str = "skips"

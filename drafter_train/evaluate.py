@@ -126,7 +126,7 @@ def make_draft_exit(cfg: EvalConfig, drafter: Drafter) -> Optional[DraftExit]:
     if not supports_draft_exit(drafter):
         raise ConfigError(
             f"eval.draft_exit: {type(drafter).__name__} does not draft token by token; draft exit applies to "
-            "autoregressive drafters (ar, eagle3)"
+            "autoregressive drafters (ar, eagle3, layerskip)"
         )
     return DraftExit(cfg.draft_exit, adapt=cfg.draft_exit_adapt, target=cfg.draft_exit_target)
 

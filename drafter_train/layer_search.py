@@ -7,12 +7,12 @@ target's layers 1 .. L-2 (the first and last always run). Each trial is scored w
              argmax, from ONE parallel forward with the skips (no cache), equals the full target's
     c      = share of the target's per-token cost kept: the parameters of the kept sub-layers plus the LM head, over
              all of them (what a batch-1 forward reads from memory)
-    objective = (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1))     expected speedup for k = drafter.draft_len drafts
-                                                                 per target pass (Leviathan et al., a 1-token cost
-                                                                 for the verify pass)
+    objective = max over k <= drafter.draft_len of (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1))
+                the expected speedup of k drafts per target pass (Leviathan et al.; the verify pass costs one
+                target pass), at the best k (adaptive draft exit shortens proposals where drafting does not pay)
 
-The first trials are the configured skip set (if any) and a few evenly spaced attention-only / MLP-only skip sets,
-so TPE's first model sees drafters that work. At the end the drafter.search_confirm best trials are decoded for real
+The first trials are the configured skip set (if any) and a few middle-layer skip sets (prior_skip_sets), so TPE's
+first model sees drafters that work. At the end the drafter.search_confirm best trials are decoded for real
 (the evaluator: AR baseline and speculative decoding on the eval prompts, eval.draft_exit as configured) and the
 fastest is written as the run's checkpoint: a drafter folder any command loads like a trained drafter.
 
@@ -92,9 +92,13 @@ def relative_cost(target: PreTrainedModel, skips: SkipSet) -> float:
 
 
 def expected_speedup(alpha: float, cost: float, draft_len: int) -> float:
-    """Tokens per target pass over the pass's cost in target passes, for i.i.d. acceptance alpha."""
-    tokens = draft_len + 1 if alpha >= 1 else (1 - alpha ** (draft_len + 1)) / (1 - alpha)
-    return tokens / (draft_len * cost + 1)
+    """Tokens per target pass over the pass's cost in target passes, for i.i.d. acceptance alpha, at the best draft
+    length up to draft_len (adaptive draft exit shortens proposals where drafting does not pay)."""
+    def at(k: int) -> float:
+        tokens = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        return tokens / (k * cost + 1)
+
+    return max(at(k) for k in range(1, draft_len + 1))
 
 
 class Proxy:
@@ -123,13 +127,15 @@ class Proxy:
 
 
 def prior_skip_sets(num_layers: int, configured: SkipSet) -> list[SkipSet]:
-    """The first trials: the configured skip set (if any), then attention-only and MLP-only skips of every 4th and
-    every 2nd skippable layer (counted from the end: late layers are the more skippable ones, SWIFT / LayerSkip)."""
-    layers = skippable(num_layers)
-    priors = [configured] if configured.attn or configured.mlp else []
-    for step in (4, 2):
-        chosen = tuple(sorted(layers[::-1][::step]))
-        priors += [SkipSet(chosen, ()), SkipSet((), chosen)]
+    """The first trials: the configured skip set (if any), both sub-layers of a centred block of L/8 and of L/4
+    layers, and attention-only and MLP-only skips of every 2nd layer of the middle half (Draft & Verify and SWIFT
+    find the middle layers the most skippable; SmolLM2's late ones are not)."""
+    centre, priors = num_layers // 2, [configured]
+    for width in (max(1, num_layers // 8), max(1, num_layers // 4)):
+        block = tuple(i for i in range(centre - width // 2, centre - width // 2 + width) if 0 < i < num_layers - 1)
+        priors.append(SkipSet(block, block))
+    middle = tuple(i for i in range(num_layers // 4, 3 * num_layers // 4, 2) if 0 < i < num_layers - 1)
+    priors += [SkipSet(middle, ()), SkipSet((), middle)]
     return list(dict.fromkeys(p for p in priors if p.attn or p.mlp))
 
 
@@ -249,9 +255,12 @@ def confirm(cfg: TrainJobConfig, target, tokenizer, study, run_dir: Path, logger
     skips = SkipSet.of(trial.params)
     gamma = metrics["draft_exit_final"] if metrics.get("draft_exit_final") is not None else \
         cfg.drafter.exit_threshold
-    record = {"trial": trial.number, "trials": step, "proxy": trial.user_attrs["proxy"],
+    order = {t.number: i + 1 for i, t in enumerate(completed(study))}  # trial n = the n-th completed (kills fail some)
+    record = {"trial": order[trial.number], "trials": step, "proxy": trial.user_attrs["proxy"],
               "cost": trial.user_attrs["cost"], "objective": trial.value,
-              "confirmed": [{"trial": t.number, "speedup": s, "tau": m["tau"]} for s, _, t, m in results]}
+              "confirmed": [{"trial": order[t.number], "skip_attn": list(SkipSet.of(t.params).attn),
+                             "skip_mlp": list(SkipSet.of(t.params).mlp), "speedup": s, "tau": m["tau"]}
+                            for s, _, t, m in results]}
     model = new_model(target, skips.attn, skips.mlp, gamma, target=model_identity(cfg.target),
                       search=record, **target_fingerprint(target))
     metrics = {**metrics, "search": record, "skip_attn": list(skips.attn), "skip_mlp": list(skips.mlp)}

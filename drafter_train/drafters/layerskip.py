@@ -228,8 +228,8 @@ class LayerSkipDrafter(ARDrafter):
 
     def share_target(self, lm: CachedLM) -> None:
         if self.checked != id(lm.model):
-            check_skips(self.skip_attn, self.skip_mlp, len(decoder_layers(lm.model)))
             check_target(self.config, lm.model)
+            check_skips(self.skip_attn, self.skip_mlp, len(decoder_layers(lm.model)))
             self.checked = id(lm.model)
         self.lm = SkipView(lm, self.skip_attn, self.skip_mlp)
 
@@ -270,8 +270,8 @@ class LayerSkipDrafter(ARDrafter):
 def build(cfg: DrafterConfig, ctx: BuildContext) -> LayerSkipModel:
     if cfg.path != "skips":
         model = load(cfg.path, ctx.dtype)
-        check_skips(model.config.skip_attn, model.config.skip_mlp, len(decoder_layers(ctx.target)))
         check_target(model.config, ctx.target)
+        check_skips(model.config.skip_attn, model.config.skip_mlp, len(decoder_layers(ctx.target)))
         return model
     if ctx.for_training:
         raise ConfigError("drafter=layerskip: the skip set is searched, not trained (drafter-train drafter=layerskip "
