@@ -194,8 +194,9 @@ def evaluate_decoding(
         # The tree's shape (top_k, depth, total_tokens: draft nodes per pass, branching); None for a chain.
         "tree": tree_record(cfg),
         "verify": cfg.verify,
-        # Adaptive draft exit: the threshold γ at the start and at the end of the run (None: off).
-        "draft_exit": cfg.draft_exit or None,
+        # Adaptive draft exit: the threshold γ at the start and at the end of the run (None: off). Without
+        # eval.draft_exit a drafter may carry its own fixed γ (a searched layerskip folder).
+        "draft_exit": cfg.draft_exit or getattr(drafter, "exit_below", 0.0) or None,
         "draft_exit_final": None if draft_exit is None else draft_exit.threshold,
         "num_prompts": len(prompt_ids),
         "ar_tokens_generated": ar_stats.tokens_generated,

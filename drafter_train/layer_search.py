@@ -9,7 +9,8 @@ target's layers 1 .. L-2 (the first and last always run). Each trial is scored w
              all of them (what a batch-1 forward reads from memory)
     objective = max over k <= drafter.draft_len of (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1))
                 the expected speedup of k drafts per target pass (Leviathan et al.; the verify pass costs one
-                target pass), at the best k (adaptive draft exit shortens proposals where drafting does not pay)
+                target pass), at the best k (adaptive draft exit shortens proposals where drafting does not pay);
+                0 for the empty skip set (drafting with the whole target never pays)
 
 The first trials are the configured skip set (if any) and a few middle-layer skip sets (prior_skip_sets), so TPE's
 first model sees drafters that work. At the end the drafter.search_confirm best trials are decoded for real
@@ -210,7 +211,9 @@ def search(cfg: TrainJobConfig) -> dict:
 
     def score(skips: SkipSet) -> tuple[float, dict]:
         alpha, cost = proxy(skips), relative_cost(target, skips)
-        return expected_speedup(alpha, cost, dcfg.draft_len), {"proxy": alpha, "cost": cost}
+        # skipping nothing drafts with the whole target: never a speedup (the formula's break-even 1.0 is not one)
+        value = expected_speedup(alpha, cost, dcfg.draft_len) if skips.attn or skips.mlp else 0.0
+        return value, {"proxy": alpha, "cost": cost}
 
     priors = prior_skip_sets(num_layers, configured)
     bar = tqdm(total=dcfg.search_trials, initial=min(len(completed(study)), dcfg.search_trials),

@@ -144,6 +144,13 @@ def test_greedy_layerskip_is_lossless_on_stories260k(stories_path):
     assert tree.tokens == ar.tokens
 
 
+def test_a_drafter_carries_its_own_draft_exit_threshold(make_tiny_llama):
+    target = make_tiny_llama(vocab_size=32, num_layers=6, init=0.3)
+    unsure = generate_speculative(target, make_drafter(new_model(target, (2,), (), 0.99999)), PROMPT, 4, GREEDY, 20)
+    assert unsure.stats.proposals == 0  # nothing this drafter says is that certain: plain decoding
+    assert generate_speculative(target, drafter_for(target, (2,)), PROMPT, 4, GREEDY, 20).stats.proposals > 0
+
+
 def test_speculative_sampling_with_layerskip_matches_the_target_distribution(make_tiny_llama):
     target = make_tiny_llama(vocab_size=8, num_layers=4, init=0.4)
     params, num_tokens = SamplingParams(temperature=1.0), 3
@@ -206,6 +213,11 @@ def test_the_proxy_is_the_share_of_the_targets_argmax_the_skipping_model_predict
             skipped = target(ids).logits[0, span].argmax(-1)
         hits += int((full == skipped).sum())
     assert proxy(SkipSet((2, 3), (4,))) == hits / 7
+
+
+def test_the_target_probe_stays_inside_large_embeddings():
+    positions = layerskip.probe_positions(49152 * 576)  # SmolLM2's: float32 steps would index one past the end
+    assert positions[0] == 0 and positions[-1] == 49152 * 576 - 1 and bool((positions.diff() > 0).all())
 
 
 # ---- the search ----------------------------------------------------------------------------------------------------
@@ -280,7 +292,8 @@ def test_other_seeds_search_differently_and_other_settings_are_refused(search_da
 
 
 def test_the_searched_folder_evaluates_exports_and_refuses_another_target(search_data, tmp_path):
-    metrics = train(search_cfg(search_data, tmp_path, "tracker=tensorboard"))
+    metrics = train(search_cfg(search_data, tmp_path, "tracker=tensorboard", "eval.draft_exit=0.5",
+                               "eval.draft_exit_adapt=true"))
     run_dir = tmp_path / "search"
     assert list(run_dir.glob("**/events.out.tfevents.*"))
     folder = run_dir / "best" / "drafter"
@@ -292,6 +305,9 @@ def test_the_searched_folder_evaluates_exports_and_refuses_another_target(search
         f"drafter.path={folder}", "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.warmup=0",
         f"eval.output={tmp_path / 'metrics.json'}"])))
     assert evaluated["drafter_kind"] == "layerskip" and evaluated["greedy_match"] == 1.0
+    # the folder carries the gamma its confirmation run ended with, and starts from it when eval sets none
+    assert saved["exit_threshold"] == metrics["draft_exit_final"] and \
+        evaluated["draft_exit"] == saved["exit_threshold"]
     exported = export(OmegaConf.to_object(compose_cfg("export", [f"export.run_dir={run_dir}",
                                                                  f"export.output_dir={tmp_path / 'export'}"])).export)
     assert (exported.folder / "config.json").is_file() and "layerskip" in (exported.folder / "README.md").read_text()

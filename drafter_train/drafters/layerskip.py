@@ -112,8 +112,14 @@ def target_fingerprint(target: PreTrainedModel) -> dict:
     shape = {key: getattr(target.config, key) for key in _SHAPE_KEYS if hasattr(target.config, key)}
     digest = hashlib.sha256(json.dumps(shape, sort_keys=True, default=str).encode()).hexdigest()
     flat = target.get_input_embeddings().weight.detach().reshape(-1)
-    probe = flat[torch.linspace(0, flat.numel() - 1, _PROBES).long()].float()
+    probe = flat[probe_positions(flat.numel())].float()
     return {"target_config_sha256": digest, "target_probe": [round(float(x), 6) for x in probe]}
+
+
+def probe_positions(numel: int) -> Tensor:
+    """_PROBES evenly spaced flat positions, first and last included, in integer arithmetic (float32 steps round
+    past the end of a 28M-value embedding)."""
+    return torch.arange(_PROBES) * (numel - 1) // (_PROBES - 1)
 
 
 def check_target(config: "LayerSkipConfig", target: PreTrainedModel) -> None:
