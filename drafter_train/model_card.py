@@ -161,6 +161,8 @@ def _training_rows(info: RunInfo, target: str) -> list[tuple[str, str]]:
     rows = [("target", target), ("draft length (`draft_len`)", str(info.draft_len))]
     if not cfg:
         return rows + [("training config", "not recorded (the run was not started through `drafter-train`)")]
+    if info.kind.fit is not None:  # not trained by gradient descent: what its own recipe recorded (layerskip)
+        return rows + _search_rows(info, train)
     loss_text = f"`{loss.get('name')}` (teacher {loss.get('teacher')}, temperature {loss.get('temperature')}"
     loss_text += f", beta {loss.get('beta')})" if loss.get("name") == "jsd" else ")"
     return rows + [
@@ -171,6 +173,15 @@ def _training_rows(info: RunInfo, target: str) -> list[tuple[str, str]]:
                           f"{train.get('grad_accum')} accumulation, lr {train.get('lr')} {train.get('lr_schedule')})"),
         ("precision", f"target {cfg.get('target', {}).get('dtype')}, mixed precision {train.get('mixed_precision')}"),
     ]
+
+
+def _search_rows(info: RunInfo, train: dict) -> list[tuple[str, str]]:
+    found = info.metrics.get("search") or {}
+    return [("data", _data_text(train)),
+            ("search", f"{found.get('trials')} trials (optuna TPE on SWIFT's one-pass proxy), the best "
+                       f"{len(found.get('confirmed', []))} decoded for real; chosen: trial {found.get('trial')}, "
+                       f"proxy {_fmt(found.get('proxy'))}, cost {_fmt(found.get('cost'))}"),
+            ("skipped sub-layers", f"attention {info.metrics.get('skip_attn')}, MLP {info.metrics.get('skip_mlp')}")]
 
 
 def _data_text(train: dict) -> str:

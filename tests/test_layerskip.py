@@ -310,7 +310,10 @@ def test_the_searched_folder_evaluates_exports_and_refuses_another_target(search
         evaluated["draft_exit"] == saved["exit_threshold"]
     exported = export(OmegaConf.to_object(compose_cfg("export", [f"export.run_dir={run_dir}",
                                                                  f"export.output_dir={tmp_path / 'export'}"])).export)
-    assert (exported.folder / "config.json").is_file() and "layerskip" in (exported.folder / "README.md").read_text()
+    card = (exported.folder / "README.md").read_text()
+    assert (exported.folder / "config.json").is_file() and "self-speculative" in card
+    assert f"| skipped sub-layers | attention {metrics['skip_attn']}, MLP {metrics['skip_mlp']} |" in card
+    assert "| search | 14 trials (optuna TPE" in card and "| loss |" not in card
     other = load_causal_lm(str(search_data / "other_target"))
     with pytest.raises(ConfigError, match=r"^drafter\.path: this layerskip drafter was searched for .*target, not "
                                           r"this target \(its weights differ\); search a skip set for it"):

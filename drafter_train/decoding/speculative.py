@@ -9,8 +9,8 @@ with the next drafts), the drafter's cache holds some prefix of seq. One step:
     seq              <- seq + d_1..d_n + t;  crop both caches to the valid prefix (no prefix recomputation)
 
 A self-speculative drafter (layerskip) drafts on the target's own cache (`share_target`) and cuts it back to seq[:-1]
-before returning. Drafters that read the target's hidden states (EAGLE-3) get the features of every position a target pass verified
-and kept from that same pass (features.py's tap): no extra target forward.
+before returning. Drafters that read the target's hidden states (EAGLE-3) get the features of every position a
+target pass verified and kept from that same pass (features.py's tap): no extra target forward.
 
 `generate_tree_speculative` verifies a draft TREE per step (decoding/tree.py), still in ONE target pass:
 
