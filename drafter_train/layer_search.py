@@ -250,8 +250,8 @@ def confirm(cfg: TrainJobConfig, target, tokenizer, study, run_dir: Path, logger
     for rank, trial in enumerate(tqdm(best_trials(study, cfg.drafter.search_confirm), desc="confirm", unit="skip set")):
         skips = SkipSet.of(trial.params)
         model = new_model(target, skips.attn, skips.mlp, cfg.drafter.exit_threshold)
-        metrics = evaluate_decoding(target, make_drafter(model), prompts[0], cfg.eval, eos, progress=False,
-                                    categories=prompts[1])
+        drafter = make_drafter(model, cfg.target.cpu_kernels)
+        metrics = evaluate_decoding(target, drafter, prompts[0], cfg.eval, eos, progress=False, categories=prompts[1])
         logger.log({f"confirm/{rank}/{k}": metrics[k] for k in ("tau", "acceptance_rate", "speedup")}, step)
         results.append((metrics["speedup"], -rank, trial, metrics))
     _, _, trial, metrics = max(results, key=lambda r: r[:2])
