@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafter_train.config import LayerSkipDrafterConfig
+from drafter_train.config import LayerSkipDrafterConfig, TrackerConfig
 from drafter_train.data.datagen import run_datagen
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.decoding.cached_lm import CachedLM
@@ -26,6 +26,7 @@ from drafter_train.errors import ConfigError
 from drafter_train.evaluate import run_eval_job
 from drafter_train.export import export
 from drafter_train.layer_search import Proxy, SkipSet, expected_speedup, relative_cost
+from drafter_train.report import write_report
 from drafter_train.targets import load_causal_lm
 from drafter_train.train import train
 from tests.conftest import tiny_llama
@@ -314,6 +315,8 @@ def test_the_searched_folder_evaluates_exports_and_refuses_another_target(search
     assert (exported.folder / "config.json").is_file() and "self-speculative" in card
     assert f"| skipped sub-layers | attention {metrics['skip_attn']}, MLP {metrics['skip_mlp']} |" in card
     assert "| search | 14 trials (optuna TPE" in card and "| loss |" not in card
+    report = write_report(run_dir, tmp_path / "report", TrackerConfig())
+    assert report.results and report.results[0].tau == metrics["tau"]
     other = load_causal_lm(str(search_data / "other_target"))
     with pytest.raises(ConfigError, match=r"^drafter\.path: this layerskip drafter was searched for .*target, not "
                                           r"this target \(its weights differ\); search a skip set for it"):
