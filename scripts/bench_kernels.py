@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -89,10 +88,11 @@ def main():
     eos = eos_token_ids(targets["default"][0], tokenizer)
     for spec in args.drafters:
         runs = {k: [] for k in CPU_KERNELS}
+        drafters = {k: make_drafter(load_drafter(drafter_cfg(spec), target, tok, "float32"), k)
+                    for k, (target, tok) in targets.items()}  # loaded once per setting, reused by every repeat
         for repeat in range(args.repeats):
-            for k, (target, tok) in targets.items():
-                model = load_drafter(drafter_cfg(spec), target, tok, "float32")
-                metrics = evaluate_decoding(target, make_drafter(model, k), prompts, eval_cfg, eos, progress=False)
+            for k, (target, _) in targets.items():
+                metrics = evaluate_decoding(target, drafters[k], prompts, eval_cfg, eos, progress=False)
                 runs[k].append(metrics)
                 print(json.dumps({"drafter": spec, "kernels": k, "repeat": repeat,
                                   **{m: round(metrics[m], 3) for m in ("tau", "speedup", "ar_tokens_per_s")}}),
