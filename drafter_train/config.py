@@ -347,6 +347,26 @@ class TreeConfig:
 
 
 @dataclass
+class LookupConfig:
+    """Prompt lookup before the drafter (eval.lookup): where the sequence's last n-gram (n = max_ngram .. min_ngram)
+    occurred earlier, the tokens that followed it are the proposal and the drafter is not run for that step;
+    elsewhere the drafter proposes as usual. Copying steps (summaries, RAG, code edits) then cost no drafter call."""
+
+    # Shortest suffix n-gram that counts as a match; 0 = off (the drafter proposes every step).
+    min_ngram: int = 0
+    max_ngram: int = 3
+
+    @property
+    def enabled(self) -> bool:
+        return self.min_ngram > 0
+
+    def __post_init__(self) -> None:
+        _check(self.min_ngram >= 0, "eval.lookup.min_ngram", f"must be >= 0 (0 = off), got {self.min_ngram}")
+        _check(not self.enabled or self.max_ngram >= self.min_ngram, "eval.lookup.max_ngram",
+               f"must be >= eval.lookup.min_ngram ({self.min_ngram}), got {self.max_ngram}")
+
+
+@dataclass
 class CalibrationConfig:
     """`drafter-eval eval.calibration.enabled=true`: choose the draft length or tree size for THIS machine.
 
@@ -397,6 +417,8 @@ class EvalConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)
     # Cost-aware choice of draft length / tree size for this machine.
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    # Prompt lookup first, the drafter where nothing matches (chains only).
+    lookup: LookupConfig = field(default_factory=LookupConfig)
     # Sampling temperature for verify=sample (applied identically to target and drafter).
     temperature: float = 1.0
     # Keep only the top_k most likely tokens before sampling (0 = off); verify=sample.
@@ -458,6 +480,11 @@ class EvalConfig:
                f"calibration compares chains and topk trees under greedy or sample verification, not {self.verify}")
         _check(not (self.calibration.enabled and self.draft_exit), "eval.calibration.enabled",
                "calibration compares fixed chain lengths and tree sizes: unset eval.draft_exit")
+        _check(not (self.lookup.enabled and self.tree.enabled), "eval.lookup.min_ngram",
+               "prompt lookup first proposes chains: unset eval.tree.top_k or eval.lookup.min_ngram")
+        _check(not (self.lookup.enabled and self.calibration.enabled), "eval.lookup.min_ngram",
+               "calibration predicts the drafter's own chains and trees: unset eval.calibration.enabled or "
+               "eval.lookup.min_ngram")
 
     @property
     def tree_depth(self) -> int:

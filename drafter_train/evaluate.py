@@ -36,6 +36,7 @@ from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.tree import TreeSpec
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier
 from drafter_train.drafters.loading import load_drafter
+from drafter_train.drafters.ngram import lookup_first
 from drafter_train.drafters.registry import make_drafter, model_kind
 from drafter_train.errors import CheckpointDamagedError, ConfigError
 from drafter_train.data.store import _write_atomic
@@ -146,6 +147,7 @@ def evaluate_decoding(
     when prompts have task categories, the same headline numbers per category.
     """
     params = sampling_params(cfg)
+    drafter = lookup_first(drafter, cfg.lookup.min_ngram, cfg.lookup.max_ngram)
 
     def run_ar(prompt, seed):
         gen = torch.Generator(device=target.device).manual_seed(seed)

@@ -33,6 +33,8 @@ class Proposal:
 
     tokens: Tensor  # [k] long
     q_draft: Optional[Tensor] = None  # [k, V] processed draft probs; None when drafts were chosen greedily
+    # Made by prompt lookup ahead of the drafter (eval.lookup): counted apart, and not fed to draft exit's adaptation.
+    from_lookup: bool = False
 
     @property
     def draft_len(self) -> int:

@@ -113,10 +113,13 @@ def generate_speculative(
             num_accepted, next_token = verifier(proposal, logits, generator)
             stats.target_forward_passes += 1
             if k:
-                if draft_exit is not None:
+                if draft_exit is not None and not proposal.from_lookup:
                     draft_exit.update(k, num_accepted)
                 stats.record_step(k, num_accepted)
                 stats.proposals += 1
+                if proposal.from_lookup:
+                    stats.lookup_proposals += 1
+                    stats.lookup_accepted += num_accepted
                 stats.draft_seconds += drafted - began
                 stats.verify_seconds += _clock(lm.device) - drafted
             lm.crop(seq.numel() + num_accepted)  # keep seq + accepted drafts; next_token is fed next step

@@ -35,6 +35,9 @@ class DecodeStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     proposals: int = 0
+    # eval.lookup: proposals made by prompt lookup ahead of the drafter, and their accepted drafts.
+    lookup_proposals: int = 0
+    lookup_accepted: int = 0
     # accepted_hist[m]: verify steps that accepted exactly m drafts (m = 0..draft_len).
     accepted_hist: list[int] = field(default_factory=list)
     # Draft tokens the largest proposal holds (a chain: draft_len; a topk tree: its total_tokens; 0: not tracked) ...
@@ -71,7 +74,7 @@ class DecodeStats:
 
     def merge(self, other: "DecodeStats") -> None:
         for name in ("tokens_generated", "target_forward_passes", "proposed", "accepted", "draft_seconds",
-                     "verify_seconds", "proposals"):
+                     "verify_seconds", "proposals", "lookup_proposals", "lookup_accepted"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("reached", "accepted_at", "accepted_hist", "accepted_within"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
@@ -98,6 +101,8 @@ class DecodeStats:
             "proposed_draft_tokens": self.proposed,
             "accepted_draft_tokens": self.accepted,
             "proposals": self.proposals,
+            "lookup_proposals": self.lookup_proposals,
+            "lookup_accepted": self.lookup_accepted,
             "drafter_ms_per_proposal": 1000 * self.draft_seconds / max(self.proposals, 1),
             "verify_ms_per_step": 1000 * self.verify_seconds / max(self.proposals, 1),
             "draft_tokens_per_step": self.proposed / max(self.proposals, 1),

@@ -124,6 +124,48 @@ class PromptLookupDrafter:
         pass
 
 
+class LookupFirst:
+    """Prompt lookup ahead of any drafter (eval.lookup): where the sequence's last n-gram occurred earlier, the
+    tokens that followed it are the proposal and the drafter is not run; elsewhere the drafter proposes. The drafter
+    is still told every commit, so a drafter that reads target features takes those of the lookup steps into its
+    cache at its next proposal. Anything else (feature_layers, draft_vocab, share_target, exit_below) is the
+    drafter's own, so draft exit applies where the drafter has it, to the drafter's proposals only."""
+
+    def __init__(self, drafter, min_ngram: int, max_ngram: int):
+        self.drafter, self.min_ngram, self.max_ngram = drafter, min_ngram, max_ngram
+
+    def __getattr__(self, name: str):
+        if name == "drafter":  # not set yet (copying): no recursion
+            raise AttributeError(name)
+        return getattr(self.drafter, name)
+
+    @property
+    def exit_below(self) -> float:
+        return self.drafter.exit_below  # AttributeError for drafters without draft exit: hasattr() is False
+
+    @exit_below.setter
+    def exit_below(self, value: float) -> None:
+        self.drafter.exit_below = value
+
+    def reset(self) -> None:
+        self.drafter.reset()
+
+    def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
+                generator: Optional[torch.Generator]) -> Proposal:
+        drafts = lookup(seq.tolist(), draft_len, self.min_ngram, self.max_ngram)
+        if drafts:  # deterministic drafts: one-hot q (verify.py)
+            return Proposal(torch.tensor(drafts, dtype=torch.long, device=seq.device), from_lookup=True)
+        return self.drafter.propose(seq, draft_len, params, generator)
+
+    def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
+        self.drafter.commit(num_valid, features, path)
+
+
+def lookup_first(drafter, min_ngram: int, max_ngram: int):
+    """`drafter` behind prompt lookup (eval.lookup); the drafter itself when min_ngram is 0 (off)."""
+    return LookupFirst(drafter, min_ngram, max_ngram) if min_ngram > 0 else drafter
+
+
 def build(cfg: DrafterConfig, ctx: BuildContext) -> NgramModel:
     if cfg.path != "lookup":
         return load(cfg.path, ctx.dtype)

@@ -1,0 +1,165 @@
+"""Prompt lookup ahead of a trained drafter (eval.lookup): lossless for every kind, both sources used, draft exit
+adapted on the drafter's proposals only, metrics counted apart, one-line refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from drafter_train.config import CalibrationConfig, EvalConfig, LookupConfig, TreeConfig
+from drafter_train.decoding.autoregressive import generate_autoregressive
+from drafter_train.decoding.draft_exit import DraftExit, supports_draft_exit
+from drafter_train.decoding.sampling import SamplingParams
+from drafter_train.decoding.speculative import generate_speculative
+from drafter_train.decoding.verify import make_verifier
+from drafter_train.drafters.nar import NARDrafter, SpecDrafter
+from drafter_train.drafters.ngram import LookupFirst, lookup, lookup_first
+from drafter_train.drafters.registry import make_drafter
+from drafter_train.errors import ConfigError
+from drafter_train.evaluate import evaluate_decoding
+from tests.stubs import BigramLM
+from tests.test_dflash import random_dflash
+from tests.test_eagle3 import random_eagle3
+from tests.test_sampling_exactness import bigram_marginals, chi2_pvalue, make_bigram_pair
+
+GREEDY = make_verifier("greedy", SamplingParams())
+# Repeats (lookup finds matches) and fresh stretches (it finds none, so the drafter proposes).
+PROMPT = [1, 5, 9, 12, 7, 1, 5, 9, 3, 14, 2, 6]
+
+
+def drafter_of(kind, target, make_tiny_llama):
+    if kind == "ar":
+        return make_drafter(make_tiny_llama(vocab_size=16, num_layers=1, init=0.5, seed=3))
+    if kind == "eagle3":
+        return make_drafter(random_eagle3(target, scale=0.5))
+    if kind == "dflash":
+        return make_drafter(random_dflash(target, scale=0.5))
+    torch.manual_seed(0)
+    return NARDrafter(SpecDrafter.from_target(target, 2, 0, 4).eval())
+
+
+class Counting:
+    """Counts the drafter's own proposals."""
+
+    def __init__(self, drafter):
+        self.inner, self.calls = drafter, 0
+
+    def __getattr__(self, name):
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def propose(self, *args):
+        self.calls += 1
+        return self.inner.propose(*args)
+
+
+@pytest.mark.parametrize("kind", ["ar", "eagle3", "dflash", "nar"])
+@pytest.mark.parametrize("min_ngram", [1, 2])
+def test_greedy_with_lookup_first_is_lossless_and_uses_both_sources(make_tiny_llama, kind, min_ngram):
+    target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
+    inner = Counting(drafter_of(kind, target, make_tiny_llama))
+    drafter = LookupFirst(inner, min_ngram, 3)
+    ar = generate_autoregressive(target, PROMPT, 40)
+    spec = generate_speculative(target, drafter, PROMPT, 4, GREEDY, 40)
+    assert spec.tokens == ar.tokens
+    stats = spec.stats
+    assert 0 < stats.lookup_proposals < stats.proposals  # lookup matched on some steps, the drafter drafted others
+    assert inner.calls == stats.proposals - stats.lookup_proposals  # the drafter is not run on lookup steps
+    assert stats.target_forward_passes == len(ar.tokens) - stats.accepted
+    assert 0 <= stats.lookup_accepted <= stats.accepted
+
+
+def test_lookup_proposals_are_the_lookup_rule(make_tiny_llama):
+    """Every lookup proposal equals lookup() on the sequence it was made for; elsewhere the drafter's."""
+    target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
+    inner = drafter_of("ar", target, make_tiny_llama)
+    drafter = LookupFirst(inner, 2, 3)
+    seen = []
+    propose = drafter.propose
+
+    def spy(seq, draft_len, params, generator):
+        out = propose(seq, draft_len, params, generator)
+        seen.append((seq.tolist(), draft_len, out))
+        return out
+
+    drafter.propose = spy
+    generate_speculative(target, drafter, PROMPT, 4, GREEDY, 40)
+    looked = [(s, k, p) for s, k, p in seen if p.from_lookup]
+    assert looked and len(looked) < len(seen)
+    for seq, k, proposal in seen:
+        expected = lookup(seq, k, 2, 3)
+        assert proposal.from_lookup == bool(expected)
+        if expected:
+            assert proposal.tokens.tolist() == expected and proposal.q_draft is None
+
+
+def test_speculative_sampling_with_lookup_first_matches_the_target_distribution():
+    params = SamplingParams(temperature=1.0)
+    target_table, draft_table = make_bigram_pair()
+    target, draft = BigramLM(target_table), BigramLM(draft_table)
+    runs, num_tokens, prompt = 3000, 4, [0, 1, 0, 1, 0]
+    counts = torch.zeros(num_tokens, 6)
+    generator = torch.Generator().manual_seed(1234)
+    drafter = LookupFirst(make_drafter(draft), 1, 3)
+    looked = drafted = 0
+    for _ in range(runs):
+        out = generate_speculative(target, drafter, prompt, 3, make_verifier("sample", params), num_tokens, params,
+                                   generator=generator)
+        counts[torch.arange(num_tokens), torch.tensor(out.tokens)] += 1
+        looked += out.stats.lookup_proposals
+        drafted += out.stats.proposals - out.stats.lookup_proposals
+    assert looked > 100 and drafted > 100  # both sources proposed, each with its own q (one-hot / the drafter's)
+    exact = bigram_marginals(target_table, prompt[-1], params, num_tokens)  # a bigram target: the last token
+    pvalues = [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)]
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_draft_exit_adapts_to_the_drafters_proposals_only(make_tiny_llama):
+    """A drafter that is never sure proposes nothing: only lookup proposals are verified, and they must not move
+    the adaptive threshold (it steers the drafter's own acceptance)."""
+    target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
+    drafter = LookupFirst(drafter_of("eagle3", target, make_tiny_llama), 1, 3)
+    exit = DraftExit(0.99999, adapt=True)
+    spec = generate_speculative(target, drafter, PROMPT, 4, GREEDY, 40, draft_exit=exit)
+    assert spec.tokens == generate_autoregressive(target, PROMPT, 40).tokens
+    assert spec.stats.lookup_proposals == spec.stats.proposals > 0
+    assert exit.threshold == 0.99999 and exit.rate is None
+    # the adaptation still runs on the drafter's own proposals
+    exit = DraftExit(0.5, adapt=True)
+    spec = generate_speculative(target, drafter, PROMPT, 4, GREEDY, 40, draft_exit=exit)
+    assert spec.stats.proposals > spec.stats.lookup_proposals and exit.threshold != 0.5
+
+
+def test_draft_exit_is_the_drafters_own(make_tiny_llama):
+    target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
+    eagle = LookupFirst(drafter_of("eagle3", target, make_tiny_llama), 2, 3)
+    assert supports_draft_exit(eagle)
+    eagle.exit_below = 0.3
+    assert eagle.drafter.exit_below == 0.3
+    assert not supports_draft_exit(LookupFirst(drafter_of("dflash", target, make_tiny_llama), 2, 3))
+    assert lookup_first(eagle.drafter, 0, 3) is eagle.drafter  # off: the drafter itself
+    assert eagle.feature_layers == eagle.drafter.feature_layers  # what the decoder taps is the drafter's
+
+
+def test_evaluation_reports_lookup_proposals_and_stays_lossless(make_tiny_llama):
+    target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
+    drafter = drafter_of("eagle3", target, make_tiny_llama)
+    prompts = [PROMPT, [2, 4, 6, 2, 4, 6, 8]]
+    off = evaluate_decoding(target, drafter, prompts, EvalConfig(max_new_tokens=24, warmup=0), (), progress=False)
+    on = evaluate_decoding(target, drafter, prompts, EvalConfig(max_new_tokens=24, warmup=0, lookup=LookupConfig(min_ngram=2)),
+                           (), progress=False)
+    assert off["greedy_match"] == on["greedy_match"] == 1.0
+    assert off["lookup_proposals"] == 0 < on["lookup_proposals"] <= on["proposals"]
+    assert on["lookup_accepted"] <= on["accepted_draft_tokens"]
+
+
+def test_lookup_settings_are_checked_in_one_line():
+    with pytest.raises(ConfigError, match=r"^eval.lookup.min_ngram: must be >= 0 \(0 = off\), got -1$"):
+        LookupConfig(min_ngram=-1)
+    with pytest.raises(ConfigError, match=r"^eval.lookup.max_ngram: must be >= eval.lookup.min_ngram \(3\), got 2$"):
+        LookupConfig(min_ngram=3, max_ngram=2)
+    with pytest.raises(ConfigError, match=r"^eval.lookup.min_ngram: prompt lookup first proposes chains"):
+        EvalConfig(lookup=LookupConfig(min_ngram=2), tree=TreeConfig(top_k=2))
+    with pytest.raises(ConfigError, match=r"^eval.lookup.min_ngram: calibration predicts"):
+        EvalConfig(lookup=LookupConfig(min_ngram=2), calibration=CalibrationConfig(enabled=True))
