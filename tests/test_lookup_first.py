@@ -20,6 +20,7 @@ from drafter_train.evaluate import evaluate_decoding
 from tests.stubs import BigramLM
 from tests.test_dflash import random_dflash
 from tests.test_eagle3 import random_eagle3
+from tests.test_layerskip import drafter_for
 from tests.test_sampling_exactness import bigram_marginals, chi2_pvalue, make_bigram_pair
 
 GREEDY = make_verifier("greedy", SamplingParams())
@@ -34,6 +35,8 @@ def drafter_of(kind, target, make_tiny_llama):
         return make_drafter(random_eagle3(target, scale=0.5))
     if kind == "dflash":
         return make_drafter(random_dflash(target, scale=0.5))
+    if kind == "layerskip":  # drafts on the target's own cache (share_target reaches it through the wrapper)
+        return drafter_for(target, (1,), (2,))
     torch.manual_seed(0)
     return NARDrafter(SpecDrafter.from_target(target, 2, 0, 4).eval())
 
@@ -54,7 +57,7 @@ class Counting:
         return self.inner.propose(*args)
 
 
-@pytest.mark.parametrize("kind", ["ar", "eagle3", "dflash", "nar"])
+@pytest.mark.parametrize("kind", ["ar", "eagle3", "dflash", "nar", "layerskip"])
 @pytest.mark.parametrize("min_ngram", [1, 2])
 def test_greedy_with_lookup_first_is_lossless_and_uses_both_sources(make_tiny_llama, kind, min_ngram):
     target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
@@ -163,3 +166,15 @@ def test_lookup_settings_are_checked_in_one_line():
         EvalConfig(lookup=LookupConfig(min_ngram=2), tree=TreeConfig(top_k=2))
     with pytest.raises(ConfigError, match=r"^eval.lookup.min_ngram: calibration predicts"):
         EvalConfig(lookup=LookupConfig(min_ngram=2), calibration=CalibrationConfig(enabled=True))
+
+
+def test_greedy_with_lookup_first_is_lossless_on_stories260k(stories_path):
+    from drafter_train.targets import load_causal_lm, load_tokenizer
+
+    target = load_causal_lm(str(stories_path))
+    model = random_eagle3(target, layers=(1, 2, 3), draft_ids=torch.arange(300), scale=0.05)
+    prompt = load_tokenizer(str(stories_path))("Once upon a time, there was a little girl named Lily. Lily").input_ids
+    ar = generate_autoregressive(target, prompt, 64)
+    spec = generate_speculative(target, LookupFirst(make_drafter(model), 1, 3), prompt, 4, GREEDY, 64)
+    assert spec.tokens == ar.tokens
+    assert 0 < spec.stats.lookup_proposals < spec.stats.proposals and spec.stats.lookup_accepted > 0
