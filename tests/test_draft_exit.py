@@ -78,6 +78,9 @@ def test_greedy_with_draft_exit_is_lossless(make_tiny_llama, kind, threshold, ad
     assert spec.stats.target_forward_passes == len(ar.tokens) - spec.stats.accepted
     if threshold == 0.99999:  # nothing these random drafters say is that certain: plain decoding
         assert spec.stats.proposals == 0 and spec.stats.target_forward_passes == len(ar.tokens)
+        # the declined calls still cost drafter time: per step it is counted, per proposal there is none
+        assert spec.stats.draft_seconds == 0 < spec.stats.drafter_call_seconds
+        assert spec.stats.summary()["drafter_ms_per_step"] > 0
     assert (exit.threshold != threshold) == adapt
 
 

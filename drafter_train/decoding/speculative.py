@@ -108,6 +108,7 @@ def generate_speculative(
             began = _clock(lm.device)
             proposal = drafter.propose(seq, k, params, generator) if k else Proposal(seq.new_empty(0))
             drafted = _clock(lm.device)
+            stats.drafter_call_seconds += drafted - began  # proposals and declined calls (draft exit) alike
             k = proposal.draft_len  # a drafter may propose fewer (prompt lookup without a match: none)
             logits = lm.forward(torch.cat([seq[-1:], proposal.tokens]), num_logits=k + 1)  # [k+1, V]
             num_accepted, next_token = verifier(proposal, logits, generator)
@@ -171,6 +172,7 @@ def generate_tree_speculative(
             tree = build_tree(drafter, seq, replace(spec, depth=depth), params, generator) if depth else \
                 DraftTree(seq.new_empty(0), seq.new_empty(0))
             drafted = _clock(lm.device)
+            stats.drafter_call_seconds += drafted - began
             past = seq.numel() - 1  # the target's cache holds seq[:-1]
             inputs, mask, positions = verify_inputs(tree, seq[-1], past, target.dtype)
             logits = lm.forward_tree(inputs, mask, positions)  # [N+1, V]

@@ -33,6 +33,9 @@ class DecodeStats:
     # Wall-clock seconds spent in the drafter's proposals and in the target's verification passes, and the number of
     # proposals (where the time of a speculative step goes).
     draft_seconds: float = 0.0
+    # Every drafter call, also those that proposed nothing (draft exit declined, lookup found no match): what the
+    # drafter costs per target step.
+    drafter_call_seconds: float = 0.0
     verify_seconds: float = 0.0
     proposals: int = 0
     # eval.lookup: proposals made by prompt lookup ahead of the drafter, and their accepted drafts.
@@ -74,7 +77,7 @@ class DecodeStats:
 
     def merge(self, other: "DecodeStats") -> None:
         for name in ("tokens_generated", "target_forward_passes", "proposed", "accepted", "draft_seconds",
-                     "verify_seconds", "proposals", "lookup_proposals", "lookup_accepted"):
+                     "verify_seconds", "proposals", "lookup_proposals", "lookup_accepted", "drafter_call_seconds"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         for name in ("reached", "accepted_at", "accepted_hist", "accepted_within"):
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), getattr(other, name))])
@@ -104,6 +107,8 @@ class DecodeStats:
             "lookup_proposals": self.lookup_proposals,
             "lookup_accepted": self.lookup_accepted,
             "drafter_ms_per_proposal": 1000 * self.draft_seconds / max(self.proposals, 1),
+            # over every step after the prefill (each asks the drafter once)
+            "drafter_ms_per_step": 1000 * self.drafter_call_seconds / max(self.target_forward_passes - 1, 1),
             "verify_ms_per_step": 1000 * self.verify_seconds / max(self.proposals, 1),
             "draft_tokens_per_step": self.proposed / max(self.proposals, 1),
             "accepted_length_histogram": self.accepted_hist,
