@@ -234,7 +234,7 @@ def test_chain_as_a_tree_gives_the_chain_decoders_outputs_and_stats(kind):
                                      TREE_GREEDY, 40)
     assert tree.tokens == chain.tokens
     a, b = chain.stats.summary(), tree.stats.summary()
-    for key in ("drafter_ms_per_proposal", "verify_ms_per_step"):
+    for key in ("drafter_ms_per_proposal", "drafter_ms_per_step", "verify_ms_per_step"):  # timings
         a.pop(key), b.pop(key)
     assert a == b
     assert chain.stats.accepted_within == tree.stats.accepted_within
