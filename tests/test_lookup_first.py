@@ -150,8 +150,8 @@ def test_evaluation_reports_lookup_proposals_and_stays_lossless(make_tiny_llama)
     drafter = drafter_of("eagle3", target, make_tiny_llama)
     prompts = [PROMPT, [2, 4, 6, 2, 4, 6, 8]]
     off = evaluate_decoding(target, drafter, prompts, EvalConfig(max_new_tokens=24, warmup=0), (), progress=False)
-    on = evaluate_decoding(target, drafter, prompts, EvalConfig(max_new_tokens=24, warmup=0, lookup=LookupConfig(min_ngram=2)),
-                           (), progress=False)
+    first = EvalConfig(max_new_tokens=24, warmup=0, lookup=LookupConfig(min_ngram=2))
+    on = evaluate_decoding(target, drafter, prompts, first, (), progress=False)
     assert off["greedy_match"] == on["greedy_match"] == 1.0
     assert off["lookup_proposals"] == 0 < on["lookup_proposals"] <= on["proposals"]
     assert on["lookup_accepted"] <= on["accepted_draft_tokens"]

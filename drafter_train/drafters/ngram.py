@@ -77,6 +77,12 @@ def followers(tokens: list[int], min_ngram: int, max_ngram: int) -> dict[int, fl
     return {}
 
 
+def lookup_proposal(seq: Tensor, draft_len: int, min_ngram: int, max_ngram: int, from_lookup: bool = False) -> Proposal:
+    """lookup() on `seq` [L] as a Proposal (empty without a match). Deterministic drafts: q is one-hot (verify.py)."""
+    drafts = lookup(seq.tolist(), draft_len, min_ngram, max_ngram)
+    return Proposal(torch.tensor(drafts, dtype=torch.long, device=seq.device), q_draft=None, from_lookup=from_lookup)
+
+
 class PromptLookupDrafter:
     """The decoder-side prompt-lookup drafter (no cache: each proposal searches the sequence).
 
@@ -116,9 +122,7 @@ class PromptLookupDrafter:
 
     def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
                 generator: Optional[torch.Generator]) -> Proposal:
-        drafts = torch.tensor(lookup(seq.tolist(), draft_len, self.min_ngram, self.max_ngram), dtype=torch.long,
-                              device=seq.device)
-        return Proposal(drafts, q_draft=None)  # deterministic drafts: one-hot q (verify.py)
+        return lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram)
 
     def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
         pass
@@ -152,10 +156,8 @@ class LookupFirst:
 
     def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
                 generator: Optional[torch.Generator]) -> Proposal:
-        drafts = lookup(seq.tolist(), draft_len, self.min_ngram, self.max_ngram)
-        if drafts:  # deterministic drafts: one-hot q (verify.py)
-            return Proposal(torch.tensor(drafts, dtype=torch.long, device=seq.device), from_lookup=True)
-        return self.drafter.propose(seq, draft_len, params, generator)
+        proposal = lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram, from_lookup=True)
+        return proposal if proposal.draft_len else self.drafter.propose(seq, draft_len, params, generator)
 
     def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
         self.drafter.commit(num_valid, features, path)
