@@ -84,6 +84,20 @@ def test_greedy_with_draft_exit_is_lossless(make_tiny_llama, kind, threshold, ad
     assert (exit.threshold != threshold) == adapt
 
 
+def test_a_reused_drafter_gets_its_own_threshold_back_after_a_draft_exit_run(make_tiny_llama):
+    target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
+    drafter = make_drafter(make_tiny_llama(vocab_size=16, num_layers=1, init=0.5, seed=3))
+    prompt = [1, 5, 9, 12, 7]
+    plain = generate_speculative(target, drafter, prompt, 4, GREEDY, 40)
+    generate_speculative(target, drafter, prompt, 4, GREEDY, 40, draft_exit=DraftExit(0.99999))
+    assert drafter.exit_below == 0.0
+    again = generate_speculative(target, drafter, prompt, 4, GREEDY, 40)  # no draft exit: as the first run
+    assert again.tokens == plain.tokens and again.stats.proposed == plain.stats.proposed > 0
+    drafter.exit_below = 0.3  # a drafter's own γ (a searched layerskip folder) survives a run that sets another
+    generate_speculative(target, drafter, prompt, 4, GREEDY, 40, draft_exit=DraftExit(0.7, adapt=True))
+    assert drafter.exit_below == 0.3
+
+
 def test_speculative_sampling_with_draft_exit_matches_the_target_distribution():
     params = SamplingParams(temperature=1.0)
     target_table, draft_table = make_bigram_pair()

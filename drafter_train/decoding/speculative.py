@@ -23,6 +23,7 @@ target pass verified and kept from that same pass (features.py's tap): no extra 
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Optional, Sequence
 
@@ -68,6 +69,18 @@ def _start(drafter: Drafter, lm: CachedLM) -> None:
         drafter.share_target(lm)
 
 
+@contextmanager
+def _own_exit_threshold(drafter: Drafter, draft_exit: Optional[DraftExit]):
+    """Draft exit sets the run's γ on the drafter step by step; afterwards the drafter's own γ is back, so a drafter
+    reused in a run without draft exit does not keep the last run's (a searched layerskip folder keeps its own)."""
+    own = getattr(drafter, "exit_below", None) if draft_exit is not None else None
+    try:
+        yield
+    finally:
+        if own is not None:
+            drafter.exit_below = own
+
+
 def _prefill(lm: CachedLM, drafter: Drafter, tap, prompt_ids, params: SamplingParams,
              generator: Optional[torch.Generator]) -> tuple[torch.Tensor, list[int]]:
     """The target's pass over the prompt yields the first token, as in the AR baseline: (seq, generated tokens)."""
@@ -97,7 +110,7 @@ def generate_speculative(
     lm, eos = CachedLM(target), set(eos_token_ids)
     stats = DecodeStats(draft_len=draft_len)
     _start(drafter, lm)
-    with tap_for(target, drafter.feature_layers) as tap:
+    with tap_for(target, drafter.feature_layers) as tap, _own_exit_threshold(drafter, draft_exit):
         seq, tokens = _prefill(lm, drafter, tap, prompt_ids, params, generator)
         stats.target_forward_passes = 1
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
