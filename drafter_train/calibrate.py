@@ -37,7 +37,6 @@ from transformers import PreTrainedModel
 
 from drafter_train.config import CalibrationConfig, EvalConfig, TreeConfig
 from drafter_train.decoding.cached_lm import CachedLM, as_tensor
-from drafter_train.decoding.drafter import Drafter
 from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.tree import TreeSpec, attention_mask
 

@@ -23,7 +23,7 @@ from drafter_train.targets import load_causal_lm
 from drafter_train.train import train
 from tests.stubs import VOCAB, compose_cfg
 from tests.test_sampling_exactness import chi2_pvalue, enumerate_marginals
-from tests.test_train import stories_run, train_cfg
+from tests.test_train import train_cfg
 
 GREEDY = make_verifier("greedy", SamplingParams())
 

@@ -10,7 +10,6 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-import drafter_train.train as train_module
 from drafter_train.config import CONF_DIR
 from drafter_train.data.datagen import run_datagen
 from drafter_train.drafters.registry import get_kind
