@@ -7,7 +7,9 @@ pays for a first run; with --one-off-outside-budget it is reported but not charg
 reuse). Every trained drafter, plus prompt lookup (`ngram`, untrained), is evaluated at each `--draft-lens` value on
 the same prompts with the project's evaluator, `--repeats` times interleaved; the medians of tau, acceptance,
 per-position acceptance, drafter ms per proposal, verify ms per step and speedup over plain decoding (measured in the
-same run) are printed as a markdown table and stored in <output-root>/results.json, with the load average.
+same run) are printed as a markdown table and stored in <output-root>/results-<verify>.json, with the load average.
+A kind whose budget run an earlier invocation finished is not trained again (its bench-training.json), so a
+second invocation with `--verify sample` evaluates the same drafters at temperature 1.
 `--kinds` also takes the DFlash configurations dflash-b{8,16}-l{1,2,3} (block size, depth; fkl on offline features),
 each evaluated at the draft lengths its block holds (<= block - 1):
 
@@ -24,6 +26,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import time
 from pathlib import Path
@@ -78,7 +81,14 @@ def train_for_budget(name: str, overrides: list[str], args) -> dict:
               f"train.response={args.response}", f"train.batch_size={args.batch_size}", f"train.lr={args.lr}",
               "eval.num_prompts=2", "eval.max_new_tokens=8", *overrides, *args.overrides]
 
+    run = f"{name}-budget{args.budget_min:g}m"
+    record = Path(args.output_root) / run / "bench-training.json"
+    if record.exists():  # trained by an earlier invocation (same data and budget): evaluate it again, e.g. sampling
+        print(f"{name}: reusing {record.parent}", flush=True)
+        return {**json.loads(record.read_text()), "cfg": compose_train([*common, f"train.run_name={run}"])}
+
     def probe(tag: str, steps: int) -> float:
+        shutil.rmtree(Path(args.output_root) / f"{name}-{tag}", ignore_errors=True)  # else the run would resume
         return timed_train([*common, f"train.run_name={name}-{tag}", f"train.max_steps={steps}",
                             f"train.save_every={steps}"])
 
@@ -87,12 +97,13 @@ def train_for_budget(name: str, overrides: list[str], args) -> dict:
     one_off, fixed = first - one, one - per_step
     charged = 0.0 if args.one_off_outside_budget else one_off
     steps = max(int((args.budget_min * 60 - charged - fixed) / per_step), 1)
-    run = f"{name}-budget{args.budget_min:g}m"
     seconds = timed_train([*common, f"train.run_name={run}", f"train.max_steps={steps}", f"train.save_every={steps}"])
     print(f"{name}: one-off {one_off:.0f} s, fixed {fixed:.0f} s, {per_step:.2f} s/step, trained {steps} steps "
           f"in {seconds:.0f} s", flush=True)
-    return {"run": run, "steps": steps, "seconds_per_step": per_step, "one_off_s": one_off, "fixed_s": fixed,
-            "train_s": seconds, "cfg": compose_train([*common, f"train.run_name={run}"])}
+    info = {"run": run, "steps": steps, "seconds_per_step": per_step, "one_off_s": one_off, "fixed_s": fixed,
+            "train_s": seconds, "one_off_charged": bool(charged)}
+    record.write_text(json.dumps(info, indent=2))
+    return {**info, "cfg": compose_train([*common, f"train.run_name={run}"])}
 
 
 def main():
@@ -107,6 +118,9 @@ def main():
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--draft-lens", type=int, nargs="+", default=[2, 3, 4, 6, 8])
+    parser.add_argument("--verify", default="greedy", choices=["greedy", "sample"],
+                        help="eval.verify of the evaluations (sample: temperature --temperature)")
+    parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--prompts", default="prompts/heldout-mix.jsonl")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -115,10 +129,14 @@ def main():
     parser.add_argument("--overrides", nargs="*", default=[], help="drafter-train overrides for every run")
     args = parser.parse_args()
 
-    trained = {name: train_for_budget(name, KINDS[name], args) for name in args.kinds}
+    # the Spec-Drafter has one mask query per draft: it is trained with as many as the longest draft evaluated
+    longest = [f"drafter.draft_len={max(args.draft_lens)}"]
+    trained = {name: train_for_budget(name, KINDS[name] + (longest if name == "nar" else []), args)
+               for name in args.kinds}
     cfg = next(iter(trained.values()))["cfg"]
     eval_cfg = dataclasses.replace(cfg.eval, prompts=args.prompts, num_prompts=args.num_prompts,
-                                   max_new_tokens=args.max_new_tokens, warmup=1)
+                                   max_new_tokens=args.max_new_tokens, warmup=1, verify=args.verify,
+                                   temperature=args.temperature)
     target, tokenizer = load_target(cfg.target)
     prompts, categories = eval_prompt_ids(dataclasses.replace(cfg, eval=eval_cfg), tokenizer)
     eos = eos_token_ids(target, tokenizer)
@@ -127,6 +145,8 @@ def main():
         best = Path(args.output_root) / info["run"] / "best" / "drafter"
         models[name] = load_drafter(dataclasses.replace(info["cfg"].drafter, path=str(best)), target, tokenizer,
                                     "float32")
+    out = Path(args.output_root)
+    training = {name: {k: v for k, v in info.items() if k != "cfg"} for name, info in trained.items()}
     rows = []
     for k in args.draft_lens:
         samples = {name: [] for name in models}
@@ -147,16 +167,15 @@ def main():
             row = {"draft_len": k, "drafter": name, **{m: statistics.median(r[m] for r in runs) for m in METRICS}}
             row["per_position_acceptance"] = [statistics.median(r["per_position_acceptance"][i] for r in runs)
                                               for i in range(k)]
-            row["greedy_match"] = min(r["greedy_match"] for r in runs)
+            matches = [r["greedy_match"] for r in runs if r["greedy_match"] is not None]  # None when sampling
+            row["greedy_match"] = min(matches) if matches else None
             row["per_category_tau"] = {c: statistics.median(r["per_category"][c]["tau"] for r in runs)
                                        for c in runs[0]["per_category"]}
             row["out_of_draft_vocab"] = runs[0]["out_of_draft_vocab"]
             rows.append(row)
-    out = Path(args.output_root)
-    out.mkdir(parents=True, exist_ok=True)
-    training = {name: {k: v for k, v in info.items() if k != "cfg"} for name, info in trained.items()}
-    (out / "results.json").write_text(json.dumps({"args": vars(args), "load_avg_end": os.getloadavg(),
-                                                  "training": training, "rows": rows}, indent=2))
+        # written after every draft length, so a run that stops later keeps what it measured
+        (out / f"results-{args.verify}.json").write_text(json.dumps(
+            {"args": vars(args), "load_avg_end": os.getloadavg(), "training": training, "rows": rows}, indent=2))
     print(f"\nmedians of {args.repeats} runs; load average at the end {os.getloadavg()[0]:.2f}")
     print("| draft_len | drafter | tau | acceptance | per-position acceptance | drafter ms / proposal | "
           "verify ms / step | speedup | greedy_match |")
@@ -165,7 +184,7 @@ def main():
         positions = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
         print(f"| {r['draft_len']} | {r['drafter']} | {r['tau']:.2f} | {r['acceptance_rate']:.3f} | {positions} | "
               f"{r['drafter_ms_per_proposal']:.1f} | {r['verify_ms_per_step']:.1f} | {r['speedup']:.2f} | "
-              f"{r['greedy_match']:.2f} |")
+              f"{'-' if r['greedy_match'] is None else format(r['greedy_match'], '.2f')} |")
 
 
 if __name__ == "__main__":
