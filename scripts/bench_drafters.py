@@ -83,9 +83,13 @@ def train_for_budget(name: str, overrides: list[str], args) -> dict:
 
     run = f"{name}-budget{args.budget_min:g}m"
     record = Path(args.output_root) / run / "bench-training.json"
-    if record.exists():  # trained by an earlier invocation (same data and budget): evaluate it again, e.g. sampling
+    recipe = {"data": str(args.data), "overrides": [*overrides, *args.overrides]}
+    if record.exists():  # trained by an earlier invocation: evaluate it again (e.g. sampling), if it is the same recipe
+        saved = json.loads(record.read_text())
+        if {k: saved.get(k) for k in recipe} != recipe:
+            raise SystemExit(f"{record.parent} was trained on other data or overrides; use another --output-root")
         print(f"{name}: reusing {record.parent}", flush=True)
-        return {**json.loads(record.read_text()), "cfg": compose_train([*common, f"train.run_name={run}"])}
+        return {**saved, "cfg": compose_train([*common, f"train.run_name={run}"])}
 
     def probe(tag: str, steps: int) -> float:
         shutil.rmtree(Path(args.output_root) / f"{name}-{tag}", ignore_errors=True)  # else the run would resume
@@ -101,7 +105,7 @@ def train_for_budget(name: str, overrides: list[str], args) -> dict:
     print(f"{name}: one-off {one_off:.0f} s, fixed {fixed:.0f} s, {per_step:.2f} s/step, trained {steps} steps "
           f"in {seconds:.0f} s", flush=True)
     info = {"run": run, "steps": steps, "seconds_per_step": per_step, "one_off_s": one_off, "fixed_s": fixed,
-            "train_s": seconds, "one_off_charged": bool(charged)}
+            "train_s": seconds, "one_off_charged": bool(charged), **recipe}
     record.write_text(json.dumps(info, indent=2))
     return {**info, "cfg": compose_train([*common, f"train.run_name={run}"])}
 
@@ -114,7 +118,8 @@ def main():
     parser.add_argument("--budget-min", type=float, default=20.0, help="training wall-clock per kind, minutes")
     parser.add_argument("--probe-steps", type=int, default=5)
     parser.add_argument("--one-off-outside-budget", action="store_true",
-                        help="do not charge a one-off cost (the feature cache, reused by later runs on the same data) to the training budget; it is still reported")
+                        help="do not charge a one-off cost (the feature cache, reused by later runs on the same "
+                             "data) to the training budget; it is still reported")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--draft-lens", type=int, nargs="+", default=[2, 3, 4, 6, 8])
@@ -146,6 +151,7 @@ def main():
         models[name] = load_drafter(dataclasses.replace(info["cfg"].drafter, path=str(best)), target, tokenizer,
                                     "float32")
     out = Path(args.output_root)
+    out.mkdir(parents=True, exist_ok=True)
     training = {name: {k: v for k, v in info.items() if k != "cfg"} for name, info in trained.items()}
     rows = []
     for k in args.draft_lens:
