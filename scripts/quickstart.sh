@@ -14,12 +14,13 @@
 #      1-token one here): tau, acceptance and speedup are printed,
 #   4. the final drafter alone and prompt lookup alone are evaluated on the same prompts: where the gain comes from.
 # Rerunning continues where it stopped (data, feature cache and training checkpoints resume). Extra arguments are
-# passed to drafter-train, e.g. `bash scripts/quickstart.sh train.max_steps=1500`.
+# passed to drafter-train, e.g. `bash scripts/quickstart.sh train.max_steps=1500`. Environment: NUM_PROMPTS (800),
+# DATA (its folder), RUN (the run name), STEPS (960), SAVE_EVERY (480), EVAL_PROMPTS (16).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 DATA=${DATA:-data/quickstart-smollm2-ref}
-RUN=quickstart-smollm2-eagle3
+RUN=${RUN:-quickstart-smollm2-eagle3}
 PROMPTS=(eval.prompts=prompts/heldout-mix.jsonl eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48)
 EXIT=(eval.draft_exit=0.5 eval.draft_exit_adapt=true)
 drafter-datagen datagen.generate=false datagen.num_prompts=${NUM_PROMPTS:-800} datagen.num_eval_prompts=8 \
