@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
@@ -820,3 +821,11 @@ def register_configs() -> None:
                        ("dflash_schema", DFlashDrafterConfig), ("layerskip_schema", LayerSkipDrafterConfig),
                        ("any_schema", DrafterConfig)):
         cs.store(group="drafter", name=name, node=node)
+
+
+def compose_config(name: str, overrides: list[str]) -> Any:
+    """The typed, validated job config of entry point `name` (train, eval, datagen, export, report) with Hydra
+    `overrides`, composed from conf/ as the command line composes it: for scripts and notebooks."""
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return OmegaConf.to_object(compose(name, overrides=list(overrides)))

@@ -31,10 +31,7 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from drafter_train.config import CONF_DIR, register_configs  # noqa: E402
+from drafter_train.config import compose_config  # noqa: E402
 from drafter_train.data.datagen import (  # noqa: E402
     Throughput, _pad_id, generate_shard, load_distill_dataset, run_datagen)
 from drafter_train.data.generation import HFBackend  # noqa: E402
@@ -48,12 +45,6 @@ from drafter_train.drafters.loading import load_drafter  # noqa: E402
 from drafter_train.evaluate import divergence_margin, eos_token_ids  # noqa: E402
 from drafter_train.targets import load_target  # noqa: E402
 from drafter_train.train import eval_prompt_ids, train  # noqa: E402
-
-
-def composed(name: str, overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose(name, overrides=overrides))
 
 
 def agreement(target, prompts: list[list[int]], reference: list[list[int]], other: list[list[int]]) -> dict:
@@ -72,7 +63,7 @@ def timed_run(backend, prompts, dg) -> tuple[list[list[int]], float]:
 
 
 def throughput(args, common: list[str]) -> dict:
-    cfg = composed("datagen", [*common, f"datagen.num_prompts={args.num_prompts}"])
+    cfg = compose_config("datagen", [*common, f"datagen.num_prompts={args.num_prompts}"])
     model, tokenizer = load_target(cfg.target)
     prompts = select_prompts(open_source(cfg.datagen), tokenizer, cfg.datagen, cfg.target.chat_template).train
     eos = eos_token_ids(model, tokenizer)
@@ -80,8 +71,8 @@ def throughput(args, common: list[str]) -> dict:
     for in_flight in args.in_flight:
         dg = dataclasses.replace(cfg.datagen, batch_size=in_flight)
         hf = HFBackend(model, tokenizer, dg, eos, _pad_id(tokenizer, eos))
-        vcfg = composed("datagen", [*common, *vllm_overrides(args), f"datagen.vllm.max_num_seqs={in_flight}",
-                                    f"datagen.output_dir={Path(args.output_root) / 'throughput'}"])  # its log
+        vcfg = compose_config("datagen", [*common, *vllm_overrides(args), f"datagen.vllm.max_num_seqs={in_flight}",
+                                          f"datagen.output_dir={Path(args.output_root) / 'throughput'}"])  # its log
         samples = {"hf": [], "vllm": []}
         with VllmBackend(vcfg) as vllm:
             start = time.perf_counter()
@@ -120,19 +111,19 @@ def tau(args, common: list[str]) -> dict:
     folders = {}
     for backend, extra in (("hf", ["datagen.batch_size=16"]), ("vllm", vllm_overrides(args))):
         start = time.perf_counter()
-        folders[backend] = run_datagen(composed("datagen", [
+        folders[backend] = run_datagen(compose_config("datagen", [
             *common, f"datagen.num_prompts={args.num_prompts}", f"datagen.output_dir={root / ('data-' + backend)}",
             f"datagen.backend={backend}", *extra]))
         print(f"datagen {backend}: {time.perf_counter() - start:.0f} s", flush=True)
     data = {name: load_distill_dataset(folder) for name, folder in folders.items()}
     assert data["hf"]["prompt_ids"] == data["vllm"]["prompt_ids"]
-    target, tokenizer = load_target(composed("datagen", common).target)
+    target, tokenizer = load_target(compose_config("datagen", common).target)
     result = {"agreement": agreement(target, data["hf"]["prompt_ids"], data["hf"]["response_ids"],
                                      data["vllm"]["response_ids"]), "runs": []}
     runs = {}
     for seed in args.seeds:
         for backend, folder in folders.items():
-            runs[backend, seed] = composed("train", [
+            runs[backend, seed] = compose_config("train", [
                 f"train.data_dir={folder}", f"train.output_root={root}", f"train.run_name={backend}-seed{seed}",
                 f"train.seed={seed}", f"drafter.draft_len={args.draft_len}", *args.train_overrides])
             train(runs[backend, seed])  # a finished run returns at once

@@ -33,10 +33,7 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from drafter_train.config import CONF_DIR, NgramDrafterConfig, register_configs  # noqa: E402
+from drafter_train.config import NgramDrafterConfig, compose_config  # noqa: E402
 from drafter_train.drafters.loading import load_drafter  # noqa: E402
 from drafter_train.drafters.registry import make_drafter  # noqa: E402
 from drafter_train.evaluate import evaluate_decoding  # noqa: E402
@@ -62,15 +59,9 @@ METRICS = ("tau", "acceptance_rate", "speedup", "drafter_ms_per_proposal", "veri
            "ar_tokens_per_s")
 
 
-def compose_train(overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose("train", overrides=overrides))
-
-
 def timed_train(overrides: list[str]) -> float:
     start = time.perf_counter()
-    train(compose_train(overrides))
+    train(compose_config("train", overrides))
     return time.perf_counter() - start
 
 
@@ -89,7 +80,7 @@ def train_for_budget(name: str, overrides: list[str], args) -> dict:
         if {k: saved.get(k) for k in recipe} != recipe:
             raise SystemExit(f"{record.parent} was trained on other data or overrides; use another --output-root")
         print(f"{name}: reusing {record.parent}", flush=True)
-        return {**saved, "cfg": compose_train([*common, f"train.run_name={run}"])}
+        return {**saved, "cfg": compose_config("train", [*common, f"train.run_name={run}"])}
 
     def probe(tag: str, steps: int) -> float:
         shutil.rmtree(Path(args.output_root) / f"{name}-{tag}", ignore_errors=True)  # else the run would resume
@@ -107,7 +98,7 @@ def train_for_budget(name: str, overrides: list[str], args) -> dict:
     info = {"run": run, "steps": steps, "seconds_per_step": per_step, "one_off_s": one_off, "fixed_s": fixed,
             "train_s": seconds, "one_off_charged": bool(charged), **recipe}
     record.write_text(json.dumps(info, indent=2))
-    return {**info, "cfg": compose_train([*common, f"train.run_name={run}"])}
+    return {**info, "cfg": compose_config("train", [*common, f"train.run_name={run}"])}
 
 
 def main():

@@ -23,19 +23,10 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from drafter_train.config import CONF_DIR, register_configs  # noqa: E402
+from drafter_train.config import compose_config  # noqa: E402
 from drafter_train.data.datagen import run_datagen  # noqa: E402
 from drafter_train.evaluate import run_eval_job  # noqa: E402
 from drafter_train.train import train  # noqa: E402
-
-
-def composed(name: str, overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose(name, overrides=overrides))
 
 
 def main() -> None:
@@ -57,11 +48,11 @@ def main() -> None:
     data, target = root / "data", [f"target.path={args.target}"]
 
     if not (data / "datagen.json").is_file():
-        run_datagen(composed("datagen", [*target, f"datagen.num_prompts={args.search_prompts}",
+        run_datagen(compose_config("datagen", [*target, f"datagen.num_prompts={args.search_prompts}",
                                          f"datagen.num_eval_prompts={args.confirm_prompts}",
                                          "datagen.max_new_tokens=128", f"datagen.output_dir={data}"]))
     start = time.perf_counter()
-    train(composed("train", [*target, "drafter=layerskip", f"drafter.draft_len={args.draft_len}",
+    train(compose_config("train", [*target, "drafter=layerskip", f"drafter.draft_len={args.draft_len}",
                              f"drafter.search_trials={args.trials}", f"drafter.search_confirm={args.confirm}",
                              f"drafter.search_sequences={args.search_prompts}", f"train.data_dir={data}",
                              f"train.output_root={root}", "train.run_name=search", f"train.seed={args.seed}",
@@ -70,7 +61,7 @@ def main() -> None:
     search_s = time.perf_counter() - start
     folder = root / "search" / "best" / "drafter"
     chosen = json.loads((folder / "config.json").read_text())
-    metrics = run_eval_job(composed("eval", [
+    metrics = run_eval_job(compose_config("eval", [
         *target, "drafter=path", f"drafter.path={folder}", f"eval.draft_len={args.draft_len}",
         f"eval.prompts={args.prompts}", f"eval.num_prompts={args.num_prompts}",
         f"eval.max_new_tokens={args.max_new_tokens}", f"eval.draft_exit={max(chosen['exit_threshold'], 0.01)}",

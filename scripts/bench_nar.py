@@ -21,21 +21,12 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from drafter_train.config import CONF_DIR, register_configs  # noqa: E402
+from drafter_train.config import compose_config  # noqa: E402
 from drafter_train.drafters.registry import make_drafter  # noqa: E402
 from drafter_train.drafters.loading import load_drafter  # noqa: E402
 from drafter_train.evaluate import evaluate_decoding  # noqa: E402
 from drafter_train.targets import eos_token_ids, load_target  # noqa: E402
 from drafter_train.train import eval_prompt_ids, train  # noqa: E402
-
-
-def compose_train(overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose("train", overrides=overrides))
 
 
 def parameter_count(model) -> int:
@@ -60,11 +51,11 @@ def main():
     common = [f"train.data_dir={args.data}", f"train.output_root={args.output_root}", f"train.max_steps={args.steps}",
               f"train.save_every={args.steps}", "train.eval_at_start=false", "eval.num_prompts=4",
               "eval.max_new_tokens=32", f"drafter.path=truncated:{args.layers}", *args.overrides]
-    runs = {"ar": compose_train([*common, "drafter=truncated"])}
+    runs = {"ar": compose_config("train", [*common, "drafter=truncated"])}
     for k in args.draft_lens:
         for enc in args.encoder_layers:
             name = f"nar-k{k}" + (f"-enc{enc}" if len(args.encoder_layers) > 1 else "")
-            runs[name] = compose_train([*common, "drafter=nar", f"drafter.draft_len={k}", f"drafter.encoder_layers={enc}",
+            runs[name] = compose_config("train", [*common, "drafter=nar", f"drafter.draft_len={k}", f"drafter.encoder_layers={enc}",
                                         *([f"train.run_name=nar-k{k}-enc{enc}"] if enc else []), *args.nar_overrides])
     for name, cfg in runs.items():  # resume=auto: a finished run returns at once
         start = time.perf_counter()

@@ -19,18 +19,11 @@ import argparse
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_nar import compose_train  # noqa: E402
-
-from drafter_train.config import CONF_DIR, register_configs  # noqa: E402
+from drafter_train.config import compose_config  # noqa: E402
 from drafter_train.data.datagen import run_datagen  # noqa: E402
 from drafter_train.train import train  # noqa: E402
 
@@ -51,21 +44,18 @@ def make_data(args, root: Path) -> Path:
     data = root / "data"
     prompts = root / "train-prompts.txt"
     prompts.write_text("".join(f"{s} {i}\n" for i in range(args.prompts_per_stem) for s in STEMS))
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        cfg = compose("datagen", overrides=[
-            f"target.path={args.stories}", "target.chat_template=false", f"datagen.prompts={prompts}",
-            f"datagen.num_prompts={args.prompts_per_stem * len(STEMS)}", "datagen.num_eval_prompts=4",
-            f"datagen.max_new_tokens={args.new_tokens}", f"datagen.temperature={args.temperature}",
-            f"datagen.output_dir={data}"])
-    run_datagen(OmegaConf.to_object(cfg), progress=False)  # resumes: a finished folder is kept
+    run_datagen(compose_config("datagen", [
+        f"target.path={args.stories}", "target.chat_template=false", f"datagen.prompts={prompts}",
+        f"datagen.num_prompts={args.prompts_per_stem * len(STEMS)}", "datagen.num_eval_prompts=4",
+        f"datagen.max_new_tokens={args.new_tokens}", f"datagen.temperature={args.temperature}",
+        f"datagen.output_dir={data}"]), progress=False)  # resumes: a finished folder is kept
     return data
 
 
 def run(args, root: Path, data: Path, held_out: Path, kind: str, steps: int) -> dict:
     name = f"{kind}-{steps}"
     shutil.rmtree(root / name, ignore_errors=True)  # a fresh run, never a resumed one
-    metrics = train(compose_train([
+    metrics = train(compose_config("train", [
         f"target.path={args.stories}", "target.chat_template=false", f"train.data_dir={data}",
         f"train.output_root={root}", f"train.run_name={name}", f"train.max_steps={steps}", f"train.save_every={steps}",
         "train.batch_size=4", "train.log_every=10", f"train.lr={args.lr}", "train.eval_at_start=false",

@@ -24,10 +24,7 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from drafter_train.config import CONF_DIR, register_configs  # noqa: E402
+from drafter_train.config import compose_config  # noqa: E402
 from drafter_train.decoding.drafter import ARDrafter  # noqa: E402
 from drafter_train.drafters.loading import load_drafter  # noqa: E402
 from drafter_train.evaluate import evaluate_decoding  # noqa: E402
@@ -42,12 +39,6 @@ VARIANTS = {
     "jsd": ["loss=jsd"],
     "accepted_length": ["loss=accepted_length"],
 }
-
-
-def compose_train(overrides: list[str]):
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose("train", overrides=overrides))
 
 
 def training_tokens_per_s(run_dir: Path) -> float:
@@ -71,12 +62,12 @@ def main():
               "train.eval_at_start=false", "eval.num_prompts=8", "eval.max_new_tokens=48", *args.overrides]
     runs = {}
     for name in names:
-        cfg = compose_train([*common, *VARIANTS[name], f"train.run_name={name}"])
+        cfg = compose_config("train", [*common, *VARIANTS[name], f"train.run_name={name}"])
         train(cfg)
         runs[name] = Path(args.output_root) / name
 
     # Final evaluation: every drafter on the same held-out prompts, one process, same target instance.
-    cfg = compose_train([*common, f"eval.num_prompts={args.eval_prompts}", f"eval.max_new_tokens={args.max_new_tokens}"])
+    cfg = compose_config("train", [*common, f"eval.num_prompts={args.eval_prompts}", f"eval.max_new_tokens={args.max_new_tokens}"])
     target, tokenizer = load_target(cfg.target)
     prompts, eos = eval_prompt_ids(cfg, tokenizer)[0], eos_token_ids(target, tokenizer)
     rows = []

@@ -10,7 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from drafter_train.config import CONF_DIR
+from drafter_train.config import CONF_DIR, Eagle3DrafterConfig, compose_config
 from drafter_train.data.datagen import run_datagen
 from drafter_train.drafters.registry import get_kind
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
@@ -54,6 +54,16 @@ def test_every_train_config_composes(choice):
 @pytest.mark.parametrize("name", ["eval", "datagen", "export"])
 def test_other_entry_configs_compose(name):
     OmegaConf.to_object(compose_cfg(name, []))
+
+
+def test_compose_config_gives_the_typed_config_the_cli_composes():
+    """The scripts' (and notebooks') way to a job config: the same as the command line's, typed and validated."""
+    overrides = ["drafter=eagle3", "train.max_steps=7", "eval.draft_len=3"]
+    cfg = compose_config("train", overrides)
+    assert cfg == OmegaConf.to_object(compose_cfg("train", overrides))
+    assert isinstance(cfg.drafter, Eagle3DrafterConfig) and cfg.train.max_steps == 7
+    with pytest.raises(ConfigError, match="train.max_steps"):
+        compose_config("train", ["train.max_steps=0"])
 
 
 # ---- training ------------------------------------------------------------------------------------------------------
