@@ -69,7 +69,8 @@ def run(args, root: Path, data: Path, held_out: Path, kind: str, steps: int) -> 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stories", default=os.environ.get("DRAFTER_TRAIN_STORIES260K", "../shared/models/stories260K"))
+    parser.add_argument("--stories",
+                        default=os.environ.get("DRAFTER_TRAIN_STORIES260K", "../shared/models/stories260K"))
     parser.add_argument("--prompts-per-stem", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--temperature", type=float, default=1.0, help="of the target's training continuations")
