@@ -55,6 +55,8 @@ class TargetConfig:
     # Matmul kernels of the target's and the drafter's Linear layers at inference on the CPU in float32:
     # "onednn" (oneDNN; reads each weight once for the few rows decoding feeds it, so a k+1-token verify pass costs
     # little more than a 1-token step: cpu_kernels.py) or "default" (PyTorch's MKL path). Training is unaffected.
+    # "onednn" also runs the target's grouped-query attention without copying its key/value heads on multi-token
+    # passes (cpu_kernels.use_grouped_attention; CPU only, same numbers).
     cpu_kernels: str = "onednn"
 
     def __post_init__(self) -> None:

@@ -12,6 +12,13 @@ when nothing needs gradients (inference_mode / no_grad) and the input and weight
 is the ordinary `F.linear`, so training through a patched module is unchanged. Results differ from MKL's by float
 rounding (~1e-5), like any change of kernel; both the speculative decoder and its plain-decoding baseline run the
 same patched model, so greedy losslessness is unaffected.
+
+`use_grouped_attention(model)` does the same for attention. With grouped-query attention (SmolLM2: 9 query heads on
+3 key/value heads), transformers' sdpa path copies every key/value head for its query group (`repeat_kv`) whenever
+a pass carries a mask, i.e. on every multi-token verify pass, over the whole cached prefix, in every layer.
+`grouped_sdpa_attention` hands the grouped heads to SDPA as they are (`enable_gqa=True`), on the CPU only: CUDA's
+fused kernels take no mask with it, so GPUs keep transformers' path. Same numbers as the copy (SDPA's own GQA
+broadcasts the same heads); docs/benchmarks.md, "Grouped attention", has what it saves per pass.
 """
 
 from __future__ import annotations
@@ -65,3 +72,45 @@ def use_onednn_linears(model: nn.Module, kernels: str = "onednn", min_elements: 
             layer.__class__ = nn.Linear
         patched += type(layer) is OneDNNLinear
     return patched
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention
+
+
+GROUPED_ATTENTION = "sdpa_grouped_cpu"  # the attention implementation name it is registered under
+
+
+def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers' sdpa attention, except for masked passes of grouped-query heads on the CPU: those attend with
+    SDPA's `enable_gqa` instead of transformers' copies of the key/value heads. Returns [B, q, heads, D], None."""
+    plain = (query.device.type != "cpu" or attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1
+             or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "cache")))
+    if plain:  # transformers' own path (it already uses enable_gqa where no mask is given)
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling,
+                                         enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_grouped_attention(model: nn.Module, kernels: str = "onednn") -> bool:
+    """"onednn": a model on transformers' sdpa attention switches to `grouped_sdpa_attention`; "default" switches it
+    back. Returns whether the model uses it now. Models on another attention (eager, flash...) are left as they are."""
+    if kernels not in CPU_KERNELS:
+        raise ValueError(f"cpu kernels must be one of {CPU_KERNELS}, got {kernels!r}")
+    # transformers is imported here, not with the module: config.py imports CPU_KERNELS and stays light
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(GROUPED_ATTENTION, grouped_sdpa_attention)
+    AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)  # the masks transformers builds for sdpa
+    current = model.config._attn_implementation
+    if kernels == "onednn" and current == "sdpa":
+        model.set_attn_implementation(GROUPED_ATTENTION)
+    elif kernels == "default" and current == GROUPED_ATTENTION:
+        model.set_attn_implementation("sdpa")
+    return model.config._attn_implementation == GROUPED_ATTENTION

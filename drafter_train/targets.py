@@ -20,7 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_train.config import TargetConfig
-from drafter_train.cpu_kernels import use_onednn_linears
+from drafter_train.cpu_kernels import use_grouped_attention, use_onednn_linears
 from drafter_train.errors import ModelNotFoundError, VocabMismatchError
 
 EMBEDDED_PREFIX = "embedded:"
@@ -56,6 +56,7 @@ def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
         path, gguf_file = str(embedded_folder(path, cfg.cache_dir)), None
     model = load_causal_lm(path, cfg.dtype, gguf_file)
     use_onednn_linears(model, cfg.cpu_kernels)
+    use_grouped_attention(model, cfg.cpu_kernels)
     return model, load_tokenizer(path, gguf_file)
 
 

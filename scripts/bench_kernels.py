@@ -1,9 +1,12 @@
-"""Benchmark: PyTorch's default CPU Linear kernels vs oneDNN (target.cpu_kernels), side by side in one process.
+"""Benchmark: PyTorch's default CPU kernels vs the project's (target.cpu_kernels), side by side in one process.
 
+Settings: "default" (PyTorch's MKL Linear, transformers' sdpa attention), "onednn-linears" (oneDNN Linear layers,
+transformers' sdpa attention) and "onednn" (oneDNN Linear layers and grouped attention: cpu_kernels.py, what
+target.cpu_kernels=onednn gives).
 1. The verify-cost curve: one target forward over n new tokens after a cached 256-token prefix, relative to n = 1
-   (the ratio speculative decoding lives on), for both kernel settings, interleaved, medians over repeats.
+   (the ratio speculative decoding lives on), for every setting, interleaved, medians over repeats.
 2. Plain decoding tokens/s and speculative decoding (evaluate_decoding: tau, speedup over plain decoding with the
-   SAME kernels) for each drafter given, per kernel setting, interleaved over repeats.
+   SAME kernels) for each drafter given, per setting, interleaved over repeats.
 
     python scripts/bench_kernels.py --drafters ngram checkpoints/RUN/best/drafter --repeats 3
 """
@@ -22,7 +25,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from drafter_train.config import DrafterConfig, EvalConfig, NgramDrafterConfig, TargetConfig  # noqa: E402
-from drafter_train.cpu_kernels import CPU_KERNELS  # noqa: E402
+from drafter_train.cpu_kernels import use_grouped_attention  # noqa: E402
 from drafter_train.data.prompts import load_prompt_records  # noqa: E402
 from drafter_train.drafters.loading import load_drafter  # noqa: E402
 from drafter_train.drafters.registry import make_drafter  # noqa: E402
@@ -30,6 +33,8 @@ from drafter_train.evaluate import evaluate_decoding  # noqa: E402
 from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # noqa: E402
 
 SIZES = (1, 2, 3, 5, 9, 17)
+# setting -> (target.cpu_kernels, grouped attention)
+SETTINGS = {"default": ("default", False), "onednn-linears": ("onednn", False), "onednn": ("onednn", True)}
 
 
 @torch.inference_mode()
@@ -62,18 +67,23 @@ def main():
     parser.add_argument("--max-new-tokens", type=int, default=48)
     parser.add_argument("--draft-len", type=int, default=4)
     parser.add_argument("--eval", nargs="*", default=[], help="EvalConfig fields as key=value (e.g. draft_exit=0.5)")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--output", default="bench_kernels.json")
     args = parser.parse_args()
 
-    targets = {k: load_target(TargetConfig(path=args.target, cpu_kernels=k)) for k in CPU_KERNELS}
-    curve = {k: {n: [] for n in SIZES} for k in CPU_KERNELS}
+    targets = {}
+    for name in args.settings:
+        kernels, grouped = SETTINGS[name]
+        targets[name] = load_target(TargetConfig(path=args.target, cpu_kernels=kernels))
+        use_grouped_attention(targets[name][0], "onednn" if grouped else "default")
+    curve = {k: {n: [] for n in SIZES} for k in targets}
     for repeat in range(args.repeats):  # interleaved: a load change hits both settings alike
         for k, (target, _) in targets.items():
             forward_ms(target, 1, seed=99)  # warm-up
             for n in SIZES:
                 curve[k][n] += [forward_ms(target, n, seed=repeat * 1000 + i) for i in range(args.curve_repeats)]
     result = {"torch_threads": torch.get_num_threads(), "load_avg": os.getloadavg(), "curve": {}, "decoding": []}
-    for k in CPU_KERNELS:
+    for k in targets:
         one = statistics.median(curve[k][1])
         result["curve"][k] = {"n1_ms": one, **{f"x{n}": statistics.median(curve[k][n]) / one for n in SIZES[1:]}}
         print(k, f"n=1 {one:.1f} ms", " ".join(f"n={n} x{statistics.median(curve[k][n]) / one:.2f}"
@@ -82,13 +92,13 @@ def main():
     fields = {key: type(getattr(EvalConfig(), key))(value) for key, value in (kv.split("=", 1) for kv in args.eval)}
     eval_cfg = EvalConfig(prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                           draft_len=args.draft_len, **fields)
-    tokenizer = targets["default"][1]
+    tokenizer = next(iter(targets.values()))[1]
     records = load_prompt_records(args.prompts, args.num_prompts, None)
     prompts = [encode_prompt(tokenizer, text, True) for text, _ in records]
-    eos = eos_token_ids(targets["default"][0], tokenizer)
+    eos = eos_token_ids(next(iter(targets.values()))[0], tokenizer)
     for spec in args.drafters:
-        runs = {k: [] for k in CPU_KERNELS}
-        drafters = {k: make_drafter(load_drafter(drafter_cfg(spec), target, tok, "float32"), k)
+        runs = {k: [] for k in targets}
+        drafters = {k: make_drafter(load_drafter(drafter_cfg(spec), target, tok, "float32"), SETTINGS[k][0])
                     for k, (target, tok) in targets.items()}  # loaded once per setting, reused by every repeat
         for repeat in range(args.repeats):
             for k, (target, _) in targets.items():

@@ -8,9 +8,11 @@ import copy
 import pytest
 import torch
 from torch import nn
+from transformers import DynamicCache
 
 from drafter_train.config import TargetConfig
-from drafter_train.cpu_kernels import OneDNNLinear, onednn_available, use_onednn_linears
+from drafter_train.cpu_kernels import (GROUPED_ATTENTION, OneDNNLinear, onednn_available, use_grouped_attention,
+                                      use_onednn_linears)
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
@@ -117,9 +119,65 @@ def test_load_target_applies_the_setting(tmp_path, make_tiny_llama, monkeypatch)
     plain, _ = targets.load_target(TargetConfig(path=str(tmp_path), cpu_kernels="default"))
     assert type(fast.lm_head) is OneDNNLinear and type(plain.lm_head) is nn.Linear
     assert type(fast.model.layers[0].mlp.up_proj) is nn.Linear  # 64 x 128: below the bar
+    assert fast.config._attn_implementation == GROUPED_ATTENTION and plain.config._attn_implementation == "sdpa"
     ids = torch.tensor([[1, 400, 22, 7, 93]])
     with torch.inference_mode():
         torch.testing.assert_close(fast(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Grouped-query attention without copied key/value heads
+
+
+def _cached_pass(model, ids, split, mask=None, position_ids=None):
+    """Logits of ids[split:] after a cached pass over ids[:split] (mask/position_ids: a tree-style pass)."""
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids[:, :split], past_key_values=cache, use_cache=True)
+    return model(input_ids=ids[:, split:], past_key_values=cache, use_cache=True, attention_mask=mask,
+                 position_ids=position_ids).logits
+
+
+@torch.inference_mode()
+def test_grouped_attention_equals_sdpa_and_eager_without_copying_kv_heads(make_tiny_llama, monkeypatch):
+    """Masked multi-token passes (a verify chain; a tree's additive 4-D mask) give transformers' numbers, and the
+    grouped model never copies key/value heads (repeat_kv), which transformers' sdpa does on such passes."""
+    import transformers.integrations.sdpa_attention as sdpa_module
+
+    model = make_tiny_llama(vocab_size=64, num_layers=2)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # grouped-query heads
+    ids = torch.randint(3, 64, (1, 14), generator=torch.Generator().manual_seed(0))
+    # a 4-node tree after 10 cached positions: root, two children of it, a grandchild under the first child
+    sees = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    tree = torch.cat([torch.zeros(4, 10), torch.zeros(4, 4).masked_fill(~sees, -1e9)], dim=1)[None, None]
+    positions = torch.tensor([[10, 11, 11, 12]])
+    expected = {}
+    for impl in ("eager", "sdpa"):
+        model.set_attn_implementation(impl)
+        expected[impl] = (_cached_pass(model, ids, 9), _cached_pass(model, ids, 10, tree, positions))
+    copies = []
+    monkeypatch.setattr(sdpa_module, "repeat_kv", lambda x, n: copies.append(n) or x.repeat_interleave(n, dim=1))
+    model.set_attn_implementation("sdpa")
+    _cached_pass(model, ids, 9)
+    assert copies  # transformers' sdpa copies them on a masked multi-token pass (what this replaces)
+    copies.clear()
+    assert use_grouped_attention(model)
+    chain, tree_logits = _cached_pass(model, ids, 9), _cached_pass(model, ids, 10, tree, positions)
+    assert not copies
+    for impl in ("eager", "sdpa"):
+        torch.testing.assert_close(chain, expected[impl][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tree_logits, expected[impl][1], rtol=1e-5, atol=1e-5)
+    assert not use_grouped_attention(model, "default") and model.config._attn_implementation == "sdpa"
+
+
+def test_speculative_decoding_with_grouped_attention_stays_lossless(make_tiny_llama):
+    target = make_tiny_llama(vocab_size=32, num_layers=3, init=0.5, seed=1)
+    drafter = make_drafter(make_tiny_llama(vocab_size=32, num_layers=1, init=0.5, seed=2))
+    prompt = [7, 7, 4, 9, 1]
+    ar = generate_autoregressive(target, prompt, 40)
+    assert use_grouped_attention(target)
+    for draft_len in (1, 3, 5):
+        spec = generate_speculative(target, drafter, prompt, draft_len, make_verifier("greedy", SamplingParams()), 40)
+        assert spec.tokens == ar.tokens
 
 
 def test_a_bad_setting_is_refused_in_one_line():
