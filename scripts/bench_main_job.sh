@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
-# Benchmark: the main job's three decoders side by side, repeated (issue 10 §6). After scripts/quickstart.sh, the
-# final drafter is decoded with prompt lookup first (what the job reports), alone, and prompt lookup alone, on the
-# job's held-out prompts, interleaved REPEATS times; each evaluation runs plain decoding beside it in the same
-# process. Prints the median and range of tau and speedup per decoder, with the load average.
+# Benchmark: the main job's decoders side by side, repeated (issue 10 §6). After scripts/quickstart.sh, the
+# final drafter is decoded with prompt lookup first (what the job reports), alone, and prompt lookup alone (the
+# job's min_ngram 2, and 1, drafter=ngram's default), on the job's held-out prompts, interleaved REPEATS times; each
+# evaluation runs plain decoding beside it in the same process. Prints the median and range of tau and speedup per
+# decoder, with the load average.
 #
 #   bash scripts/bench_main_job.sh                       # checkpoints/quickstart-smollm2-eagle3, 3 repeats
-#   RUN=checkpoints/my-run REPEATS=5 bash scripts/bench_main_job.sh
+#   RUN=checkpoints/my-run REPEATS=5 NAMES="lookup-alone lookup-alone-n1" bash scripts/bench_main_job.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
@@ -18,10 +19,12 @@ declare -A DECODERS=(
   [lookup-then-eagle3]="drafter=path drafter.path=$RUN/latest/drafter ${EXIT[*]} eval.lookup.min_ngram=2"
   [eagle3-alone]="drafter=path drafter.path=$RUN/latest/drafter ${EXIT[*]}"
   [lookup-alone]="drafter=ngram drafter.min_ngram=2"
+  [lookup-alone-n1]="drafter=ngram drafter.min_ngram=1"
 )
+read -r -a NAMES <<< "${NAMES:-lookup-then-eagle3 eagle3-alone lookup-alone lookup-alone-n1}"
 mkdir -p "$OUT"
 for repeat in $(seq 1 "$REPEATS"); do
-  for name in lookup-then-eagle3 eagle3-alone lookup-alone; do
+  for name in "${NAMES[@]}"; do
     # a finished evaluation is kept: rerunning resumes (delete a json to measure it again, e.g. one run under load)
     [[ -f "$OUT/$name-$repeat.json" ]] && continue
     # shellcheck disable=SC2086  # the decoder's overrides are words
@@ -29,13 +32,13 @@ for repeat in $(seq 1 "$REPEATS"); do
       hydra.run.dir="$OUT/hydra/$name-$repeat" > "$OUT/$name-$repeat.log" 2>&1
   done
 done
-python3 - "$OUT" <<'PY'
+python3 - "$OUT" "${NAMES[@]}" <<'PY'
 import json, os, pathlib, statistics, sys
 out = pathlib.Path(sys.argv[1])
 print(f"load average at the end: {os.getloadavg()}")
 print("| decoder | tau | speedup (median) | speedup (min-max) | proposals (lookup's) |")
 print("|---|---|---|---|---|")
-for name in ("lookup-then-eagle3", "eagle3-alone", "lookup-alone"):
+for name in sys.argv[2:]:
     runs = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}-*.json"))]
     speed = [m["speedup"] for m in runs]
     m = runs[0]  # greedy: tau and the proposals are the same in every repeat
