@@ -92,10 +92,10 @@ def main():
     fields = {key: type(getattr(EvalConfig(), key))(value) for key, value in (kv.split("=", 1) for kv in args.eval)}
     eval_cfg = EvalConfig(prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
                           draft_len=args.draft_len, **fields)
-    tokenizer = next(iter(targets.values()))[1]
+    any_target, tokenizer = next(iter(targets.values()))  # every setting loads the same model and tokenizer
     records = load_prompt_records(args.prompts, args.num_prompts, None)
     prompts = [encode_prompt(tokenizer, text, True) for text, _ in records]
-    eos = eos_token_ids(next(iter(targets.values()))[0], tokenizer)
+    eos = eos_token_ids(any_target, tokenizer)
     for spec in args.drafters:
         runs = {k: [] for k in targets}
         drafters = {k: make_drafter(load_drafter(drafter_cfg(spec), target, tok, "float32"), SETTINGS[k][0])

@@ -5,7 +5,8 @@
 
 1. Export: `drafter-export export.format=vllm` of the checkpoint (or --exported: a folder exported before). The
    drafter kind decides the format and vLLM's method (DrafterKind.engine_methods["vllm"]): EAGLE-3 -> the
-   speculators format, method eagle3; stand-alone AR drafters -> their HF folder, method draft_model.
+   speculators format, method eagle3; DFlash -> its DFlashDraftModel folder, method dflash; stand-alone AR
+   drafters -> their HF folder, method draft_model.
 2. A speculators-format folder is also loaded with the `speculators` package's own config and model classes:
    every exported tensor must land in the model unchanged (no key left at its random init, d2t/t2d present).
 3. vLLM (greedy, num_speculative_tokens = draft_len, enforce_eager) decodes the prompts in a worker process under
