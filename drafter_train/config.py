@@ -146,6 +146,27 @@ class NARDrafterConfig(ARDrafterConfig):
 
 
 @dataclass
+class CorpusLookupConfig:
+    """Lookup in a corpus of earlier responses (drafters/ngram.py, CorpusIndex): where the sequence's last 1-3 tokens
+    occur in it, the continuation most of those occurrences share is proposed. The corpus is a drafter-datagen
+    folder's responses: the target's own where it generated them, else the source's reference answers."""
+
+    # A drafter-datagen output folder (e.g. train.data_dir); unset = off.
+    path: Optional[str] = None
+    # A drafted token must follow at least min_count of the occurrences, and at least min_share of them.
+    min_share: float = 0.3
+    min_count: int = 2
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.path)
+
+    def check(self, prefix: str) -> None:
+        _check(0 < self.min_share <= 1, f"{prefix}.min_share", f"must be in (0, 1], got {self.min_share}")
+        _check(self.min_count >= 1, f"{prefix}.min_count", f"must be >= 1, got {self.min_count}")
+
+
+@dataclass
 class NgramDrafterConfig(DrafterConfig):
     """`drafter=ngram`: prompt-lookup decoding (drafters/ngram.py), no model and no training; `path: lookup` builds
     it from the fields below, a saved ngram folder loads its own."""
@@ -155,11 +176,14 @@ class NgramDrafterConfig(DrafterConfig):
     # Suffix n-gram sizes tried, longest first (vLLM: prompt_lookup_min / prompt_lookup_max).
     min_ngram: int = 1
     max_ngram: int = 3
+    # Where the sequence itself has no match: lookup in a corpus of earlier responses (drafter.corpus.path).
+    corpus: CorpusLookupConfig = field(default_factory=CorpusLookupConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.min_ngram >= 1, "drafter.min_ngram", f"must be >= 1, got {self.min_ngram}")
         _check(self.max_ngram >= self.min_ngram, "drafter.max_ngram", "must be >= drafter.min_ngram")
+        self.corpus.check("drafter.corpus")
 
 
 @dataclass
@@ -358,15 +382,19 @@ class LookupConfig:
     # Shortest suffix n-gram that counts as a match; 0 = off (the drafter proposes every step).
     min_ngram: int = 0
     max_ngram: int = 3
+    # Next, where the sequence has no match: lookup in a corpus of earlier responses (eval.lookup.corpus.path, e.g.
+    # the training data); the drafter proposes only where neither matches.
+    corpus: CorpusLookupConfig = field(default_factory=CorpusLookupConfig)
 
     @property
     def enabled(self) -> bool:
-        return self.min_ngram > 0
+        return self.min_ngram > 0 or self.corpus.enabled
 
     def __post_init__(self) -> None:
         _check(self.min_ngram >= 0, "eval.lookup.min_ngram", f"must be >= 0 (0 = off), got {self.min_ngram}")
-        _check(not self.enabled or self.max_ngram >= self.min_ngram, "eval.lookup.max_ngram",
+        _check(not self.min_ngram or self.max_ngram >= self.min_ngram, "eval.lookup.max_ngram",
                f"must be >= eval.lookup.min_ngram ({self.min_ngram}), got {self.max_ngram}")
+        self.corpus.check("eval.lookup.corpus")
 
 
 @dataclass
@@ -484,7 +512,8 @@ class EvalConfig:
         _check(not (self.calibration.enabled and self.draft_exit), "eval.calibration.enabled",
                "calibration compares fixed chain lengths and tree sizes: unset eval.draft_exit")
         _check(not (self.lookup.enabled and self.tree.enabled), "eval.lookup.min_ngram",
-               "prompt lookup first proposes chains: unset eval.tree.top_k or eval.lookup.min_ngram")
+               "prompt lookup first proposes chains: unset eval.tree.top_k, or eval.lookup.min_ngram and "
+               "eval.lookup.corpus.path")
         _check(not (self.lookup.enabled and self.calibration.enabled), "eval.lookup.min_ngram",
                "calibration predicts the drafter's own chains and trees: unset eval.calibration.enabled or "
                "eval.lookup.min_ngram")

@@ -147,7 +147,7 @@ def evaluate_decoding(
     when prompts have task categories, the same headline numbers per category.
     """
     params = sampling_params(cfg)
-    drafter = lookup_first(drafter, cfg.lookup.min_ngram, cfg.lookup.max_ngram)
+    drafter = lookup_first(drafter, cfg.lookup)
 
     def run_ar(prompt, seed):
         gen = torch.Generator(device=target.device).manual_seed(seed)

@@ -97,14 +97,17 @@ def test_lookup_proposals_are_the_lookup_rule(make_tiny_llama):
             assert proposal.tokens.tolist() == expected and proposal.q_draft is None
 
 
-def test_speculative_sampling_with_lookup_first_matches_the_target_distribution():
+def sampled_with_lookup_first(min_ngram: int, corpus=None, seed: int = 1234, runs: int = 3000):
+    """Speculative sampling (temperature 1) of 4 tokens, `runs` times, by a bigram target with a bigram drafter behind
+    LookupFirst: (chi-square p-values of each position's counts against the target's exact marginals, lookup
+    proposals, the drafter's own proposals)."""
     params = SamplingParams(temperature=1.0)
     target_table, draft_table = make_bigram_pair()
     target, draft = BigramLM(target_table), BigramLM(draft_table)
-    runs, num_tokens, prompt = 3000, 4, [0, 1, 0, 1, 0]
+    num_tokens, prompt = 4, [0, 1, 0, 1, 0]
     counts = torch.zeros(num_tokens, 6)
-    generator = torch.Generator().manual_seed(1234)
-    drafter = LookupFirst(make_drafter(draft), 1, 3)
+    generator = torch.Generator().manual_seed(seed)
+    drafter = LookupFirst(make_drafter(draft), min_ngram, 3, corpus)
     looked = drafted = 0
     for _ in range(runs):
         out = generate_speculative(target, drafter, prompt, 3, make_verifier("sample", params), num_tokens, params,
@@ -112,9 +115,13 @@ def test_speculative_sampling_with_lookup_first_matches_the_target_distribution(
         counts[torch.arange(num_tokens), torch.tensor(out.tokens)] += 1
         looked += out.stats.lookup_proposals
         drafted += out.stats.proposals - out.stats.lookup_proposals
-    assert looked > 100 and drafted > 100  # both sources proposed, each with its own q (one-hot / the drafter's)
     exact = bigram_marginals(target_table, prompt[-1], params, num_tokens)  # a bigram target: the last token
-    pvalues = [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)]
+    return [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)], looked, drafted
+
+
+def test_speculative_sampling_with_lookup_first_matches_the_target_distribution():
+    pvalues, looked, drafted = sampled_with_lookup_first(1)
+    assert looked > 100 and drafted > 100  # both sources proposed, each with its own q (one-hot / the drafter's)
     assert min(pvalues) > 1e-3, pvalues
 
 
@@ -141,7 +148,7 @@ def test_draft_exit_is_the_drafters_own(make_tiny_llama):
     eagle.exit_below = 0.3
     assert eagle.drafter.exit_below == 0.3
     assert not supports_draft_exit(LookupFirst(drafter_of("dflash", target, make_tiny_llama), 2, 3))
-    assert lookup_first(eagle.drafter, 0, 3) is eagle.drafter  # off: the drafter itself
+    assert lookup_first(eagle.drafter, LookupConfig()) is eagle.drafter  # off: the drafter itself
     assert eagle.feature_layers == eagle.drafter.feature_layers  # what the decoder taps is the drafter's
 
 

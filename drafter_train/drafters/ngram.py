@@ -8,6 +8,11 @@ baseline every trained drafter must beat: it wins where the output copies its in
 Lossless like every kind: the drafts are deterministic, so q is one-hot on each draft (speculative sampling then
 accepts draft d with probability p(d) and resamples from norm(max(0, p - onehot)) on rejection).
 
+Corpus lookup (`drafter.corpus.path`, and `eval.lookup.corpus.path` ahead of any drafter): where the sequence itself
+has no match, the drafts come from a corpus of earlier responses, a drafter-datagen folder (CorpusIndex). SuffixDecoding
+(Oliaro et al. 2024, vLLM `method: suffix`) drafts from the target's earlier outputs the same way; a model's phrasing
+repeats across answers ("Here are some", list markup, closing lines) where no prompt holds it.
+
 A "drafter folder" is a config.json (model_type `ngram_drafter`, the n-gram sizes; `save_pretrained` writes it):
 `drafter-eval drafter=ngram` builds one, `drafter=path` loads a saved one; `drafter-train` has nothing to train and
 says so (so there is no run to export either).
@@ -17,11 +22,13 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
-from drafter_train.config import DrafterConfig, NgramDrafterConfig
+from drafter_train.config import CorpusLookupConfig, DrafterConfig, LookupConfig, NgramDrafterConfig
+from drafter_train.data.store import load_distill_dataset
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.drafters.registry import BuildContext, DrafterKind
@@ -34,8 +41,9 @@ MODEL_TYPE = "ngram_drafter"
 class NgramConfig(PretrainedConfig):
     model_type = MODEL_TYPE
 
-    def __init__(self, min_ngram: int = 1, max_ngram: int = 3, **kwargs):
+    def __init__(self, min_ngram: int = 1, max_ngram: int = 3, corpus: Optional[dict] = None, **kwargs):
         self.min_ngram, self.max_ngram = min_ngram, max_ngram
+        self.corpus = corpus  # CorpusLookupConfig's fields (path, min_share, min_count), or None
         super().__init__(**kwargs)
 
 
@@ -77,6 +85,79 @@ def followers(tokens: list[int], min_ngram: int, max_ngram: int) -> dict[int, fl
     return {}
 
 
+class CorpusIndex:
+    """A corpus of token sequences, searchable by the 1- to 3-grams it contains.
+
+    `propose(tokens, k)`: for the longest suffix n-gram of `tokens` (n = 3..1) found at least `min_count` times, walk
+    its occurrences forward: the next draft is the token most of them continue with, kept while it continues at least
+    `min_count` of them and a `min_share` of those still walked (SuffixDecoding's frequency rule); the walk goes on
+    with the occurrences that agree. [] where nothing qualifies: then the step belongs to the next source.
+
+    Each n-gram is one integer (its tokens as digits in base `self.base`, exact: no hashing), sorted once, so a lookup
+    is a binary search; at most the last `MAX_OCCURRENCES` occurrences are walked.
+    """
+
+    MAX_NGRAM, MAX_OCCURRENCES, SEPARATOR = 3, 512, -1
+
+    def __init__(self, sequences: Sequence[Sequence[int]], min_share: float = 0.3, min_count: int = 2):
+        self.min_share, self.min_count = min_share, min_count
+        flat = [t for seq in sequences for t in (*seq, self.SEPARATOR)]
+        self.tokens = np.asarray(flat, dtype=np.int64)
+        self.base = int(self.tokens.max(initial=0)) + 1
+        if self.base ** self.MAX_NGRAM >= 2 ** 63:
+            raise ValueError(f"token ids up to {self.base - 1} do not fit the corpus index")
+        self.keys, self.follow = {}, {}
+        for n in range(1, self.MAX_NGRAM + 1):
+            starts = np.arange(max(0, len(flat) - n))  # n-gram tokens[s:s+n], followed by tokens[s+n]
+            grams = np.stack([self.tokens[starts + j] for j in range(n)], axis=1) if len(starts) else np.zeros((0, n))
+            valid = (grams >= 0).all(axis=1)
+            keys = self._key(grams[valid])
+            order = np.argsort(keys, kind="stable")  # equal n-grams stay in corpus order
+            self.keys[n], self.follow[n] = keys[order], (starts[valid] + n)[order]
+
+    def _key(self, grams: np.ndarray) -> np.ndarray:
+        key = np.zeros(len(grams), dtype=np.int64)
+        for column in grams.T:
+            key = key * self.base + column
+        return key
+
+    def propose(self, tokens: Sequence[int], k: int) -> list[int]:
+        for n in range(min(self.MAX_NGRAM, len(tokens)), 0, -1):
+            suffix = np.asarray(tokens[len(tokens) - n:], dtype=np.int64)
+            if suffix.max() >= self.base:
+                continue  # a token the corpus never holds: no n-gram with it can match (a shorter one may)
+            key = self._key(suffix[None])[0]
+            lo, hi = np.searchsorted(self.keys[n], key, "left"), np.searchsorted(self.keys[n], key, "right")
+            if hi - lo >= self.min_count:
+                return self._walk(self.follow[n][max(lo, hi - self.MAX_OCCURRENCES):hi], k)
+        return []
+
+    def _walk(self, positions: np.ndarray, k: int) -> list[int]:
+        drafts = []
+        while len(drafts) < k:
+            following = self.tokens[positions]
+            ids, counts = np.unique(following[following >= 0], return_counts=True)
+            if not len(ids):
+                break
+            best = int(counts.argmax())  # ties: the smaller token id
+            if counts[best] < self.min_count or counts[best] < self.min_share * len(positions):
+                break
+            drafts.append(int(ids[best]))
+            positions = positions[following == ids[best]] + 1
+        return drafts
+
+
+def corpus_index(cfg: CorpusLookupConfig | dict | None) -> Optional[CorpusIndex]:
+    """The CorpusIndex of a drafter-datagen folder's responses (each record's target response, else its reference
+    answer); None when no corpus is configured. A folder that is not datagen output is refused in one line."""
+    cfg = CorpusLookupConfig(**cfg) if isinstance(cfg, dict) else cfg
+    if cfg is None or not cfg.enabled:
+        return None
+    data = load_distill_dataset(cfg.path)
+    sequences = [own or reference for own, reference in zip(data["response_ids"], data["reference_ids"])]
+    return CorpusIndex(sequences, cfg.min_share, cfg.min_count)
+
+
 def lookup_proposal(seq: Tensor, draft_len: int, min_ngram: int, max_ngram: int, from_lookup: bool = False) -> Proposal:
     """lookup() on `seq` [L] as a Proposal (empty without a match). Deterministic drafts: q is one-hot (verify.py)."""
     drafts = lookup(seq.tolist(), draft_len, min_ngram, max_ngram)
@@ -97,6 +178,7 @@ class PromptLookupDrafter:
     def __init__(self, model: NgramModel):
         self.min_ngram, self.max_ngram = model.config.min_ngram, model.config.max_ngram
         self.vocab_size = getattr(model.config, "vocab_size", None)  # the target's (trees score every token id)
+        self.corpus = corpus_index(getattr(model.config, "corpus", None))  # chains only: trees use the sequence
 
     def _logits(self, tokens: list[int], device: torch.device) -> Tensor:
         """[V] log(score) of each follower (followers()), -inf for every other token."""
@@ -122,21 +204,29 @@ class PromptLookupDrafter:
 
     def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
                 generator: Optional[torch.Generator]) -> Proposal:
-        return lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram)
+        proposal = lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram)
+        return proposal if proposal.draft_len or self.corpus is None else corpus_proposal(self.corpus, seq, draft_len)
 
     def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
         pass
 
 
+def corpus_proposal(corpus: CorpusIndex, seq: Tensor, draft_len: int, from_lookup: bool = False) -> Proposal:
+    """CorpusIndex.propose on `seq` [L] as a Proposal (empty where nothing qualifies); one-hot q like lookup's."""
+    drafts = corpus.propose(seq.tolist(), draft_len)
+    return Proposal(torch.tensor(drafts, dtype=torch.long, device=seq.device), q_draft=None, from_lookup=from_lookup)
+
+
 class LookupFirst:
     """Prompt lookup ahead of any drafter (eval.lookup): where the sequence's last n-gram occurred earlier, the
-    tokens that followed it are the proposal and the drafter is not run; elsewhere the drafter proposes. The drafter
+    tokens that followed it are the proposal and the drafter is not run; next, with a corpus (eval.lookup.corpus),
+    where the corpus continues the sequence's last tokens; elsewhere the drafter proposes. The drafter
     is still told every commit, so a drafter that reads target features takes those of the lookup steps into its
     cache at its next proposal. Anything else (feature_layers, draft_vocab, share_target, exit_below) is the
     drafter's own, so draft exit applies where the drafter has it, to the drafter's proposals only."""
 
-    def __init__(self, drafter, min_ngram: int, max_ngram: int):
-        self.drafter, self.min_ngram, self.max_ngram = drafter, min_ngram, max_ngram
+    def __init__(self, drafter, min_ngram: int, max_ngram: int, corpus: Optional[CorpusIndex] = None):
+        self.drafter, self.min_ngram, self.max_ngram, self.corpus = drafter, min_ngram, max_ngram, corpus
 
     def __getattr__(self, name: str):
         if name == "drafter":  # not set yet (copying): no recursion
@@ -156,16 +246,23 @@ class LookupFirst:
 
     def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
                 generator: Optional[torch.Generator]) -> Proposal:
-        proposal = lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram, from_lookup=True)
-        return proposal if proposal.draft_len else self.drafter.propose(seq, draft_len, params, generator)
+        if self.min_ngram:  # 0: the sequence is not searched (corpus lookup only)
+            proposal = lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram, from_lookup=True)
+            if proposal.draft_len:
+                return proposal
+        if self.corpus is not None:
+            proposal = corpus_proposal(self.corpus, seq, draft_len, from_lookup=True)
+            if proposal.draft_len:
+                return proposal
+        return self.drafter.propose(seq, draft_len, params, generator)
 
     def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
         self.drafter.commit(num_valid, features, path)
 
 
-def lookup_first(drafter, min_ngram: int, max_ngram: int):
-    """`drafter` behind prompt lookup (eval.lookup); the drafter itself when min_ngram is 0 (off)."""
-    return LookupFirst(drafter, min_ngram, max_ngram) if min_ngram > 0 else drafter
+def lookup_first(drafter, cfg: LookupConfig):
+    """`drafter` behind prompt lookup and corpus lookup (eval.lookup); the drafter itself when both are off."""
+    return LookupFirst(drafter, cfg.min_ngram, cfg.max_ngram, corpus_index(cfg.corpus)) if cfg.enabled else drafter
 
 
 def build(cfg: DrafterConfig, ctx: BuildContext) -> NgramModel:
@@ -174,7 +271,9 @@ def build(cfg: DrafterConfig, ctx: BuildContext) -> NgramModel:
     if ctx.for_training:
         raise ConfigError("drafter=ngram: prompt lookup has nothing to train; evaluate it with "
                           "drafter-eval drafter=ngram (drafter.min_ngram / drafter.max_ngram)")
+    corpus = dict(path=cfg.corpus.path, min_share=cfg.corpus.min_share, min_count=cfg.corpus.min_count)
     return NgramModel(NgramConfig(min_ngram=cfg.min_ngram, max_ngram=cfg.max_ngram,
+                                  corpus=corpus if cfg.corpus.enabled else None,
                                   vocab_size=ctx.target.config.vocab_size))
 
 
