@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
 # Benchmark: the main job's decoders side by side, repeated (issue 10 §6). After scripts/quickstart.sh, the
-# final drafter is decoded with prompt lookup first (what the job reports), alone, and prompt lookup alone (the
-# job's min_ngram 2, and 1, drafter=ngram's default), on the job's held-out prompts, interleaved REPEATS times; each
+# final drafter is decoded with prompt lookup and corpus lookup in the job's training data first (what the job
+# reports), with prompt lookup only first, alone, and the lookups without a drafter (prompt lookup at the job's
+# min_ngram 2, and 1, drafter=ngram's default), on the job's held-out prompts, interleaved REPEATS times; each
 # evaluation runs plain decoding beside it in the same process. Prints the median and range of tau and speedup per
 # decoder, with the load average.
 #
 #   bash scripts/bench_main_job.sh                       # checkpoints/quickstart-smollm2-eagle3, 3 repeats
-#   RUN=checkpoints/my-run REPEATS=5 NAMES="lookup-alone lookup-alone-n1" bash scripts/bench_main_job.sh
+#   RUN=checkpoints/my-run DATA=data/my-data REPEATS=5 NAMES="lookup-alone lookup-alone-n1" bash scripts/bench_main_job.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 RUN=${RUN:-checkpoints/quickstart-smollm2-eagle3}
+DATA=${DATA:-data/quickstart-smollm2-ref}  # the corpus of corpus lookup: the job's training data
 REPEATS=${REPEATS:-3}
 OUT=${OUT:-$RUN/bench-main-job}
 COMMON=(eval.prompts=prompts/heldout-mix.jsonl eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48)
 EXIT=(eval.draft_exit=0.5 eval.draft_exit_adapt=true)
 declare -A DECODERS=(
+  [lookups-then-eagle3]="drafter=path drafter.path=$RUN/latest/drafter ${EXIT[*]} eval.lookup.min_ngram=2 eval.lookup.corpus.path=$DATA"
   [lookup-then-eagle3]="drafter=path drafter.path=$RUN/latest/drafter ${EXIT[*]} eval.lookup.min_ngram=2"
   [eagle3-alone]="drafter=path drafter.path=$RUN/latest/drafter ${EXIT[*]}"
+  [lookups-alone]="drafter=ngram drafter.min_ngram=2 drafter.corpus.path=$DATA"
   [lookup-alone]="drafter=ngram drafter.min_ngram=2"
   [lookup-alone-n1]="drafter=ngram drafter.min_ngram=1"
 )
-read -r -a NAMES <<< "${NAMES:-lookup-then-eagle3 eagle3-alone lookup-alone lookup-alone-n1}"
+read -r -a NAMES <<< "${NAMES:-lookups-then-eagle3 lookup-then-eagle3 eagle3-alone lookups-alone lookup-alone lookup-alone-n1}"
 mkdir -p "$OUT"
 for repeat in $(seq 1 "$REPEATS"); do
   for name in "${NAMES[@]}"; do

@@ -12,7 +12,8 @@
 #      earlier, their continuation is the proposal and the drafter is not run), the drafter elsewhere, with Draft &
 #      Verify's adaptive draft exit (unsure drafts are not verified: a multi-token verify pass costs more than a
 #      1-token one here): tau, acceptance and speedup are printed,
-#   4. the final drafter alone and prompt lookup alone are evaluated on the same prompts: where the gain comes from.
+#   4. the final drafter alone, prompt lookup alone, and prompt lookup with corpus lookup in the training data's
+#      answers (drafter.corpus.path: no training) are evaluated on the same prompts: where the gain comes from.
 # Rerunning continues where it stopped (data, feature cache and training checkpoints resume). Extra arguments are
 # passed to drafter-train, e.g. `bash scripts/quickstart.sh train.max_steps=1500`. Environment: NUM_PROMPTS (800),
 # DATA (its folder), RUN (the run name), STEPS (960), SAVE_EVERY (480), EVAL_PROMPTS (16).
@@ -33,6 +34,8 @@ drafter-eval drafter=path drafter.path="checkpoints/$RUN/latest/drafter" "${PROM
   eval.output="checkpoints/$RUN/drafter-alone.json" > "checkpoints/$RUN/drafter-alone.log" 2>&1
 drafter-eval drafter=ngram drafter.min_ngram=2 "${PROMPTS[@]}" eval.output="checkpoints/$RUN/prompt-lookup.json" \
   > "checkpoints/$RUN/prompt-lookup.log" 2>&1
+drafter-eval drafter=ngram drafter.min_ngram=2 drafter.corpus.path="$DATA" "${PROMPTS[@]}" \
+  eval.output="checkpoints/$RUN/corpus-lookup.json" > "checkpoints/$RUN/corpus-lookup.log" 2>&1
 python3 - "$RUN" <<'PY'
 import json, pathlib, sys
 run = pathlib.Path("checkpoints") / sys.argv[1]
@@ -43,7 +46,8 @@ for r in rows:
     if "eval/tau" in r:
         print(f"EAGLE-3 + prompt lookup (the product)    {r['step']:>4}  {r['eval/tau']:.3f}  "
               f"{r['eval/acceptance_rate']:.3f}       {r['eval/speedup']:.3f}")
-for name, label in (("drafter-alone", "EAGLE-3 alone (final checkpoint)"), ("prompt-lookup", "prompt lookup alone (no training)")):
+for name, label in (("drafter-alone", "EAGLE-3 alone (final checkpoint)"), ("prompt-lookup", "prompt lookup alone (no training)"),
+                    ("corpus-lookup", "prompt + corpus lookup (no training)")):
     m = json.loads((run / f"{name}.json").read_text())
     print(f"{label:<40}        {m['tau']:.3f}  {m['acceptance_rate']:.3f}       {m['speedup']:.3f}")
 PY
