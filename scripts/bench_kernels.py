@@ -7,6 +7,8 @@ target.cpu_kernels=onednn gives).
    (the ratio speculative decoding lives on), for every setting, interleaved, medians over repeats.
 2. Plain decoding tokens/s and speculative decoding (evaluate_decoding: tau, speedup over plain decoding with the
    SAME kernels) for each drafter given, per setting, interleaved over repeats.
+3. With --profile N...: where a forward over N new tokens spends its time (torch.profiler, self CPU time per op):
+   Linear layers, attention, and everything else, per setting.
 
     python scripts/bench_kernels.py --drafters ngram checkpoints/RUN/best/drafter --repeats 3
 """
@@ -37,18 +39,45 @@ SIZES = (1, 2, 3, 5, 9, 17)
 SETTINGS = {"default": ("default", False), "onednn-linears": ("onednn", False), "onednn": ("onednn", True)}
 
 
+# profiler op names -> the part of a forward they belong to (self time; anything else is "other")
+OP_PARTS = {"linear": ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"),
+            "attention": ("scaled_dot_product", "flash_attention")}
+
+
 @torch.inference_mode()
-def forward_ms(target, n: int, prefix: int = 256, seed: int = 0) -> float:
-    """One forward over n new tokens after a cached prefix of random tokens, milliseconds."""
+def forward_ms(target, n: int, prefix: int = 256, seed: int = 0, profiler=None) -> float:
+    """One forward over n new tokens after a cached prefix of random tokens, milliseconds (only that forward runs
+    inside `profiler`, a torch.profiler.profile, when given)."""
     gen = torch.Generator().manual_seed(seed)
     vocab = target.get_input_embeddings().num_embeddings
     cache = DynamicCache(config=target.config)
     target(input_ids=torch.randint(0, vocab, (1, prefix), generator=gen), past_key_values=cache, use_cache=True,
            logits_to_keep=1)
     ids = torch.randint(0, vocab, (1, n), generator=gen)
+    if profiler is not None:
+        profiler.start()
     start = time.perf_counter()
     target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=n)
-    return (time.perf_counter() - start) * 1000
+    elapsed = (time.perf_counter() - start) * 1000
+    if profiler is not None:
+        profiler.stop()
+    return elapsed
+
+
+def time_split(target, n: int, passes: int = 5) -> dict:
+    """Milliseconds per forward over n new tokens in Linear layers, attention and the rest: profiler self CPU time,
+    the mean of `passes` profiled forwards."""
+    from torch.profiler import ProfilerActivity, profile
+
+    forward_ms(target, n, seed=7)  # warm-up
+    parts = {"linear": 0.0, "attention": 0.0, "other": 0.0}
+    for i in range(passes):
+        prof = profile(activities=[ProfilerActivity.CPU])
+        forward_ms(target, n, seed=100 + i, profiler=prof)
+        for event in prof.key_averages():
+            part = next((k for k, names in OP_PARTS.items() if any(x in event.key for x in names)), "other")
+            parts[part] += event.self_cpu_time_total / 1000 / passes
+    return parts
 
 
 def drafter_cfg(spec: str):
@@ -68,6 +97,7 @@ def main():
     parser.add_argument("--draft-len", type=int, default=4)
     parser.add_argument("--eval", nargs="*", default=[], help="EvalConfig fields as key=value (e.g. draft_exit=0.5)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--profile", nargs="*", type=int, default=[], help="token counts to split by op")
     parser.add_argument("--output", default="bench_kernels.json")
     args = parser.parse_args()
 
@@ -88,6 +118,13 @@ def main():
         result["curve"][k] = {"n1_ms": one, **{f"x{n}": statistics.median(curve[k][n]) / one for n in SIZES[1:]}}
         print(k, f"n=1 {one:.1f} ms", " ".join(f"n={n} x{statistics.median(curve[k][n]) / one:.2f}"
                                              for n in SIZES[1:]), flush=True)
+
+    result["profile"] = {k: {n: time_split(target, n) for n in args.profile} for k, (target, _) in targets.items()}
+    for k, rows in result["profile"].items():
+        for n, parts in rows.items():
+            total = sum(parts.values())
+            print(k, f"n={n}: {total:.1f} ms profiled,",
+                  ", ".join(f"{part} {ms:.1f} ms ({ms / total:.0%})" for part, ms in parts.items()), flush=True)
 
     fields = {key: type(getattr(EvalConfig(), key))(value) for key, value in (kv.split("=", 1) for kv in args.eval)}
     eval_cfg = EvalConfig(prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,

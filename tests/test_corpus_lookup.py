@@ -137,6 +137,7 @@ def test_an_ngram_drafter_with_a_corpus_saves_and_loads_it(tiny_data, tmp_path):
     load_drafter(cfg, target, word_tokenizer(), "float32").save_pretrained(tmp_path / "ngram")
     saved = OmegaConf.to_object(compose_cfg("eval", ["drafter=path", f"drafter.path={tmp_path / 'ngram'}"]))
     loaded = load_drafter(saved.drafter, target, word_tokenizer(), "float32")
+    assert loaded.config.corpus["path"] == str((tiny_data / "data").resolve())
     drafter = PromptLookupDrafter(loaded)
     assert drafter.corpus is not None and (drafter.corpus.min_share, drafter.corpus.min_count) == (0.4, 2)
     plain = load_drafter(NgramDrafterConfig(), target, word_tokenizer(), "float32")

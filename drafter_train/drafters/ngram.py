@@ -20,6 +20,7 @@ says so (so there is no run to export either).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Optional, Sequence
 
 import numpy as np
@@ -271,7 +272,9 @@ def build(cfg: DrafterConfig, ctx: BuildContext) -> NgramModel:
     if ctx.for_training:
         raise ConfigError("drafter=ngram: prompt lookup has nothing to train; evaluate it with "
                           "drafter-eval drafter=ngram (drafter.min_ngram / drafter.max_ngram)")
-    corpus = dict(path=cfg.corpus.path, min_share=cfg.corpus.min_share, min_count=cfg.corpus.min_count)
+    # the folder as an absolute path: a saved ngram folder is loaded from anywhere on this machine
+    corpus = dict(path=str(Path(cfg.corpus.path or ".").resolve()), min_share=cfg.corpus.min_share,
+                  min_count=cfg.corpus.min_count)
     return NgramModel(NgramConfig(min_ngram=cfg.min_ngram, max_ngram=cfg.max_ngram,
                                   corpus=corpus if cfg.corpus.enabled else None,
                                   vocab_size=ctx.target.config.vocab_size))
