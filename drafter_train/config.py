@@ -515,8 +515,8 @@ class EvalConfig:
                "prompt lookup first proposes chains: unset eval.tree.top_k, or eval.lookup.min_ngram and "
                "eval.lookup.corpus.path")
         _check(not (self.lookup.enabled and self.calibration.enabled), "eval.lookup.min_ngram",
-               "calibration predicts the drafter's own chains and trees: unset eval.calibration.enabled or "
-               "eval.lookup.min_ngram")
+               "calibration predicts the drafter's own chains and trees: unset eval.calibration.enabled, or "
+               "eval.lookup.min_ngram and eval.lookup.corpus.path")
 
     @property
     def tree_depth(self) -> int:

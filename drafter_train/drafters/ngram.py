@@ -159,9 +159,14 @@ def corpus_index(cfg: CorpusLookupConfig | dict | None) -> Optional[CorpusIndex]
     return CorpusIndex(sequences, cfg.min_share, cfg.min_count)
 
 
-def lookup_proposal(seq: Tensor, draft_len: int, min_ngram: int, max_ngram: int, from_lookup: bool = False) -> Proposal:
-    """lookup() on `seq` [L] as a Proposal (empty without a match). Deterministic drafts: q is one-hot (verify.py)."""
-    drafts = lookup(seq.tolist(), draft_len, min_ngram, max_ngram)
+def lookup_proposal(seq: Tensor, draft_len: int, min_ngram: int, max_ngram: int,
+                    corpus: Optional[CorpusIndex] = None, from_lookup: bool = False) -> Proposal:
+    """lookup() on `seq` [L] (not searched for min_ngram 0), else `corpus`'s proposal, as a Proposal (empty where
+    neither matches). Deterministic drafts: q is one-hot (verify.py)."""
+    tokens = seq.tolist()
+    drafts = lookup(tokens, draft_len, min_ngram, max_ngram) if min_ngram else []
+    if not drafts and corpus is not None:
+        drafts = corpus.propose(tokens, draft_len)
     return Proposal(torch.tensor(drafts, dtype=torch.long, device=seq.device), q_draft=None, from_lookup=from_lookup)
 
 
@@ -205,17 +210,10 @@ class PromptLookupDrafter:
 
     def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
                 generator: Optional[torch.Generator]) -> Proposal:
-        proposal = lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram)
-        return proposal if proposal.draft_len or self.corpus is None else corpus_proposal(self.corpus, seq, draft_len)
+        return lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram, self.corpus)
 
     def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
         pass
-
-
-def corpus_proposal(corpus: CorpusIndex, seq: Tensor, draft_len: int, from_lookup: bool = False) -> Proposal:
-    """CorpusIndex.propose on `seq` [L] as a Proposal (empty where nothing qualifies); one-hot q like lookup's."""
-    drafts = corpus.propose(seq.tolist(), draft_len)
-    return Proposal(torch.tensor(drafts, dtype=torch.long, device=seq.device), q_draft=None, from_lookup=from_lookup)
 
 
 class LookupFirst:
@@ -247,15 +245,8 @@ class LookupFirst:
 
     def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
                 generator: Optional[torch.Generator]) -> Proposal:
-        if self.min_ngram:  # 0: the sequence is not searched (corpus lookup only)
-            proposal = lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram, from_lookup=True)
-            if proposal.draft_len:
-                return proposal
-        if self.corpus is not None:
-            proposal = corpus_proposal(self.corpus, seq, draft_len, from_lookup=True)
-            if proposal.draft_len:
-                return proposal
-        return self.drafter.propose(seq, draft_len, params, generator)
+        proposal = lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram, self.corpus, from_lookup=True)
+        return proposal if proposal.draft_len else self.drafter.propose(seq, draft_len, params, generator)
 
     def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
         self.drafter.commit(num_valid, features, path)
@@ -272,11 +263,10 @@ def build(cfg: DrafterConfig, ctx: BuildContext) -> NgramModel:
     if ctx.for_training:
         raise ConfigError("drafter=ngram: prompt lookup has nothing to train; evaluate it with "
                           "drafter-eval drafter=ngram (drafter.min_ngram / drafter.max_ngram)")
-    # the folder as an absolute path: a saved ngram folder is loaded from anywhere on this machine
-    corpus = dict(path=str(Path(cfg.corpus.path or ".").resolve()), min_share=cfg.corpus.min_share,
-                  min_count=cfg.corpus.min_count)
-    return NgramModel(NgramConfig(min_ngram=cfg.min_ngram, max_ngram=cfg.max_ngram,
-                                  corpus=corpus if cfg.corpus.enabled else None,
+    # the corpus folder as an absolute path: a saved ngram folder is loaded from anywhere on this machine
+    corpus = dict(path=str(Path(cfg.corpus.path).resolve()), min_share=cfg.corpus.min_share,
+                  min_count=cfg.corpus.min_count) if cfg.corpus.enabled else None
+    return NgramModel(NgramConfig(min_ngram=cfg.min_ngram, max_ngram=cfg.max_ngram, corpus=corpus,
                                   vocab_size=ctx.target.config.vocab_size))
 
 
