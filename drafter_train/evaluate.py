@@ -36,7 +36,7 @@ from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.tree import TreeSpec
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier
 from drafter_train.drafters.loading import load_drafter
-from drafter_train.drafters.ngram import lookup_first
+from drafter_train.drafters.ngram import check_corpus, lookup_first
 from drafter_train.drafters.registry import make_drafter, model_kind
 from drafter_train.errors import CheckpointDamagedError, ConfigError
 from drafter_train.data.store import _write_atomic
@@ -282,6 +282,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     _check_writable(output)
     _check_intact(cfg.drafter.path)
     target, tokenizer = load_target(cfg.target)
+    check_corpus(cfg.eval.lookup.corpus, tokenizer, "eval.lookup.corpus.path")
     model = load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype)
     drafter = make_drafter(model, cfg.target.cpu_kernels)
     cal = cfg.eval.calibration

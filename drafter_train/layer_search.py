@@ -201,7 +201,7 @@ def search(cfg: TrainJobConfig) -> dict:
     num_layers = len(decoder_layers(target))
     layers, configured = skippable(num_layers), SkipSet(tuple(sorted(dcfg.skip_attn)), tuple(sorted(dcfg.skip_mlp)))
     new_model(target, configured.attn, configured.mlp)  # checks the configured skip set in one line
-    data, response_key = load_training_data(cfg)
+    data, response_key = load_training_data(cfg, tokenizer)
     records = list(data.select(range(min(dcfg.search_sequences, len(data)))))
     proxy = Proxy(target, records, response_key, dcfg.search_max_tokens, tokenizer.pad_token_id or 0)
     study = open_study(run_dir, tcfg.seed)

@@ -24,12 +24,13 @@ from drafter_train.checkpoint import (
 from drafter_train.config import CONF_DIR, TrainJobConfig, register_configs
 from drafter_train.cli import on_main_process, one_line_errors
 from drafter_train.data.batches import BatchStream, collate, token_counts
-from drafter_train.data.store import load_distill_dataset
+from drafter_train.data.store import check_tokenizer, load_distill_dataset
 from drafter_train.data.prompts import load_prompt_records
 from drafter_train.distributed import (
     full_drafter, load_sharded_state, make_accelerator, optimizer_state, save_sharded_state,
 )
 from drafter_train.drafters.loading import load_drafter
+from drafter_train.drafters.ngram import check_corpus
 from drafter_train.drafters.registry import DrafterKind, kind_config, make_drafter, resolve_kind
 from drafter_train.errors import ConfigError, DrafterTrainError
 from drafter_train.evaluate import evaluate_decoding
@@ -45,8 +46,9 @@ def every_n_steps(step: int, n: int, last: int) -> bool:
     return step % n == 0 or step == last
 
 
-def load_training_data(cfg: TrainJobConfig):
-    """The distillation dataset, checked against what the config asks of it."""
+def load_training_data(cfg: TrainJobConfig, tokenizer):
+    """The distillation dataset, checked against what the config asks of it and the target's tokenizer."""
+    check_tokenizer(cfg.train.data_dir, tokenizer, "train.data_dir")
     data = load_distill_dataset(cfg.train.data_dir)
     column = "response_ids" if cfg.train.response == "target" else "reference_ids"
     if column == "reference_ids":
@@ -142,7 +144,8 @@ def train(cfg: TrainJobConfig) -> dict:
     set_seed(tcfg.seed)
     target, tokenizer = load_target(cfg.target)  # never prepared: no-grad, full weights on every rank
     target.to(accelerator.device)
-    data, response_key = load_training_data(cfg)
+    data, response_key = load_training_data(cfg, tokenizer)
+    check_corpus(cfg.eval.lookup.corpus, tokenizer, "eval.lookup.corpus.path")
     prompts, eos = eval_prompt_ids(cfg, tokenizer), eos_token_ids(target, tokenizer)
     kind = resolve_kind(cfg.drafter)
     cfg = dataclasses.replace(cfg, drafter=kind_config(cfg.drafter, kind))  # drafter=path: the kind's own fields

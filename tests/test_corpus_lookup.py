@@ -1,5 +1,6 @@
 """Corpus lookup (drafter.corpus / eval.lookup.corpus): the index against a naive reference, lossless decoding with
-it ahead of a drafter (greedy and sampling), the datagen folder as corpus, saving, and one-line refusals."""
+it ahead of a drafter (greedy and sampling), the datagen folder as corpus, saving, and one-line refusals (bad
+settings; data whose token ids come from another tokenizer, as corpus or as training data)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from drafter_train.config import CorpusLookupConfig, EvalConfig, LookupConfig, NgramDrafterConfig
-from drafter_train.data.store import load_distill_dataset
+from drafter_train.data.store import check_tokenizer, load_distill_dataset, tokenizer_fingerprint
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
@@ -20,7 +21,7 @@ from drafter_train.drafters.ngram import CorpusIndex, LookupFirst, PromptLookupD
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
 from drafter_train.evaluate import evaluate_decoding
-from tests.stubs import compose_cfg, word_tokenizer
+from tests.stubs import WORDS, compose_cfg, word_tokenizer
 from tests.test_eagle3 import random_eagle3
 from tests.test_lookup_first import PROMPT, Counting, drafter_of, sampled_with_lookup_first
 
@@ -151,3 +152,37 @@ def test_corpus_settings_are_checked_in_one_line(tmp_path):
         OmegaConf.to_object(compose_cfg("eval", ["drafter=ngram", "drafter.corpus.min_count=0"]))
     with pytest.raises(ConfigError, match=r"not a drafter-datagen output folder"):
         corpus_index(CorpusLookupConfig(path=str(tmp_path)))
+
+
+def test_data_made_with_another_tokenizer_is_refused_in_one_line(tiny_data, tmp_path):
+    import json
+    import shutil
+
+    from drafter_train.targets import load_causal_lm
+    from drafter_train.train import load_training_data
+
+    data = tiny_data / "data"
+    own, other = word_tokenizer(), word_tokenizer(list(reversed(WORDS)))  # the same tokens under other ids
+    assert json.loads((data / "datagen.json").read_text())["run"]["tokenizer_sha256"] == tokenizer_fingerprint(own)
+    assert tokenizer_fingerprint(own) != tokenizer_fingerprint(other)
+    refused = r": .*/data holds token ids of another tokenizer \(made with .*/target's\); make data for this target"
+    check_tokenizer(data, own, "eval.lookup.corpus.path")
+    with pytest.raises(ConfigError, match="^eval.lookup.corpus.path" + refused):
+        check_tokenizer(data, other, "eval.lookup.corpus.path")
+    # where token ids are read: the ngram drafter's corpus, and the training data
+    target = load_causal_lm(str(tiny_data / "target"))
+    corpus = NgramDrafterConfig(corpus=CorpusLookupConfig(path=str(data)))
+    assert PromptLookupDrafter(load_drafter(corpus, target, own, "float32")).corpus is not None
+    with pytest.raises(ConfigError, match="^drafter.corpus.path" + refused):
+        load_drafter(corpus, target, other, "float32")
+    cfg = OmegaConf.to_object(compose_cfg("train", [f"train.data_dir={data}"]))
+    assert len(load_training_data(cfg, own)[0]) == 32
+    with pytest.raises(ConfigError, match="^train.data_dir" + refused):
+        load_training_data(cfg, other)
+    # a folder written before datagen.json recorded the fingerprint is taken as it is
+    legacy = tmp_path / "legacy"
+    shutil.copytree(data, legacy)
+    manifest = json.loads((legacy / "datagen.json").read_text())
+    del manifest["run"]["tokenizer_sha256"]
+    (legacy / "datagen.json").write_text(json.dumps(manifest))
+    check_tokenizer(legacy, other, "train.data_dir")

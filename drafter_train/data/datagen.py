@@ -25,7 +25,8 @@ from drafter_train.config import CONF_DIR, DatagenConfig, DatagenJobConfig, regi
 from drafter_train.cli import one_line_errors
 from drafter_train.data.generation import Continuation, HFBackend
 from drafter_train.data.sources import Selection, TrainPrompt, open_source, select_prompts, source_name
-from drafter_train.data.store import FORMAT, DatagenStore, features, load_distill_dataset, load_eval_prompts, shard_name
+from drafter_train.data.store import (FORMAT, DatagenStore, features, load_distill_dataset, load_eval_prompts, shard_name,
+                                      tokenizer_fingerprint)
 from drafter_train.data.vllm_backend import VllmBackend
 from drafter_train.targets import eos_token_ids, load_target, model_identity
 
@@ -98,7 +99,8 @@ def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, backe
     counts = {"eval_prompts": len(selection.eval_prompts), "train_prompts": len(selection.train)}
     counts.update(skipped=selection.skipped, shards_total=num_shards)
     eos = backend.eos_token_ids
-    run = {"batch_size": backend.batch_size, "eos_token_ids": eos, "pad_token_id": _pad_id(backend.tokenizer, eos)}
+    run = {"batch_size": backend.batch_size, "eos_token_ids": eos, "pad_token_id": _pad_id(backend.tokenizer, eos),
+           "tokenizer_sha256": tokenizer_fingerprint(backend.tokenizer)}  # checked by whoever reads the token ids
     return dict(
         settings,
         counts=counts,

@@ -13,6 +13,7 @@ deletes and redoes. One writer per output folder.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -150,6 +151,23 @@ def load_eval_prompts(data_dir: str | Path) -> list[str]:
     if not path.is_file():
         raise ConfigError(f"{data_dir}: no {EVAL_PROMPTS}")
     return [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """sha256 of a tokenizer's vocabulary (token -> id, added tokens included): two tokenizers with equal
+    fingerprints give token ids the same meaning, whatever models they came with."""
+    return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
+
+
+def check_tokenizer(data_dir: str | Path, tokenizer, option: str) -> None:
+    """Refuse (one line) a datagen folder whose token ids come from another tokenizer than `tokenizer`'s. Folders
+    written before datagen.json recorded the fingerprint are taken as they are."""
+    manifest = json.loads((_datagen_folder(data_dir, "not readable") / MANIFEST).read_text())
+    recorded = manifest.get("run", {}).get("tokenizer_sha256")
+    if recorded and recorded != tokenizer_fingerprint(tokenizer):
+        made_for = manifest.get("target", {}).get("path", "another target")
+        raise ConfigError(f"{option}: {data_dir} holds token ids of another tokenizer (made with {made_for}'s); "
+                          f"make data for this target with drafter-datagen")
 
 
 def _datagen_folder(data_dir: str | Path, problem: str) -> Path:

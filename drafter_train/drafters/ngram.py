@@ -29,7 +29,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 
 from drafter_train.config import CorpusLookupConfig, DrafterConfig, LookupConfig, NgramDrafterConfig
-from drafter_train.data.store import load_distill_dataset
+from drafter_train.data.store import check_tokenizer, load_distill_dataset
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.drafters.registry import BuildContext, DrafterKind
@@ -159,6 +159,13 @@ def corpus_index(cfg: CorpusLookupConfig | dict | None) -> Optional[CorpusIndex]
     return CorpusIndex(sequences, cfg.min_share, cfg.min_count)
 
 
+def check_corpus(cfg: CorpusLookupConfig | dict | None, tokenizer, option: str) -> None:
+    """Refuse (one line, naming `option`) a corpus folder whose token ids come from another tokenizer."""
+    cfg = CorpusLookupConfig(**cfg) if isinstance(cfg, dict) else cfg
+    if cfg is not None and cfg.enabled:
+        check_tokenizer(cfg.path, tokenizer, option)
+
+
 def lookup_proposal(seq: Tensor, draft_len: int, min_ngram: int, max_ngram: int,
                     corpus: Optional[CorpusIndex] = None, from_lookup: bool = False) -> Proposal:
     """lookup() on `seq` [L] (not searched for min_ngram 0), else `corpus`'s proposal, as a Proposal (empty where
@@ -259,10 +266,13 @@ def lookup_first(drafter, cfg: LookupConfig):
 
 def build(cfg: DrafterConfig, ctx: BuildContext) -> NgramModel:
     if cfg.path != "lookup":
-        return load(cfg.path, ctx.dtype)
+        model = load(cfg.path, ctx.dtype)
+        check_corpus(model.config.corpus, ctx.tokenizer, "drafter.path (its corpus)")
+        return model
     if ctx.for_training:
         raise ConfigError("drafter=ngram: prompt lookup has nothing to train; evaluate it with "
                           "drafter-eval drafter=ngram (drafter.min_ngram / drafter.max_ngram)")
+    check_corpus(cfg.corpus, ctx.tokenizer, "drafter.corpus.path")
     # the corpus folder as an absolute path: a saved ngram folder is loaded from anywhere on this machine
     corpus = dict(path=str(Path(cfg.corpus.path).resolve()), min_share=cfg.corpus.min_share,
                   min_count=cfg.corpus.min_count) if cfg.corpus.enabled else None
