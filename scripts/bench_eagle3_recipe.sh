@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Benchmark (issue 10 §7): the EAGLE-3 drafter's draft-vocabulary size (tau against drafter ms), and training
 # tokens/s with online vs offline target features, on the main job's data (run scripts/quickstart.sh first, or
-# point DATA at any drafter-datagen folder with reference answers).
+# point DATA at any drafter-datagen folder with reference answers: it trains on those, not on the target's).
 #
 #   bash scripts/bench_eagle3_recipe.sh                      # vocab 2048 4096 8192 16384, 480 steps each
 #   VOCABS="4096 8192" STEPS=240 bash scripts/bench_eagle3_recipe.sh
@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
-DATA=${DATA:-data/quickstart-smollm2-ref}
+DATA=${DATA:-data/quickstart-smollm2}
 OUT=${OUT:-checkpoints/bench-eagle3-recipe}
 VOCABS=${VOCABS:-2048 4096 8192 16384}
 STEPS=${STEPS:-480}

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
 # Benchmark: the main job's decoders side by side, repeated (issue 10 §6). After scripts/quickstart.sh, the
-# final drafter is decoded with prompt lookup first (what the job reports), with prompt lookup and then corpus
-# lookup in the job's training answers (DATA) first, alone, and the lookups without a drafter (prompt lookup at the
-# job's min_ngram 2, and 1, drafter=ngram's default; with the corpus), on the job's held-out prompts, interleaved
-# REPEATS times; each evaluation runs plain decoding beside it in the same process. Prints the median and range of
-# tau and speedup per decoder, with the load average.
+# final drafter is decoded with prompt lookup and then corpus lookup in the job's data (DATA: the target's own
+# answers) first (what the job reports), with prompt lookup only first, alone, and the lookups without a drafter
+# (prompt lookup at the job's min_ngram 2, and 1, drafter=ngram's default; with the corpus), on the job's held-out
+# prompts, interleaved REPEATS times; each evaluation runs plain decoding beside it in the same process. Prints the
+# median and range of tau and speedup per decoder, with the load average.
 #
-#   bash scripts/bench_main_job.sh                       # checkpoints/quickstart-smollm2-eagle3, 3 repeats
+#   bash scripts/bench_main_job.sh                       # checkpoints/quickstart-smollm2, 3 repeats
 #   RUN=checkpoints/my-run DATA=data/my-data REPEATS=5 NAMES="lookup-alone lookup-alone-n1" bash scripts/bench_main_job.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
-RUN=${RUN:-checkpoints/quickstart-smollm2-eagle3}
-DATA=${DATA:-data/quickstart-smollm2-ref}  # the corpus of corpus lookup: the job's training data
+RUN=${RUN:-checkpoints/quickstart-smollm2}
+DATA=${DATA:-data/quickstart-smollm2}  # the corpus of corpus lookup: the job's training data
 REPEATS=${REPEATS:-3}
 OUT=${OUT:-$RUN/bench-main-job}
 COMMON=(eval.prompts=prompts/heldout-mix.jsonl eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48)
