@@ -596,8 +596,10 @@ class DatagenConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    # backend=hf: prompts per batched (left-padded) generate call (vLLM batches on its own: datagen.vllm).
-    batch_size: int = 8
+    # backend=hf: prompts per batched (left-padded) generate call (vLLM batches on its own: datagen.vllm). 32 by
+    # measurement: SmolLM2-135M on 2 CPU threads makes 92 / 142 / 201 / 200 tokens/s at 8 / 16 / 32 / 64
+    # (docs/benchmarks.md, "The main job on the target's own answers"); GPUs gain from larger batches still.
+    batch_size: int = 32
     # Prompts per shard on disk: a killed run resumes after the last complete shard.
     shard_size: int = 64
     # Store the target's top-k logits per response token for offline token-level KD (0 = do not store).
