@@ -4,8 +4,9 @@
 #      min on this CPU): the drafter's training data and the lookup corpus are what the target would write,
 #   2. an EAGLE-3 drafter (one decoder layer on the target's low/mid/high hidden states) is trained on the target's
 #      distribution over those answers; the target's features are extracted once into a 16-bit cache next to the
-#      data. Sized for the CPU budget: a 4096-token draft vocabulary and 1 training-time-test step (~1 s/step
-#      instead of ~3.5 s with 8192 and 3 steps), 600 steps of 8 (docs/benchmarks.md, "The main job's recipe"),
+#      data. Sized for the CPU budget: a 4096-token draft vocabulary and 1 training-time-test step (0.55-1 s/step
+#      instead of ~3.5 s with 8192 and 3 steps), 600 steps of 8 (docs/benchmarks.md, "The main job's recipe" and
+#      "The main job on the target's own answers"),
 #   3. every checkpoint is evaluated with real speculative decoding on held-out prompts from 8 task categories
 #      (prompts/heldout-mix.jsonl): prompt lookup first (eval.lookup.min_ngram=2: where the last 2-3 tokens occurred
 #      earlier, their continuation is the proposal and the drafter is not run), then corpus lookup in the target's
