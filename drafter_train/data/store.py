@@ -162,7 +162,7 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def check_tokenizer(data_dir: str | Path, tokenizer, option: str) -> None:
     """Refuse (one line) a datagen folder whose token ids come from another tokenizer than `tokenizer`'s. Folders
     written before datagen.json recorded the fingerprint are taken as they are."""
-    manifest = json.loads((_datagen_folder(data_dir, "not readable") / MANIFEST).read_text())
+    manifest = json.loads((_datagen_folder(data_dir, "no data") / MANIFEST).read_text())
     recorded = manifest.get("run", {}).get("tokenizer_sha256")
     if recorded and recorded != tokenizer_fingerprint(tokenizer):
         made_for = manifest.get("target", {}).get("path", "another target")
