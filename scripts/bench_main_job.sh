@@ -8,6 +8,7 @@
 #
 #   bash scripts/bench_main_job.sh                       # checkpoints/quickstart-smollm2, 3 repeats
 #   RUN=checkpoints/my-run DATA=data/my-data REPEATS=5 NAMES="lookup-alone lookup-alone-n1" bash scripts/bench_main_job.sh
+#   EXTRA="drafter.corpus.min_count=1" OUT=... NAMES=lookups-alone bash scripts/bench_main_job.sh  # overrides for all
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
@@ -32,7 +33,7 @@ for repeat in $(seq 1 "$REPEATS"); do
     # a finished evaluation is kept: rerunning resumes (delete a json to measure it again, e.g. one run under load)
     [[ -f "$OUT/$name-$repeat.json" ]] && continue
     # shellcheck disable=SC2086  # the decoder's overrides are words
-    drafter-eval ${DECODERS[$name]} "${COMMON[@]}" eval.output="$OUT/$name-$repeat.json" \
+    drafter-eval ${DECODERS[$name]} "${COMMON[@]}" ${EXTRA:-} eval.output="$OUT/$name-$repeat.json" \
       hydra.run.dir="$OUT/hydra/$name-$repeat" > "$OUT/$name-$repeat.log" 2>&1
   done
 done
