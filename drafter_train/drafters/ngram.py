@@ -20,6 +20,7 @@ says so (so there is no run to export either).
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -148,11 +149,17 @@ class CorpusIndex:
         return drafts
 
 
+def _corpus_settings(cfg: CorpusLookupConfig | dict | None) -> Optional[CorpusLookupConfig]:
+    """The corpus settings (a saved ngram folder holds them as a dict), or None when no corpus is configured."""
+    cfg = CorpusLookupConfig(**cfg) if isinstance(cfg, dict) else cfg
+    return cfg if cfg is not None and cfg.enabled else None
+
+
 def corpus_index(cfg: CorpusLookupConfig | dict | None) -> Optional[CorpusIndex]:
     """The CorpusIndex of a drafter-datagen folder's responses (each record's target response, else its reference
     answer); None when no corpus is configured. A folder that is not datagen output is refused in one line."""
-    cfg = CorpusLookupConfig(**cfg) if isinstance(cfg, dict) else cfg
-    if cfg is None or not cfg.enabled:
+    cfg = _corpus_settings(cfg)
+    if cfg is None:
         return None
     data = load_distill_dataset(cfg.path)
     sequences = [own or reference for own, reference in zip(data["response_ids"], data["reference_ids"])]
@@ -161,8 +168,8 @@ def corpus_index(cfg: CorpusLookupConfig | dict | None) -> Optional[CorpusIndex]
 
 def check_corpus(cfg: CorpusLookupConfig | dict | None, tokenizer, option: str) -> None:
     """Refuse (one line, naming `option`) a corpus folder whose token ids come from another tokenizer."""
-    cfg = CorpusLookupConfig(**cfg) if isinstance(cfg, dict) else cfg
-    if cfg is not None and cfg.enabled:
+    cfg = _corpus_settings(cfg)
+    if cfg is not None:
         check_tokenizer(cfg.path, tokenizer, option)
 
 
@@ -274,8 +281,8 @@ def build(cfg: DrafterConfig, ctx: BuildContext) -> NgramModel:
                           "drafter-eval drafter=ngram (drafter.min_ngram / drafter.max_ngram)")
     check_corpus(cfg.corpus, ctx.tokenizer, "drafter.corpus.path")
     # the corpus folder as an absolute path: a saved ngram folder is loaded from anywhere on this machine
-    corpus = dict(path=str(Path(cfg.corpus.path).resolve()), min_share=cfg.corpus.min_share,
-                  min_count=cfg.corpus.min_count) if cfg.corpus.enabled else None
+    corpus = dict(dataclasses.asdict(cfg.corpus), path=str(Path(cfg.corpus.path).resolve())) \
+        if cfg.corpus.enabled else None
     return NgramModel(NgramConfig(min_ngram=cfg.min_ngram, max_ngram=cfg.max_ngram, corpus=corpus,
                                   vocab_size=ctx.target.config.vocab_size))
 
