@@ -52,12 +52,13 @@ class TargetConfig:
     chat_template: bool = True
     # Where the embedded target's HF folder is cached (default: $DRAFTER_TRAIN_CACHE or ~/.cache/drafter_train).
     cache_dir: Optional[str] = None
-    # Matmul kernels of the target's and the drafter's Linear layers at inference on the CPU in float32:
-    # "onednn" (oneDNN; reads each weight once for the few rows decoding feeds it, so a k+1-token verify pass costs
-    # little more than a 1-token step: cpu_kernels.py) or "default" (PyTorch's MKL path). Training is unaffected.
-    # "onednn" also runs the target's grouped-query attention without copying its key/value heads on multi-token
-    # passes (cpu_kernels.use_grouped_attention; CPU only, same numbers).
-    cpu_kernels: str = "onednn"
+    # Matmul kernels of the target's and the drafter's Linear layers at inference on the CPU in float32: "auto"
+    # (per number of rows, the faster of PyTorch's MKL path and oneDNN on packed weights, timed on this machine when
+    # the model loads, ~2-3 s for SmolLM2-135M), "onednn" (oneDNN at every row count) or "default" (PyTorch's MKL
+    # path). Plain decoding and verify passes each get the faster kernel for their size: cpu_kernels.py. Training is
+    # unaffected. "auto" and "onednn" also run the target's grouped-query attention without copying its key/value
+    # heads on multi-token passes (cpu_kernels.use_grouped_attention; CPU only, same numbers).
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "target.path", "must name a hub id, a local folder or a .gguf file")

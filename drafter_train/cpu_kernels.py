@@ -1,17 +1,26 @@
-"""Faster fp32 Linear layers for CPU inference: oneDNN matmuls instead of PyTorch's default MKL path.
+"""Faster fp32 Linear layers for CPU inference: for each number of rows, the faster of PyTorch's default MKL path
+and oneDNN on pre-packed weights, measured on the machine.
 
-On this project's reference CPU (2-core AMD EPYC, AVX2; see docs/benchmarks.md "CPU kernels") the default fp32
-`F.linear` is slow for the few-row inputs decoding feeds it: one token through SmolLM2's 49,152 x 576 LM head takes
-~10 ms, 2-4 tokens cost 2-3x that (MKL's small-matrix path), while oneDNN reads the weight once at memory speed
-(~5 ms for 1 token, ~6-7 ms for 2-4). A verification pass of k+1 tokens therefore costs far less relative to a
-one-token step, which is exactly the ratio speculative decoding lives on; plain decoding gets faster too, so every
-speedup we report is against the faster baseline.
+Decoding feeds Linear layers few rows: 1 for a plain step, k+1 for a verify pass. Which kernel is faster at those
+sizes depends on the CPU (docs/benchmarks.md, "CPU kernels" and "CPU kernels chosen by measurement"):
+- on a 2-core AMD EPYC (AVX2), MKL's small-matrix path made 2-5 rows cost 1.7-2.2x one row (SmolLM2's 49,152 x 576
+  LM head: 10 ms for 1 row, 27 ms for 2), while oneDNN reads each weight once;
+- on a 2-core Intel Xeon with AVX-512 and a 480 MiB L3, MKL is the fastest up to 3 rows (a whole SmolLM2 forward
+  33.6 ms against 47.4 ms on oneDNN with plain weights), and oneDNN on packed weights from ~4 rows on.
 
-`use_onednn_linears(model)` switches each `nn.Linear` of a model in place. Its forward uses oneDNN only
-when nothing needs gradients (inference_mode / no_grad) and the input and weight are fp32 on the CPU; otherwise it
-is the ordinary `F.linear`, so training through a patched module is unchanged. Results differ from MKL's by float
-rounding (~1e-5), like any change of kernel; both the speculative decoder and its plain-decoding baseline run the
-same patched model, so greedy losslessness is unaffected.
+`use_onednn_linears(model, kernels)` switches each `nn.Linear` of at least MIN_ONEDNN_ELEMENTS weights in place:
+- "auto" (calibrate): times the model's own patched layers at a few row counts with both kernels and records, per
+  row count, the faster one (`RowPolicy`); rows between two measured counts take the smaller count's choice, rows
+  past the largest take the largest's;
+- "onednn": oneDNN at every row count;
+- "default": PyTorch's F.linear (undoes the patch).
+oneDNN runs on a copy of the weight packed into its blocked layout once (`packed_weight`; repacked when the
+weight changes, e.g. after an optimizer step), so a layer that uses it holds its weight twice. The patched forward
+uses the policy only when nothing needs gradients (inference_mode / no_grad) and input and weight are fp32 on the CPU;
+otherwise it is the ordinary `F.linear`, so training through a patched module is unchanged. Results differ between
+the kernels by float rounding (~1e-5), as with any change of kernel; plain decoding (1 row) uses the fastest
+one-row kernel, so every speedup is against the fastest plain decoding measured here, and greedy decoding stays
+lossless up to such rounding at exact near-ties (the evaluator's greedy_match reports it).
 
 `use_grouped_attention(model)` does the same for attention. With grouped-query attention (SmolLM2: 9 query heads on
 3 key/value heads), transformers' sdpa path copies every key/value head for its query group (`repeat_kv`) whenever
@@ -24,6 +33,12 @@ broadcasts the same heads); docs/benchmarks.md, "Grouped attention", has what it
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+import weakref
+from bisect import bisect_right
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -31,10 +46,12 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-CPU_KERNELS = ("onednn", "default")
+CPU_KERNELS = ("auto", "onednn", "default")
 # Smaller weights stay on the default kernel: oneDNN's fixed cost per call (~20 us here) outweighs its gain on them
 # (a 64 x 64 layer: 3 us default, 28 us oneDNN), which would make tiny targets like stories260K slower.
 MIN_ONEDNN_ELEMENTS = 1 << 16
+# Row counts "auto" times: plain steps (1), chains and small trees (2-17), batches (32 and more take its choice).
+CALIBRATION_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)
 
 
 def onednn_available() -> bool:
@@ -42,36 +59,133 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+@dataclass(frozen=True)
+class RowPolicy:
+    """Per measured row count (increasing), whether oneDNN is the faster kernel there."""
+
+    rows: tuple[int, ...] = (1,)
+    onednn: tuple[bool, ...] = (True,)
+
+    def __post_init__(self) -> None:
+        # the answer for 0 .. rows[-1] rows, looked up on every call (a decoding forward makes ~200 of them)
+        table = tuple(self.onednn[max(bisect_right(self.rows, n) - 1, 0)] for n in range(self.rows[-1] + 1))
+        object.__setattr__(self, "_table", table)
+
+    def uses_onednn(self, rows: int) -> bool:
+        table = self._table
+        return table[rows] if rows < len(table) else table[-1]
+
+    def describe(self) -> str:
+        """e.g. "default 1-3, onednn 4-16, default 17+": the kernel per range of rows."""
+        spans, start = [], 0
+        for i in range(1, len(self.rows) + 1):
+            if i == len(self.rows) or self.onednn[i] != self.onednn[start]:
+                first = self.rows[start]
+                span = f"{first}+" if i == len(self.rows) else \
+                    f"{first}" if self.rows[i] - 1 == first else f"{first}-{self.rows[i] - 1}"
+                spans.append(f"{'onednn' if self.onednn[start] else 'default'} {span}")
+                start = i
+        return ", ".join(spans)
+
+
+ALWAYS_ONEDNN = RowPolicy()
+
+# id(weight) -> (weakref to it, its version and data pointer when packed, the packed copy)
+_PACKED: dict[int, tuple] = {}
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` [out, in] in oneDNN's blocked layout, packed once and again only when the weight has changed (an
+    in-place update, a new storage); freed with the weight."""
+    try:
+        state = (weight._version, weight.data_ptr())
+    except RuntimeError:  # an inference tensor (made under inference_mode) has no version counter; it cannot change
+        state = (0, weight.data_ptr())
+    key = id(weight)
+    entry = _PACKED.get(key)
+    if entry is None or entry[0]() is not weight or entry[1] != state:
+        if entry is None or entry[0]() is not weight:
+            weakref.finalize(weight, _PACKED.pop, key, None)
+        entry = (weakref.ref(weight), state, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
+        _PACKED[key] = entry
+    return entry[2]
+
+
 class OneDNNLinear(nn.Linear):
-    """An nn.Linear whose inference forward runs on oneDNN (set as a layer's class: a deep copy stays itself)."""
+    """An nn.Linear whose inference forward runs oneDNN at the row counts its `row_policy` gives it (set as a layer's
+    class: a deep copy stays itself, with its own packed weight)."""
+
+    row_policy: RowPolicy = ALWAYS_ONEDNN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if torch.is_grad_enabled() or x.device.type != "cpu" or x.dtype != torch.float32 or w.dtype != torch.float32:
+        if (torch.is_grad_enabled() or not x.is_cpu or x.dtype is not torch.float32 or w.dtype is not torch.float32
+                or not self.row_policy.uses_onednn(x.numel() // self.in_features)):
             return F.linear(x, w, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, w, self.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), self.bias, "none", [], "")
 
 
-def use_onednn_linears(model: nn.Module, kernels: str = "onednn", min_elements: int = MIN_ONEDNN_ELEMENTS) -> int:
-    """Switch `model`'s Linear layers of at least `min_elements` weights to `kernels` ("onednn" | "default");
-    returns how many layers use oneDNN.
+def use_onednn_linears(model: nn.Module, kernels: str = "auto", min_elements: int = MIN_ONEDNN_ELEMENTS) -> int:
+    """Switch `model`'s Linear layers of at least `min_elements` weights to `kernels` ("auto" | "onednn" |
+    "default"); returns how many layers may use oneDNN.
 
-    Idempotent; "default" undoes it. Only exact `nn.Linear` layers change (their class becomes OneDNNLinear, weights
-    and state dict untouched). Models off the CPU or not in fp32 take the default path at call time anyway.
+    Idempotent ("auto" measures again); "default" undoes it. Only exact `nn.Linear` layers change (their class
+    becomes OneDNNLinear, weights and state dict untouched). Models off the CPU or not in fp32 take the default path
+    at call time anyway, and are not timed.
     """
     if kernels not in CPU_KERNELS:
         raise ValueError(f"cpu kernels must be one of {CPU_KERNELS}, got {kernels!r}")
-    if kernels == "onednn" and not onednn_available():
+    if kernels != "default" and not onednn_available():
         log.warning("this torch build has no oneDNN linear op: keeping PyTorch's default CPU kernels")
         kernels = "default"
-    patched = 0
+    layers = []
     for layer in model.modules():
-        if kernels == "onednn" and type(layer) is nn.Linear and layer.weight.numel() >= min_elements:
+        if kernels != "default" and type(layer) in (nn.Linear, OneDNNLinear) and layer.weight.numel() >= min_elements:
             layer.__class__ = OneDNNLinear
+            layer.row_policy = ALWAYS_ONEDNN
+            layers.append(layer)
         elif kernels == "default" and type(layer) is OneDNNLinear:
             layer.__class__ = nn.Linear
-        patched += type(layer) is OneDNNLinear
-    return patched
+            layer.__dict__.pop("row_policy", None)
+    if kernels == "auto" and layers and layers[0].weight.device.type == "cpu" and layers[0].weight.dtype == torch.float32:
+        policy = calibrate_rows(layers)
+        for layer in layers:
+            layer.row_policy = policy
+    return len(layers)
+
+
+def row_policy(model: nn.Module) -> Optional[RowPolicy]:
+    """The policy of the model's patched layers (None: none patched)."""
+    return next((m.row_policy for m in model.modules() if type(m) is OneDNNLinear), None)
+
+
+@torch.inference_mode()
+def calibrate_rows(layers: list[nn.Linear], rows: tuple[int, ...] = CALIBRATION_ROWS, repeats: int = 3) -> RowPolicy:
+    """Per row count, whether oneDNN on packed weights runs `layers` (one after the other, as a forward does) faster
+    than F.linear: medians of `repeats` interleaved timings. ~2-3 s for SmolLM2-135M on 2 cores."""
+    # (the timings are wall clock: a busy machine can tip a close call either way, which costs speed, never exactness)
+    inputs = {n: {m.in_features: torch.randn(n, m.in_features) for m in layers} for n in rows}
+
+    def run(n: int, onednn: bool) -> float:
+        start = time.perf_counter()
+        for m in layers:
+            x = inputs[n][m.in_features]
+            if onednn:
+                torch.ops.mkldnn._linear_pointwise(x, packed_weight(m.weight), m.bias, "none", [], "")
+            else:
+                F.linear(x, m.weight, m.bias)
+        return time.perf_counter() - start
+
+    run(1, True), run(1, False)  # packs the weights; warms both paths
+    times = {(n, k): [] for n in rows for k in (True, False)}
+    for _ in range(repeats):
+        for n in rows:
+            for k in (True, False):
+                times[n, k].append(run(n, k))
+    policy = RowPolicy(tuple(rows), tuple(statistics.median(times[n, True]) < statistics.median(times[n, False])
+                                          for n in rows))
+    log.info("cpu kernels by rows: %s", policy.describe())
+    return policy
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -97,9 +211,9 @@ def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
     return out.transpose(1, 2).contiguous(), None
 
 
-def use_grouped_attention(model: nn.Module, kernels: str = "onednn") -> bool:
-    """"onednn": a model on transformers' sdpa attention switches to `grouped_sdpa_attention`; "default" switches it
-    back. Returns whether the model uses it now. Models on another attention (eager, flash...) are left as they are."""
+def use_grouped_attention(model: nn.Module, kernels: str = "auto") -> bool:
+    """"auto" / "onednn": a model on transformers' sdpa attention switches to `grouped_sdpa_attention`; "default"
+    switches it back. Returns whether the model uses it now. Models on another attention (eager, flash...) are left as they are."""
     if kernels not in CPU_KERNELS:
         raise ValueError(f"cpu kernels must be one of {CPU_KERNELS}, got {kernels!r}")
     # transformers is imported here, not with the module: config.py imports CPU_KERNELS and stays light
@@ -109,7 +223,7 @@ def use_grouped_attention(model: nn.Module, kernels: str = "onednn") -> bool:
     AttentionInterface.register(GROUPED_ATTENTION, grouped_sdpa_attention)
     AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)  # the masks transformers builds for sdpa
     current = model.config._attn_implementation
-    if kernels == "onednn" and current == "sdpa":
+    if kernels != "default" and current == "sdpa":
         model.set_attn_implementation(GROUPED_ATTENTION)
     elif kernels == "default" and current == GROUPED_ATTENTION:
         model.set_attn_implementation("sdpa")

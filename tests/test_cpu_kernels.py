@@ -1,18 +1,22 @@
-"""oneDNN Linear kernels for CPU inference (cpu_kernels.py): same numbers as F.linear up to rounding, training
-untouched, copies keep their own weights, undo works, decoding stays lossless, bad settings are refused."""
+"""CPU Linear kernels for inference (cpu_kernels.py): oneDNN gives F.linear's numbers up to rounding, "auto" picks
+the kernel per row count by timing, packed weights follow weight updates, training is untouched, copies keep their
+own weights, undo works, decoding stays lossless, bad settings are refused."""
 
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
 from drafter_train.config import TargetConfig
-from drafter_train.cpu_kernels import (GROUPED_ATTENTION, OneDNNLinear, onednn_available, use_grouped_attention,
-                                      use_onednn_linears)
+from drafter_train import cpu_kernels
+from drafter_train.cpu_kernels import (GROUPED_ATTENTION, OneDNNLinear, RowPolicy, onednn_available, row_policy,
+                                      use_grouped_attention, use_onednn_linears)
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
@@ -40,7 +44,7 @@ def test_inference_output_matches_the_default_kernel(rows):
     model, x = mlp(), torch.randn(1, rows, 240)
     with torch.inference_mode():
         reference = model(x)
-        assert use_onednn_linears(model) == 2
+        assert use_onednn_linears(model, "onednn") == 2
         assert all(type(m) is OneDNNLinear for m in (model[0], model[2]))
         out = model(x)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
@@ -54,7 +58,7 @@ def ops_run(fn) -> set[str]:
 
 def test_oneDNN_is_what_runs_at_inference_and_not_in_training():
     model, x = mlp(), torch.randn(3, 240)
-    use_onednn_linears(model)
+    use_onednn_linears(model, "onednn")
     with torch.inference_mode():
         assert "mkldnn::_linear_pointwise" in ops_run(lambda: model(x))
     assert "mkldnn::_linear_pointwise" not in ops_run(lambda: model(x))  # grads enabled: the ordinary kernel
@@ -75,7 +79,7 @@ def test_training_through_a_patched_model_is_unchanged():
 
 def test_a_deep_copy_computes_with_its_own_weights():
     model = mlp()
-    use_onednn_linears(model)
+    use_onednn_linears(model, "onednn")
     twin = copy.deepcopy(model)
     with torch.no_grad():
         for p in twin.parameters():
@@ -97,10 +101,10 @@ def test_default_undoes_it_and_a_second_patch_is_a_no_op():
 
 def test_speculative_decoding_on_onednn_target_and_drafter_stays_lossless(make_tiny_llama):
     target = make_tiny_llama(vocab_size=32, num_layers=3, init=0.5, seed=1)
-    assert use_onednn_linears(target, min_elements=0) > 0  # tiny layers: forced onto oneDNN for the test
+    assert use_onednn_linears(target, "onednn", min_elements=0) > 0  # tiny layers: forced onto oneDNN for the test
     draft_model = make_tiny_llama(vocab_size=32, num_layers=1, init=0.5, seed=2)
-    use_onednn_linears(draft_model, min_elements=0)
-    drafter = make_drafter(draft_model)
+    use_onednn_linears(draft_model, "onednn", min_elements=0)
+    drafter = make_drafter(draft_model, "onednn")
     assert type(drafter.lm.model.lm_head) is OneDNNLinear
     for prompt in ([1, 2, 3], [7, 7, 4, 9, 1]):
         ar = generate_autoregressive(target, prompt, 40)
@@ -118,6 +122,7 @@ def test_load_target_applies_the_setting(tmp_path, make_tiny_llama, monkeypatch)
     fast, _ = targets.load_target(TargetConfig(path=str(tmp_path)))
     plain, _ = targets.load_target(TargetConfig(path=str(tmp_path), cpu_kernels="default"))
     assert type(fast.lm_head) is OneDNNLinear and type(plain.lm_head) is nn.Linear
+    assert row_policy(fast).rows == cpu_kernels.CALIBRATION_ROWS  # "auto" (the default) timed the kernels
     assert type(fast.model.layers[0].mlp.up_proj) is nn.Linear  # 64 x 128: below the bar
     assert fast.config._attn_implementation == GROUPED_ATTENTION and plain.config._attn_implementation == "sdpa"
     ids = torch.tensor([[1, 400, 22, 7, 93]])
@@ -178,6 +183,55 @@ def test_speculative_decoding_with_grouped_attention_stays_lossless(make_tiny_ll
     for draft_len in (1, 3, 5):
         spec = generate_speculative(target, drafter, prompt, draft_len, make_verifier("greedy", SamplingParams()), 40)
         assert spec.tokens == ar.tokens
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# "auto": the kernel per row count, by timing
+
+
+def test_a_row_policy_reads_between_and_past_its_measured_counts():
+    policy = RowPolicy((1, 2, 4, 8), (False, True, False, True))
+    assert [policy.uses_onednn(n) for n in (1, 2, 3, 4, 7, 8, 100)] == [False, True, True, False, False, True, True]
+    assert policy.describe() == "default 1, onednn 2-3, default 4-7, onednn 8+"
+
+
+def test_auto_picks_the_kernel_that_is_faster_at_each_row_count(monkeypatch):
+    """With F.linear made slow from 4 rows on, "auto" must time it so and send those rows to oneDNN, and fewer rows
+    to F.linear: checked on what runs."""
+    plain_linear = F.linear
+
+    def slow_from_4_rows(x, w, b=None):
+        if x.numel() // x.shape[-1] >= 4:
+            time.sleep(0.002)
+        return plain_linear(x, w, b)
+
+    model = mlp()
+    monkeypatch.setattr(F, "linear", slow_from_4_rows)
+    assert use_onednn_linears(model, "auto") == 2
+    monkeypatch.setattr(F, "linear", plain_linear)
+    policy = row_policy(model)
+    assert all(policy.uses_onednn(n) for n in (4, 5, 16, 64)), policy.describe()
+    with torch.inference_mode():
+        assert "mkldnn::_linear_pointwise" in ops_run(lambda: model(torch.randn(5, 240)))
+        assert ("mkldnn::_linear_pointwise" in ops_run(lambda: model(torch.randn(2, 240)))) == policy.uses_onednn(2)
+
+
+def test_packed_weights_follow_in_place_updates():
+    """oneDNN runs on a packed copy of each weight: after an optimizer step (in place) or a new tensor, inference must
+    use the new weights, not the copy packed before."""
+    model, x = mlp(), torch.randn(5, 240)
+    use_onednn_linears(model, "onednn")
+    with torch.inference_mode():
+        model(x)  # packs
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(x).square().sum().backward()
+    opt.step()
+    with torch.no_grad():
+        model[2].weight.data = model[2].weight.data * 3  # a new storage
+    with torch.inference_mode():
+        out = model(x)
+        use_onednn_linears(model, "default")
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
 
 
 def test_a_bad_setting_is_refused_in_one_line():

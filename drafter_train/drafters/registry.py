@@ -159,7 +159,7 @@ def is_saved_drafter(path: str) -> bool:
     return path not in BUILT_PATHS and not path.startswith("truncated:")
 
 
-def make_drafter(model: PreTrainedModel, cpu_kernels: str = "onednn") -> "Drafter":
+def make_drafter(model: PreTrainedModel, cpu_kernels: str = "auto") -> "Drafter":
     """The decoder-side drafter for a loaded drafter model, its Linear layers on `cpu_kernels` (cpu_kernels.py:
     inference only, training through the same model is unaffected)."""
     use_onednn_linears(model, cpu_kernels)
