@@ -74,7 +74,8 @@ class Candidate:
 
 def machine_info(device: torch.device, dtype: str) -> dict:
     """What the costs were measured on."""
-    info = {"cpu": _cpu_model(), "logical_cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+    info = {"cpu": _cpu_model(), "cpu_features": _cpu_features(), "logical_cores": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": dtype,
             "torch": torch.__version__, "platform": platform.platform(),
             "load_average": [round(x, 2) for x in os.getloadavg()]}
@@ -89,6 +90,21 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+# The instruction-set extensions that decide which CPU kernels are fast (fp32 FMA width, bf16 / AMX units)
+_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def _cpu_features() -> list[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                return [f for f in _FEATURES if f in flags]
+    except OSError:
+        pass
+    return []
 
 
 def _sync(device: torch.device) -> None:

@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 from drafter_train.calibrate import calibrate, calibration_record, machine_info
 from drafter_train.checkpoint import verify_drafter_folder
 from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig, register_configs
+from drafter_train.cpu_kernels import row_policy
 from drafter_train.cli import one_line_errors
 from drafter_train.data.prompts import load_prompt_records
 from drafter_train.decoding.autoregressive import DecodeResult, generate_autoregressive
@@ -245,6 +246,10 @@ def print_table(metrics: dict, console: Optional[Console] = None) -> None:
         table.add_row("out_of_draft_vocab", f"{metrics['out_of_draft_vocab']:.3f}")
     for name, numbers in metrics.get("per_category", {}).items():
         table.add_row(f"[{name}] tau / speedup", f"{numbers['tau']:.3f} / {numbers['speedup']:.3f}")
+    machine = metrics.get("machine")
+    if machine:  # what the speedup was measured on: it depends on the CPU and the kernels chosen for it
+        table.add_row("machine", f"{machine['cpu']}, {machine['torch_threads']} threads")
+        table.add_row("target kernels by rows", machine["target_kernels_by_rows"] or machine["cpu_kernels"])
     (console or Console(stderr=True)).print(table)
 
 
@@ -298,8 +303,11 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
         eval_cfg = candidates[0].apply(cfg.eval)
     metrics = evaluate_decoding(target, drafter, prompt_ids[:num], eval_cfg, eos,
                                 categories=[c for _, c in records[:num]])
+    policy = row_policy(target)
     metrics.update(target=model_identity(cfg.target), drafter=cfg.drafter.path, drafter_kind=model_kind(model).name,
-                   torch_threads=torch.get_num_threads())
+                   torch_threads=torch.get_num_threads(),
+                   machine={**machine_info(target.device, cfg.target.dtype), "cpu_kernels": cfg.target.cpu_kernels,
+                            "target_kernels_by_rows": policy.describe() if policy else None})
     metrics["config"] = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     if cal.enabled:
         info = {"machine": machine_info(target.device, cfg.target.dtype), "target": model_identity(cfg.target),

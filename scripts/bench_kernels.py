@@ -1,8 +1,9 @@
 """Benchmark: PyTorch's default CPU kernels vs the project's (target.cpu_kernels), side by side in one process.
 
 Settings: "default" (PyTorch's MKL Linear, transformers' sdpa attention), "onednn-linears" (oneDNN Linear layers,
-transformers' sdpa attention) and "onednn" (oneDNN Linear layers and grouped attention: cpu_kernels.py, what
-target.cpu_kernels=onednn gives).
+transformers' sdpa attention), "onednn" (oneDNN Linear layers and grouped attention: target.cpu_kernels=onednn) and
+"auto" (per row count the faster of the two Linear kernels, timed at load, and grouped attention:
+target.cpu_kernels=auto, the default).
 1. The verify-cost curve: one target forward over n new tokens after a cached 256-token prefix, relative to n = 1
    (the ratio speculative decoding lives on), for every setting, interleaved, medians over repeats.
 2. Plain decoding tokens/s and speculative decoding (evaluate_decoding: tau, speedup over plain decoding with the
@@ -26,8 +27,9 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from drafter_train.calibrate import machine_info  # noqa: E402
 from drafter_train.config import DrafterConfig, EvalConfig, NgramDrafterConfig, TargetConfig  # noqa: E402
-from drafter_train.cpu_kernels import use_grouped_attention  # noqa: E402
+from drafter_train.cpu_kernels import row_policy, use_grouped_attention  # noqa: E402
 from drafter_train.data.prompts import load_prompt_records  # noqa: E402
 from drafter_train.drafters.loading import load_drafter  # noqa: E402
 from drafter_train.drafters.registry import make_drafter  # noqa: E402
@@ -36,7 +38,8 @@ from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # n
 
 SIZES = (1, 2, 3, 5, 9, 17)
 # setting -> (target.cpu_kernels, grouped attention)
-SETTINGS = {"default": ("default", False), "onednn-linears": ("onednn", False), "onednn": ("onednn", True)}
+SETTINGS = {"default": ("default", False), "onednn-linears": ("onednn", False), "onednn": ("onednn", True),
+            "auto": ("auto", True)}
 
 
 # profiler op names -> the part of a forward they belong to (self time; anything else is "other")
@@ -112,7 +115,12 @@ def main():
             forward_ms(target, 1, seed=99)  # warm-up
             for n in SIZES:
                 curve[k][n] += [forward_ms(target, n, seed=repeat * 1000 + i) for i in range(args.curve_repeats)]
-    result = {"torch_threads": torch.get_num_threads(), "load_avg": os.getloadavg(), "curve": {}, "decoding": []}
+    result = {"machine": machine_info(torch.device("cpu"), "float32"), "load_avg": os.getloadavg(), "curve": {},
+              "decoding": [], "kernels_by_rows": {}}
+    for k, (target, _) in targets.items():
+        policy = row_policy(target)
+        result["kernels_by_rows"][k] = policy.describe() if policy else "default"
+        print(k, "Linear kernels by rows:", result["kernels_by_rows"][k], flush=True)
     for k in targets:
         one = statistics.median(curve[k][1])
         result["curve"][k] = {"n1_ms": one, **{f"x{n}": statistics.median(curve[k][n]) / one for n in SIZES[1:]}}

@@ -9,6 +9,9 @@
 #   bash scripts/bench_main_job.sh                       # checkpoints/quickstart-smollm2, 3 repeats
 #   RUN=checkpoints/my-run DATA=data/my-data REPEATS=5 NAMES="lookup-alone lookup-alone-n1" bash scripts/bench_main_job.sh
 #   EXTRA="drafter.corpus.min_count=1" OUT=... NAMES=lookups-alone bash scripts/bench_main_job.sh  # overrides for all
+#   KERNELS="default onednn auto" bash scripts/bench_main_job.sh   # each decoder under each target.cpu_kernels,
+#       interleaved; the table adds each setting's plain-decoding tokens/s and the speculative tokens/s over plain
+#       decoding on PyTorch's default kernels (the stock baseline a user compares with)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
@@ -27,26 +30,44 @@ declare -A DECODERS=(
   [lookup-alone-n1]="drafter=ngram drafter.min_ngram=1"
 )
 read -r -a NAMES <<< "${NAMES:-lookups-then-eagle3 lookup-then-eagle3 eagle3-alone lookups-alone lookup-alone lookup-alone-n1}"
+read -r -a SETTINGS <<< "${KERNELS:-config}"  # "config": the config's own target.cpu_kernels, result names unsuffixed
 mkdir -p "$OUT"
+TAGS=()
 for repeat in $(seq 1 "$REPEATS"); do
-  for name in "${NAMES[@]}"; do
-    # a finished evaluation is kept: rerunning resumes (delete a json to measure it again, e.g. one run under load)
-    [[ -f "$OUT/$name-$repeat.json" ]] && continue
-    # shellcheck disable=SC2086  # the decoder's overrides are words
-    drafter-eval ${DECODERS[$name]} "${COMMON[@]}" ${EXTRA:-} eval.output="$OUT/$name-$repeat.json" \
-      hydra.run.dir="$OUT/hydra/$name-$repeat" > "$OUT/$name-$repeat.log" 2>&1
+  for kernels in "${SETTINGS[@]}"; do
+    for name in "${NAMES[@]}"; do
+      tag=$name KERNEL_ARGS=()
+      [[ $kernels != config ]] && tag=$name@$kernels KERNEL_ARGS=(target.cpu_kernels="$kernels")
+      [[ $repeat == 1 ]] && TAGS+=("$tag")
+      # a finished evaluation is kept: rerunning resumes (delete a json to measure it again, e.g. one run under load)
+      [[ -f "$OUT/$tag-$repeat.json" ]] && continue
+      # shellcheck disable=SC2086  # the decoder's overrides are words
+      drafter-eval ${DECODERS[$name]} "${COMMON[@]}" "${KERNEL_ARGS[@]}" ${EXTRA:-} eval.output="$OUT/$tag-$repeat.json" \
+        hydra.run.dir="$OUT/hydra/$tag-$repeat" > "$OUT/$tag-$repeat.log" 2>&1
+    done
   done
 done
-python3 - "$OUT" "${NAMES[@]}" <<'PY'
+python3 - "$OUT" "${TAGS[@]}" <<'PY'
 import json, os, pathlib, statistics, sys
 out = pathlib.Path(sys.argv[1])
 print(f"load average at the end: {os.getloadavg()}")
-print("| decoder | tau | speedup (median) | speedup (min-max) | proposals (lookup's) |")
-print("|---|---|---|---|---|")
-for name in sys.argv[2:]:
-    runs = [json.loads(p.read_text()) for p in sorted(out.glob(f"{name}-*.json"))]
-    speed = [m["speedup"] for m in runs]
-    m = runs[0]  # greedy: tau and the proposals are the same in every repeat
-    print(f"| {name} | {m['tau']:.3f} | {statistics.median(speed):.3f} | {min(speed):.3f}-{max(speed):.3f} | "
+runs = {tag: [json.loads(p.read_text()) for p in sorted(out.glob(f"{tag}-[0-9]*.json"))] for tag in sys.argv[2:]}
+# plain decoding on PyTorch's default kernels, per repeat: the baseline a user has without this project
+stock = {}
+for tag, rs in runs.items():
+    if tag.endswith("@default"):
+        for i, m in enumerate(rs):
+            stock.setdefault(i, []).append(m["ar_tokens_per_s"])
+print("| decoder | tau | speedup (median) | speedup (min-max) | plain tok/s | spec tok/s | over plain on default "
+      "kernels | proposals (lookup's) |")
+print("|---|---|---|---|---|---|---|---|")
+for tag, rs in runs.items():
+    speed = [m["speedup"] for m in rs]
+    over = [m["spec_tokens_per_s"] / statistics.median(stock[i]) for i, m in enumerate(rs) if i in stock]
+    m = rs[0]  # greedy: tau and the proposals are the same in every repeat
+    over = f"{statistics.median(over):.3f}" if over else "-"
+    print(f"| {tag} | {m['tau']:.3f} | {statistics.median(speed):.3f} | {min(speed):.3f}-{max(speed):.3f} | "
+          f"{statistics.median(r['ar_tokens_per_s'] for r in rs):.1f} | "
+          f"{statistics.median(r['spec_tokens_per_s'] for r in rs):.1f} | {over} | "
           f"{m['proposals']} ({m['lookup_proposals']}) |")
 PY

@@ -70,6 +70,10 @@ def test_metric_definitions_against_counts(folders):
     assert metrics["target_forward_passes"] >= metrics["tokens_generated"] - accepted
     assert metrics["target_forward_passes"] < metrics["ar_tokens_generated"] or accepted == 0
     assert json.loads((folders / "metrics.json").read_text())["tau"] == metrics["tau"]
+    # what the speedup was measured on: the CPU, its vector extensions, the threads and the kernel setting
+    machine = metrics["machine"]
+    assert machine["cpu"] and isinstance(machine["cpu_features"], list) and machine["torch_threads"] >= 1
+    assert machine["cpu_kernels"] == "auto"
 
 
 def test_drafter_equal_to_target_accepts_all(folders):
