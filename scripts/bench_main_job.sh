@@ -19,7 +19,8 @@ RUN=${RUN:-checkpoints/quickstart-smollm2}
 DATA=${DATA:-data/quickstart-smollm2}  # the corpus of corpus lookup: the job's training data
 REPEATS=${REPEATS:-3}
 OUT=${OUT:-$RUN/bench-main-job}
-COMMON=(eval.prompts=prompts/heldout-mix.jsonl eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48)
+COMMON=(eval.prompts=prompts/heldout-mix.jsonl eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48
+        eval.draft_len=${DRAFT_LEN:-2})  # the main job's
 EXIT=(eval.draft_exit=0.5 eval.draft_exit_adapt=true)
 declare -A DECODERS=(
   [lookups-then-eagle3]="drafter=path drafter.path=$RUN/latest/drafter ${EXIT[*]} eval.lookup.min_ngram=2 eval.lookup.corpus.path=$DATA"

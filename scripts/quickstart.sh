@@ -17,13 +17,17 @@
 #      on the same prompts: where the gain comes from.
 # Rerunning continues where it stopped (data, feature cache and training checkpoints resume). Extra arguments are
 # passed to drafter-train, e.g. `bash scripts/quickstart.sh train.max_steps=1500`. Environment: NUM_PROMPTS (800),
-# DATA (its folder), RUN (the run name), STEPS (600), SAVE_EVERY (300), EVAL_PROMPTS (16).
+# DATA (its folder), RUN (the run name), STEPS (600), SAVE_EVERY (300), EVAL_PROMPTS (16), DRAFT_LEN (2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 DATA=${DATA:-data/quickstart-smollm2}
 RUN=${RUN:-quickstart-smollm2}
-PROMPTS=(eval.prompts=prompts/heldout-mix.jsonl eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48)
+# draft_len 2: on the CPUs measured, a 3-token verify pass costs ~1.0-1.1x a 1-token pass, a 5-token one up to 1.4x
+# (docs/benchmarks.md, "CPU kernels chosen by measurement"); the lookups' best length there
+DRAFT_LEN=${DRAFT_LEN:-2}
+PROMPTS=(eval.prompts=prompts/heldout-mix.jsonl eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48
+         eval.draft_len=$DRAFT_LEN)
 EXIT=(eval.draft_exit=0.5 eval.draft_exit_adapt=true)
 LOOKUPS=(eval.lookup.min_ngram=2 eval.lookup.corpus.path="$DATA")
 drafter-datagen datagen.num_prompts=${NUM_PROMPTS:-800} datagen.num_eval_prompts=8 datagen.batch_size=32 \
@@ -38,11 +42,11 @@ drafter-eval drafter=ngram drafter.min_ngram=2 "${PROMPTS[@]}" eval.output="chec
   > "checkpoints/$RUN/prompt-lookup.log" 2>&1
 drafter-eval drafter=ngram drafter.min_ngram=2 drafter.corpus.path="$DATA" "${PROMPTS[@]}" \
   eval.output="checkpoints/$RUN/corpus-lookup.json" > "checkpoints/$RUN/corpus-lookup.log" 2>&1
-python3 - "$RUN" <<'PY'
+python3 - "$RUN" "$DRAFT_LEN" <<'PY'
 import json, pathlib, sys
 run = pathlib.Path("checkpoints") / sys.argv[1]
 rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-print("\nheld-out prompts (8 task categories), greedy, draft_len 4")
+print(f"\nheld-out prompts (8 task categories), greedy, draft_len {sys.argv[2]}")
 print("                                         step   tau    acceptance  speedup")
 for r in rows:
     if "eval/tau" in r:
