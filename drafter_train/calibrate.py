@@ -82,14 +82,19 @@ def machine_info(device: torch.device, dtype: str) -> dict:
     return info
 
 
-def _cpu_model() -> str:
+def _cpuinfo(field: str) -> Optional[str]:
+    """The first /proc/cpuinfo line's value for `field` (None off Linux or without it)."""
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def _cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 # The instruction-set extensions that decide which CPU kernels are fast (fp32 FMA width, bf16 / AMX units)
@@ -97,14 +102,8 @@ _FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 def _cpu_features() -> list[str]:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                return [f for f in _FEATURES if f in flags]
-    except OSError:
-        pass
-    return []
+    flags = set((_cpuinfo("flags") or "").split())
+    return [f for f in _FEATURES if f in flags]
 
 
 def _sync(device: torch.device) -> None:
