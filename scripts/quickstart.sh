@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 DATA=${DATA:-data/quickstart-smollm2}
 RUN=${RUN:-quickstart-smollm2}
-# draft_len 2: on the CPUs measured, a 3-token verify pass costs ~1.0-1.1x a 1-token pass, a 5-token one up to 1.4x
+# draft_len 2: on the Xeon measured 2026-11-24 a 3-token verify pass cost 1.08x a 1-token pass, a 5-token one 1.38x
 # (docs/benchmarks.md, "CPU kernels chosen by measurement"); the lookups' best length there
 DRAFT_LEN=${DRAFT_LEN:-2}
 PROMPTS=(eval.prompts=prompts/heldout-mix.jsonl eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48
