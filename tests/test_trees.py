@@ -262,6 +262,21 @@ def cache_tensors(cache: DynamicCache, length: int):
     return [(layer.keys[..., :length, :], layer.values[..., :length, :]) for layer in cache.layers]
 
 
+@pytest.mark.parametrize("kept", [[0, 1, 2, 3, 4, 5, 7, 9], [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [0, 2, 3, 8], [1, 4],
+                                  [0, 1, 2, 3, 4, 5, 6, 7], []])
+@torch.no_grad()
+def test_keep_equals_an_index_selection_of_the_cache(kept):
+    """keep() moves only the rows after the leading ones in place; the cache must equal selecting every kept row."""
+    lm = CachedLM(tiny_llama(vocab_size=64, num_layers=2))
+    lm.forward(torch.arange(1, 11), num_logits=1)
+    expected = [(layer.keys.index_select(-2, torch.tensor(kept, dtype=torch.long)),
+                 layer.values.index_select(-2, torch.tensor(kept, dtype=torch.long))) for layer in lm.cache.layers]
+    lm.keep(torch.tensor(kept, dtype=torch.long))
+    assert lm.length == len(kept) == lm.cache.get_seq_length()
+    for layer, (keys, values) in zip(lm.cache.layers, expected):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
 @torch.no_grad()
 def test_ar_drafter_cache_after_tree_steps_equals_a_fresh_forward():
     target = tiny_llama(vocab_size=64, num_layers=4, init=0.4)

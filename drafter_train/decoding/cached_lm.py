@@ -48,14 +48,19 @@ class CachedLM:
 
     def keep(self, positions: Tensor) -> None:
         """Keep only the cached positions `positions` (increasing; e.g. the prefix and one accepted tree path: not a
-        contiguous range, so an index selection rather than a crop)."""
+        contiguous range). The leading positions that are already in place stay where they are; only the rows after
+        them are moved down, then the cache is cropped. (Selecting every position copied the whole cache on each
+        tree step: ~2.5 ms of a ~37 ms SmolLM2 pass at 256 cached tokens on a 2-core CPU.)"""
+        n = positions.numel()
+        in_place = int((positions == torch.arange(n, device=positions.device)).cumprod(0).sum()) if n else 0
+        moved = positions[in_place:]
         for layer in self.cache.layers:
             if getattr(layer, "is_sliding", False):
                 raise ValueError("tree decoding needs a full KV cache; this model has sliding-window layers")
-            if getattr(layer, "is_initialized", False) and layer.keys.numel():
-                layer.keys = layer.keys.index_select(-2, positions)
-                layer.values = layer.values.index_select(-2, positions)
-        self.length = positions.numel()
+            if moved.numel() and getattr(layer, "is_initialized", False) and layer.keys.numel():
+                layer.keys[..., in_place:n, :] = layer.keys.index_select(-2, moved)
+                layer.values[..., in_place:n, :] = layer.values.index_select(-2, moved)
+        self.crop(n)
 
     def crop(self, length: int) -> None:
         """Keep only the first `length` cached positions (no-op if fewer are cached)."""
