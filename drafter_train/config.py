@@ -449,7 +449,8 @@ class EvalConfig:
     tree: TreeConfig = field(default_factory=TreeConfig)
     # Cost-aware choice of draft length / tree size for this machine.
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
-    # Prompt lookup first, the drafter where nothing matches (chains only).
+    # Prompt lookup first, the drafter where nothing matches (chains, and topk trees: there the lookup proposes a
+    # chain of up to eval.tree.total_tokens drafts).
     lookup: LookupConfig = field(default_factory=LookupConfig)
     # Sampling temperature for verify=sample (applied identically to target and drafter).
     temperature: float = 1.0
@@ -512,8 +513,9 @@ class EvalConfig:
                f"calibration compares chains and topk trees under greedy or sample verification, not {self.verify}")
         _check(not (self.calibration.enabled and self.draft_exit), "eval.calibration.enabled",
                "calibration compares fixed chain lengths and tree sizes: unset eval.draft_exit")
-        _check(not (self.lookup.enabled and self.tree.enabled), "eval.lookup.min_ngram",
-               "prompt lookup first proposes chains: unset eval.tree.top_k, or eval.lookup.min_ngram and "
+        _check(not (self.lookup.enabled and self.tree.enabled and self.tree.branching == "iid"),
+               "eval.lookup.min_ngram", "prompt lookup's chains are deterministic and go in front of topk trees, not "
+               "of i.i.d. sampled ones: set eval.tree.branching=topk, or unset eval.lookup.min_ngram and "
                "eval.lookup.corpus.path")
         _check(not (self.lookup.enabled and self.calibration.enabled), "eval.lookup.min_ngram",
                "calibration predicts the drafter's own chains and trees: unset eval.calibration.enabled, or "

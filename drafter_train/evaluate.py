@@ -32,7 +32,7 @@ from drafter_train.decoding.autoregressive import DecodeResult, generate_autoreg
 from drafter_train.decoding.draft_exit import DraftExit, supports_draft_exit
 from drafter_train.decoding.drafter import Drafter
 from drafter_train.decoding.sampling import SamplingParams
-from drafter_train.decoding.speculative import generate_speculative, generate_tree_speculative, tree_stats
+from drafter_train.decoding.speculative import generate_speculative, generate_tree_speculative, lookup_len, tree_stats
 from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.tree import TreeSpec
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier
@@ -86,7 +86,7 @@ def speculative_runner(target: PreTrainedModel, drafter: Drafter, cfg: EvalConfi
         return generate_tree_speculative(target, drafter, prompt, spec, tree_verifier, cfg.max_new_tokens, params,
                                          eos_token_ids, gen)
 
-    return run_tree, lambda: tree_stats(spec)
+    return run_tree, lambda: tree_stats(spec, lookup_len(drafter, spec))
 
 
 def _timed(fn, device: torch.device) -> tuple[DecodeResult, float]:

@@ -9,6 +9,7 @@
 #   bash scripts/bench_main_job.sh                       # checkpoints/quickstart-smollm2, 3 repeats
 #   RUN=checkpoints/my-run DATA=data/my-data REPEATS=5 NAMES="lookup-alone lookup-alone-n1" bash scripts/bench_main_job.sh
 #   EXTRA="drafter.corpus.min_count=1" OUT=... NAMES=lookups-alone bash scripts/bench_main_job.sh  # overrides for all
+#   NAMES="lookups-alone lookups-then-eagle3-tree" TREE_K=3 TREE_NODES=3 bash scripts/bench_main_job.sh  # trees
 #   KERNELS="default onednn auto" bash scripts/bench_main_job.sh   # each decoder under each target.cpu_kernels,
 #       interleaved; the table adds each setting's plain-decoding tokens/s and the speculative tokens/s over plain
 #       decoding on PyTorch's default kernels (the stock baseline a user compares with)
@@ -22,10 +23,16 @@ OUT=${OUT:-$RUN/bench-main-job}
 COMMON=(eval.prompts=prompts/heldout-mix.jsonl eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48
         eval.draft_len=${DRAFT_LEN:-2})  # the main job's
 EXIT=(eval.draft_exit=0.5 eval.draft_exit_adapt=true)
+# the *-tree decoders: an EAGLE-2 topk tree (TREE_K children per expanded node, TREE_DEPTH levels, TREE_NODES
+# nodes kept); behind the lookups, a lookup match proposes a chain of up to TREE_NODES drafts instead
+TREE=(eval.tree.top_k=${TREE_K:-2} eval.tree.depth=${TREE_DEPTH:-1} eval.tree.total_tokens=${TREE_NODES:-2})
 declare -A DECODERS=(
   [lookups-then-eagle3]="drafter=path drafter.path=$RUN/latest/drafter ${EXIT[*]} eval.lookup.min_ngram=2 eval.lookup.corpus.path=$DATA"
   [lookup-then-eagle3]="drafter=path drafter.path=$RUN/latest/drafter ${EXIT[*]} eval.lookup.min_ngram=2"
   [eagle3-alone]="drafter=path drafter.path=$RUN/latest/drafter ${EXIT[*]}"
+  [lookups-then-eagle3-noexit]="drafter=path drafter.path=$RUN/latest/drafter eval.lookup.min_ngram=2 eval.lookup.corpus.path=$DATA"
+  [lookups-then-eagle3-tree]="drafter=path drafter.path=$RUN/latest/drafter eval.lookup.min_ngram=2 eval.lookup.corpus.path=$DATA ${TREE[*]}"
+  [eagle3-tree]="drafter=path drafter.path=$RUN/latest/drafter ${TREE[*]}"
   [lookups-alone]="drafter=ngram drafter.min_ngram=2 drafter.corpus.path=$DATA"
   [lookup-alone]="drafter=ngram drafter.min_ngram=2"
   [lookup-alone-n1]="drafter=ngram drafter.min_ngram=1"

@@ -1,5 +1,5 @@
-"""Prompt lookup ahead of a trained drafter (eval.lookup): lossless for every kind, both sources used, draft exit
-adapted on the drafter's proposals only, metrics counted apart, one-line refusals."""
+"""Prompt lookup ahead of a trained drafter (eval.lookup): lossless for every kind, chains and topk trees, both
+sources used, draft exit adapted on the drafter's proposals only, metrics counted apart, one-line refusals."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from drafter_train.config import CalibrationConfig, EvalConfig, LookupConfig, Tr
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.decoding.draft_exit import DraftExit, supports_draft_exit
 from drafter_train.decoding.sampling import SamplingParams
-from drafter_train.decoding.speculative import generate_speculative
-from drafter_train.decoding.verify import make_verifier
+from drafter_train.decoding.speculative import generate_speculative, generate_tree_speculative
+from drafter_train.decoding.tree import TreeSpec
+from drafter_train.decoding.verify import make_tree_verifier, make_verifier
 from drafter_train.drafters.nar import NARDrafter, SpecDrafter
 from drafter_train.drafters.ngram import LookupFirst, lookup, lookup_first
 from drafter_train.drafters.registry import make_drafter
@@ -169,8 +170,11 @@ def test_lookup_settings_are_checked_in_one_line():
         LookupConfig(min_ngram=-1)
     with pytest.raises(ConfigError, match=r"^eval.lookup.max_ngram: must be >= eval.lookup.min_ngram \(3\), got 2$"):
         LookupConfig(min_ngram=3, max_ngram=2)
-    with pytest.raises(ConfigError, match=r"^eval.lookup.min_ngram: prompt lookup first proposes chains"):
-        EvalConfig(lookup=LookupConfig(min_ngram=2), tree=TreeConfig(top_k=2))
+    with pytest.raises(ConfigError, match=r"^eval.lookup.min_ngram: prompt lookup's chains are deterministic and go "
+                                          r"in front of topk trees, not of i.i.d. sampled ones"):
+        EvalConfig(lookup=LookupConfig(min_ngram=2), tree=TreeConfig(top_k=2, depth=2, branching="iid"),
+                   verify="sample")
+    EvalConfig(lookup=LookupConfig(min_ngram=2), tree=TreeConfig(top_k=2))  # topk trees take lookup in front
     with pytest.raises(ConfigError, match=r"^eval.lookup.min_ngram: calibration predicts"):
         EvalConfig(lookup=LookupConfig(min_ngram=2), calibration=CalibrationConfig(enabled=True))
 
@@ -185,3 +189,79 @@ def test_greedy_with_lookup_first_is_lossless_on_stories260k(stories_path):
     spec = generate_speculative(target, LookupFirst(make_drafter(model), 1, 3), prompt, 4, GREEDY, 64)
     assert spec.tokens == ar.tokens
     assert 0 < spec.stats.lookup_proposals < spec.stats.proposals and spec.stats.lookup_accepted > 0
+
+
+# ---- lookup ahead of draft trees --------------------------------------------------------------------------------
+
+
+class CountingTrees(Counting):
+    """Counts the drafter's trees (tree_root is called once per tree)."""
+
+    def __init__(self, drafter):
+        super().__init__(drafter)
+        self.trees = 0
+
+    def tree_root(self, seq):
+        self.trees += 1
+        return self.inner.tree_root(seq)
+
+
+@pytest.mark.parametrize("kind", ["ar", "eagle3", "dflash", "nar"])
+@pytest.mark.parametrize("spec", [TreeSpec(2, 1, 2), TreeSpec(3, 2, 4)], ids=["k2d1n2", "k3d2n4"])
+def test_greedy_trees_with_lookup_first_are_lossless_and_lookup_chains_replace_trees(make_tiny_llama, kind, spec):
+    target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
+    inner = CountingTrees(drafter_of(kind, target, make_tiny_llama))
+    drafter = LookupFirst(inner, 2, 3)
+    chains = []
+    lookup_chain = drafter.lookup_chain
+    drafter.lookup_chain = lambda seq, n: chains.append((seq.tolist(), n, lookup_chain(seq, n))) or chains[-1][2]
+    ar = generate_autoregressive(target, PROMPT, 40)
+    out = generate_tree_speculative(target, drafter, PROMPT, spec, make_tree_verifier("greedy", SamplingParams()), 40)
+    assert out.tokens == ar.tokens
+    stats = out.stats
+    assert 0 < stats.lookup_proposals < stats.proposals
+    assert inner.trees == stats.proposals - stats.lookup_proposals  # the drafter grows no tree on lookup steps
+    assert stats.target_forward_passes == len(ar.tokens) - stats.accepted
+    matched = [(seq, n, drafts.tolist()) for seq, n, drafts in chains if drafts.numel()]
+    assert len(matched) == stats.lookup_proposals
+    for seq, n, drafts in matched:  # the lookup rule's chain, up to as many drafts as the tree has nodes
+        assert n <= spec.nodes() and drafts == lookup(seq, n, 2, 3)
+    assert any(len(drafts) > spec.depth for _, _, drafts in matched) or spec.depth == spec.nodes()
+    assert len(stats.accepted_hist) == spec.nodes() + 1  # a lookup chain may accept more drafts than the tree is deep
+
+
+def test_tree_sampling_with_lookup_first_matches_the_target_distribution():
+    """Lookup chains (deterministic nodes: q one-hot) and the drafter's topk trees, verified by recursive rejection
+    sampling: each position's tokens follow the target's exact marginals."""
+    params = SamplingParams(temperature=1.0)
+    target_table, draft_table = make_bigram_pair()
+    target, draft = BigramLM(target_table), BigramLM(draft_table)
+    num_tokens, prompt = 4, [0, 1, 0, 1, 0]
+    counts = torch.zeros(num_tokens, 6)
+    generator = torch.Generator().manual_seed(99)
+    drafter = LookupFirst(make_drafter(draft), 1, 3)
+    verifier = make_tree_verifier("sample", params)
+    looked = drafted = 0
+    for _ in range(3000):
+        out = generate_tree_speculative(target, drafter, prompt, TreeSpec(2, 2, 3), verifier, num_tokens, params,
+                                        generator=generator)
+        counts[torch.arange(num_tokens), torch.tensor(out.tokens)] += 1
+        looked += out.stats.lookup_proposals
+        drafted += out.stats.proposals - out.stats.lookup_proposals
+    assert looked > 100 and drafted > 100
+    exact = bigram_marginals(target_table, prompt[-1], params, num_tokens)
+    pvalues = [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)]
+    assert min(pvalues) > 1e-3, pvalues
+
+
+def test_tree_evaluation_with_lookup_first_counts_lookup_steps(make_tiny_llama):
+    target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
+    drafter = drafter_of("eagle3", target, make_tiny_llama)
+    prompts = [PROMPT, [2, 4, 6, 2, 4, 6, 8]]
+    cfg = EvalConfig(max_new_tokens=24, warmup=0, lookup=LookupConfig(min_ngram=2), tree=TreeConfig(top_k=2, depth=1,
+                                                                                                  total_tokens=2))
+    on = evaluate_decoding(target, drafter, prompts, cfg, (), progress=False)
+    assert on["greedy_match"] == 1.0
+    assert 0 < on["lookup_proposals"] < on["proposals"]
+    assert len(on["accepted_length_histogram"]) == 3  # lookup chains of 2 drafts ahead of depth-1 trees
+    assert sum(on["accepted_length_histogram"]) == on["proposals"]

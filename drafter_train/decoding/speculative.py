@@ -14,7 +14,8 @@ target pass verified and kept from that same pass (features.py's tap): no extra 
 
 `generate_tree_speculative` verifies a draft TREE per step (decoding/tree.py), still in ONE target pass:
 
-    tree (N nodes)   <- build_tree(drafter, seq)                  (EAGLE-2 topk tree, or i.i.d. sampled sequences)
+    tree (N nodes)   <- build_tree(drafter, seq)                  (EAGLE-2 topk tree, or i.i.d. sampled sequences;
+                                                                   prompt lookup's chain first where it matches)
     logits [N+1, V]  <- target(seq[-1], tree; ancestor mask, positions = prefix length + depth)
     path, t          <- verify(tree, logits)                      (the accepted root-to-node path, then t)
     seq              <- seq + tokens[path] + t;  both caches keep prefix + root + path (index selection)
@@ -36,7 +37,7 @@ from drafter_train.decoding.draft_exit import DraftExit
 from drafter_train.decoding.drafter import Drafter, Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.decoding.stats import DecodeStats
-from drafter_train.decoding.tree import DraftTree, TreeSpec, build_tree, verify_inputs
+from drafter_train.decoding.tree import DraftTree, TreeSpec, build_tree, lookup_tree, verify_inputs
 from drafter_train.decoding.verify import TreeVerifier, Verifier
 from drafter_train.features import tap_for
 
@@ -148,9 +149,16 @@ def generate_speculative(
     return DecodeResult(tokens=tokens, stats=stats)
 
 
-def tree_stats(spec: TreeSpec) -> DecodeStats:
-    """Empty counters for trees of `spec` (accepted_within only for topk trees, whose first n nodes are a tree)."""
-    return DecodeStats(draft_len=spec.depth, max_nodes=spec.nodes() if spec.branching == "topk" else 0)
+def lookup_len(drafter: Drafter, spec: TreeSpec) -> int:
+    """The longest chain prompt lookup in front of `drafter` proposes instead of its trees (eval.lookup): as many
+    drafts as the tree's nodes, so that a lookup step's verify pass is no larger than a tree step's; 0: no lookup."""
+    return spec.nodes() if hasattr(drafter, "lookup_chain") else 0
+
+
+def tree_stats(spec: TreeSpec, lookup: int = 0) -> DecodeStats:
+    """Empty counters for trees of `spec` and lookup chains of up to `lookup` drafts (accepted_within only for topk
+    trees, whose first n nodes are a tree, as a chain's first n drafts are)."""
+    return DecodeStats(draft_len=max(spec.depth, lookup), max_nodes=spec.nodes() if spec.branching == "topk" else 0)
 
 
 def _tested_depth(tree: DraftTree, path: list[int]) -> int:
@@ -173,17 +181,21 @@ def generate_tree_speculative(
 ) -> DecodeResult:
     """Speculative decoding of one sequence with a draft tree per target pass (see the module doc)."""
     lm, eos = CachedLM(target), set(eos_token_ids)
-    stats = tree_stats(spec)
+    chain_len = lookup_len(drafter, spec)
+    stats = tree_stats(spec, chain_len)
     _start(drafter, lm)
     with tap_for(target, drafter.feature_layers) as tap:
         seq, tokens = _prefill(lm, drafter, tap, prompt_ids, params, generator)
         stats.target_forward_passes = 1
         while tokens[-1] not in eos and len(tokens) < max_new_tokens:
             # never draft past max_new_tokens: the tree is at most as deep as the tokens left - 1 (0: a plain step)
-            depth = min(spec.depth, max_new_tokens - len(tokens) - 1)
+            left = max_new_tokens - len(tokens) - 1
+            depth = min(spec.depth, left)
             began = _clock(lm.device)
-            tree = build_tree(drafter, seq, replace(spec, depth=depth), params, generator) if depth else \
-                DraftTree(seq.new_empty(0), seq.new_empty(0))
+            tree = lookup_tree(drafter, seq, min(chain_len, left))  # eval.lookup: its chain where it matches
+            if tree is None:
+                tree = build_tree(drafter, seq, replace(spec, depth=depth), params, generator) if depth else \
+                    DraftTree(seq.new_empty(0), seq.new_empty(0))
             drafted = _clock(lm.device)
             stats.drafter_call_seconds += drafted - began
             past = seq.numel() - 1  # the target's cache holds seq[:-1]
@@ -196,10 +208,14 @@ def generate_tree_speculative(
             if tree.num_nodes:  # a drafter may propose nothing (prompt lookup without a match): a plain step
                 stats.record_step(tree.num_nodes, len(path), _tested_depth(tree, path), path)
                 stats.proposals += 1
+                if tree.from_lookup:
+                    stats.lookup_proposals += 1
+                    stats.lookup_accepted += len(path)
                 stats.draft_seconds += drafted - began
                 stats.verify_seconds += _clock(lm.device) - drafted
             features = None if tap.features is None else tap.features[0, rows]
-            drafter.commit(seq.numel() + len(path), features, tree.pool_ids[path].tolist() if depth else None)
+            drafter.commit(seq.numel() + len(path), features,
+                           None if tree.pool_ids is None else tree.pool_ids[path].tolist())
             new = torch.cat([tree.tokens[path], next_token.view(1)])
             seq = torch.cat([seq, new])
             new_list = new.tolist()

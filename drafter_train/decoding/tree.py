@@ -68,6 +68,8 @@ class DraftTree:
     counts: Optional[Tensor] = None
     # [N] the candidate id each node had while the drafter expanded the tree (the drafter's caches are keyed by it).
     pool_ids: Optional[Tensor] = None
+    # Made by prompt lookup ahead of the drafter (eval.lookup, `lookup_tree`): a chain the drafter did not see.
+    from_lookup: bool = False
 
     @property
     def num_nodes(self) -> int:
@@ -291,6 +293,18 @@ def build_iid_tree(drafter: TreeDrafter, seq: Tensor, spec: TreeSpec, params: Sa
                      q_draft=torch.stack(q_rows) if q_rows else None,
                      counts=torch.tensor(counts, dtype=torch.long, device=device),
                      pool_ids=torch.arange(len(pool.tokens), device=device))
+
+
+def lookup_tree(drafter, seq: Tensor, max_len: int) -> Optional[DraftTree]:
+    """Prompt lookup ahead of the drafter (eval.lookup: drafters/ngram.LookupFirst): where the sequence's last
+    n-gram occurred earlier (or the corpus continues it), its chain of up to `max_len` drafts, as a tree with one path
+    of deterministic nodes; None where nothing matches, or no lookup runs in front of this drafter."""
+    lookup = getattr(drafter, "lookup_chain", None)
+    drafts = lookup(seq, max_len) if lookup is not None and max_len > 0 else None
+    if drafts is None or not drafts.numel():
+        return None
+    parents = torch.arange(-1, drafts.numel() - 1, device=drafts.device)
+    return DraftTree(drafts, parents, from_lookup=True)
 
 
 def build_tree(drafter: TreeDrafter, seq: Tensor, spec: TreeSpec, params: SamplingParams,

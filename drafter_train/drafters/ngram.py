@@ -262,6 +262,10 @@ class LookupFirst:
         proposal = lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram, self.corpus, from_lookup=True)
         return proposal if proposal.draft_len else self.drafter.propose(seq, draft_len, params, generator)
 
+    def lookup_chain(self, seq: Tensor, max_len: int) -> Tensor:
+        """Tree decoding (decoding/tree.lookup_tree): the lookup's drafts ahead of the drafter's tree (may be none)."""
+        return lookup_proposal(seq, max_len, self.min_ngram, self.max_ngram, self.corpus).tokens
+
     def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
         self.drafter.commit(num_valid, features, path)
 
