@@ -411,10 +411,12 @@ class CalibrationConfig:
     # Chain candidates (draft lengths).
     draft_lens: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6, 8])
     # Tree candidates (EAGLE-2 topk trees): every (top_k, depth) pair is run once with its largest size; every size
-    # in tree_sizes up to it is predicted from that run (a smaller tree is the larger one's best nodes).
+    # in tree_sizes up to it is predicted from that run (a smaller tree is the larger one's best nodes). Depth 1 is
+    # the drafter's top_k next tokens as siblings: where a pass over 2-4 tokens costs what a 1-token pass does (a
+    # CPU's small-matrix range), often the best use of those rows.
     tree_top_k: list[int] = field(default_factory=lambda: [2, 4])
-    tree_depth: list[int] = field(default_factory=lambda: [4, 6])
-    tree_sizes: list[int] = field(default_factory=lambda: [4, 6, 8, 12, 16, 24, 32])
+    tree_depth: list[int] = field(default_factory=lambda: [1, 4, 6])
+    tree_sizes: list[int] = field(default_factory=lambda: [2, 3, 4, 6, 8, 12, 16, 24, 32])
     # Prompts and new tokens per prompt of the acceptance runs (unset max_new_tokens: eval.max_new_tokens).
     num_prompts: int = 4
     max_new_tokens: Optional[int] = None

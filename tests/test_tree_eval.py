@@ -10,7 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafter_train.calibrate import calibrate
+from drafter_train.calibrate import calibrate, tree_shapes
 from drafter_train.config import CalibrationConfig, EvalConfig, ExportConfig
 from drafter_train.decoding.drafter import ARDrafter
 from drafter_train.decoding.sampling import SamplingParams
@@ -307,3 +307,11 @@ def test_calibration_pick_follows_the_cost_curve_and_is_measured_for_real(folder
     assert metrics["tree"] == direct["tree"] and metrics["draft_len"] == direct["draft_len"]
     assert (f"pick: {pick['name']}: predicted speedup {pick['predicted_speedup']:.3f}, measured "
             f"{pick['measured_speedup']:.3f}") in " ".join(printed.split())
+
+
+def test_default_calibration_shapes_include_sibling_trees():
+    """Depth-1 trees (the drafter's top-k as siblings) are candidates by default, with every size they can hold; deeper
+    shapes only get sizes at least as large as their depth."""
+    shapes = {(spec.top_k, spec.depth): (spec.total_tokens, sizes) for spec, sizes in tree_shapes(CalibrationConfig())}
+    assert shapes[2, 1] == (2, [2]) and shapes[4, 1] == (4, [2, 3, 4])
+    assert shapes[2, 4] == (12, [4, 6, 8, 12]) and shapes[4, 6] == (32, [6, 8, 12, 16, 24, 32])
