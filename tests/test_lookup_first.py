@@ -214,7 +214,13 @@ def test_greedy_trees_with_lookup_first_are_lossless_and_lookup_chains_replace_t
     drafter = LookupFirst(inner, 2, 3)
     chains = []
     lookup_chain = drafter.lookup_chain
-    drafter.lookup_chain = lambda seq, n: chains.append((seq.tolist(), n, lookup_chain(seq, n))) or chains[-1][2]
+
+    def spy(seq, n):  # records every lookup the decoder asks for
+        drafts = lookup_chain(seq, n)
+        chains.append((seq.tolist(), n, drafts))
+        return drafts
+
+    drafter.lookup_chain = spy
     ar = generate_autoregressive(target, PROMPT, 40)
     out = generate_tree_speculative(target, drafter, PROMPT, spec, make_tree_verifier("greedy", SamplingParams()), 40)
     assert out.tokens == ar.tokens

@@ -18,7 +18,7 @@ target pass verified and kept from that same pass (features.py's tap): no extra 
                                                                    prompt lookup's chain first where it matches)
     logits [N+1, V]  <- target(seq[-1], tree; ancestor mask, positions = prefix length + depth)
     path, t          <- verify(tree, logits)                      (the accepted root-to-node path, then t)
-    seq              <- seq + tokens[path] + t;  both caches keep prefix + root + path (index selection)
+    seq              <- seq + tokens[path] + t;  both caches keep prefix + root + path (its rows moved down)
 """
 
 from __future__ import annotations

@@ -174,14 +174,14 @@ def check_corpus(cfg: CorpusLookupConfig | dict | None, tokenizer, option: str) 
 
 
 def lookup_proposal(seq: Tensor, draft_len: int, min_ngram: int, max_ngram: int,
-                    corpus: Optional[CorpusIndex] = None, from_lookup: bool = False) -> Proposal:
+                    corpus: Optional[CorpusIndex] = None) -> Proposal:
     """lookup() on `seq` [L] (not searched for min_ngram 0), else `corpus`'s proposal, as a Proposal (empty where
     neither matches). Deterministic drafts: q is one-hot (verify.py)."""
     tokens = seq.tolist()
     drafts = lookup(tokens, draft_len, min_ngram, max_ngram) if min_ngram else []
     if not drafts and corpus is not None:
         drafts = corpus.propose(tokens, draft_len)
-    return Proposal(torch.tensor(drafts, dtype=torch.long, device=seq.device), q_draft=None, from_lookup=from_lookup)
+    return Proposal(torch.tensor(drafts, dtype=torch.long, device=seq.device), q_draft=None)
 
 
 class PromptLookupDrafter:
@@ -259,11 +259,14 @@ class LookupFirst:
 
     def propose(self, seq: Tensor, draft_len: int, params: SamplingParams,
                 generator: Optional[torch.Generator]) -> Proposal:
-        proposal = lookup_proposal(seq, draft_len, self.min_ngram, self.max_ngram, self.corpus, from_lookup=True)
-        return proposal if proposal.draft_len else self.drafter.propose(seq, draft_len, params, generator)
+        drafts = self.lookup_chain(seq, draft_len)
+        if drafts.numel():
+            return Proposal(drafts, q_draft=None, from_lookup=True)
+        return self.drafter.propose(seq, draft_len, params, generator)
 
     def lookup_chain(self, seq: Tensor, max_len: int) -> Tensor:
-        """Tree decoding (decoding/tree.lookup_tree): the lookup's drafts ahead of the drafter's tree (may be none)."""
+        """The lookups' drafts (may be none): a chain's proposal, or what tree decoding verifies instead of the
+        drafter's tree (decoding/tree.lookup_tree)."""
         return lookup_proposal(seq, max_len, self.min_ngram, self.max_ngram, self.corpus).tokens
 
     def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
