@@ -55,9 +55,11 @@ class TargetConfig:
     # Matmul kernels of the target's and the drafter's Linear layers at inference on the CPU in float32: "auto"
     # (per number of rows, the faster of PyTorch's MKL path and oneDNN on packed weights, timed on this machine when
     # the model loads, ~5 s for SmolLM2-135M), "onednn" (oneDNN at every row count) or "default" (PyTorch's MKL
-    # path). Plain decoding and verify passes each get the faster kernel for their size: cpu_kernels.py. Training is
-    # unaffected. "auto" and "onednn" also run the target's grouped-query attention without copying its key/value
-    # heads on multi-token passes (cpu_kernels.use_grouped_attention; CPU only, same numbers).
+    # path). Plain decoding and verify passes each get the faster kernel for their size: cpu_kernels.py. Passes that
+    # make training data (datagen, features, teacher logits) and training itself always run PyTorch's kernel, so two
+    # runs of a job write the same data whatever "auto" timed. "auto" and "onednn" also run the target's
+    # grouped-query attention without copying its key/value heads on multi-token passes
+    # (cpu_kernels.use_grouped_attention; CPU only, same numbers).
     cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:

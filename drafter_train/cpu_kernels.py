@@ -22,6 +22,11 @@ the kernels by float rounding (~1e-5), as with any change of kernel; plain decod
 one-row kernel, so every speedup is against the fastest plain decoding measured here, and greedy decoding stays
 lossless up to such rounding at exact near-ties (the evaluator's greedy_match reports it).
 
+"auto"'s choice is a timing, so it can differ between two loads on the same machine (docs/benchmarks.md, "Data
+passes on fixed kernels"). Passes whose numbers become training data (datagen's generation, the target's features
+and teacher logits) run inside `stock_kernels()`: PyTorch's own kernel whatever the policy, so two runs of the same
+job write the same data and train the same drafter. Only decoding, which is timed, follows the policy.
+
 `use_grouped_attention(model)` does the same for attention. With grouped-query attention (SmolLM2: 9 query heads on
 3 key/value heads), transformers' sdpa path copies every key/value head for its query group (`repeat_kv`) whenever
 a pass carries a mask, i.e. on every multi-token verify pass, over the whole cached prefix, in every layer.
@@ -36,8 +41,9 @@ import logging
 import time
 import weakref
 from bisect import bisect_right
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn.functional as F
@@ -110,6 +116,21 @@ def packed_weight(weight: torch.Tensor) -> torch.Tensor:
     return entry[2]
 
 
+_stock_depth = 0  # > 0 inside stock_kernels()
+
+
+@contextmanager
+def stock_kernels() -> Iterator[None]:
+    """Inside (a `with` block or a decorated function), every patched layer runs PyTorch's default kernel: the
+    passes that produce training data must not depend on a per-load timing (module docstring)."""
+    global _stock_depth
+    _stock_depth += 1
+    try:
+        yield
+    finally:
+        _stock_depth -= 1
+
+
 class OneDNNLinear(nn.Linear):
     """An nn.Linear whose inference forward runs oneDNN at the row counts its `row_policy` gives it (set as a layer's
     class: a deep copy stays itself, with its own packed weight)."""
@@ -118,8 +139,8 @@ class OneDNNLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (torch.is_grad_enabled() or not x.is_cpu or x.dtype is not torch.float32 or w.dtype is not torch.float32
-                or not self.row_policy.uses_onednn(x.numel() // self.in_features)):
+        if (torch.is_grad_enabled() or _stock_depth or not x.is_cpu or x.dtype is not torch.float32
+                or w.dtype is not torch.float32 or not self.row_policy.uses_onednn(x.numel() // self.in_features)):
             return F.linear(x, w, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight(w), self.bias, "none", [], "")
 
@@ -165,7 +186,8 @@ def calibrate_rows(layers: list[nn.Linear], rows: tuple[int, ...] = CALIBRATION_
     than F.linear by more than `margin`: the fastest of `repeats` interleaved timings of each (interference from
     other work only ever slows a run down, so the minimum is the steadiest estimate). Within the margin PyTorch's own
     kernel stays: plain decoding then runs as it would without this project. ~5 s for SmolLM2-135M on 2 cores."""
-    inputs = {n: {m.in_features: torch.randn(n, m.in_features) for m in layers} for n in rows}
+    generator = torch.Generator().manual_seed(0)  # its own: timing must not move the training run's random stream
+    inputs = {n: {m.in_features: torch.randn(n, m.in_features, generator=generator) for m in layers} for n in rows}
 
     def run(n: int, onednn: bool) -> float:
         start = time.perf_counter()

@@ -10,6 +10,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from drafter_train.config import LossConfig
+from drafter_train.cpu_kernels import stock_kernels
 from drafter_train.data.batches import Batch
 from drafter_train.losses import LossOutput, get_loss
 
@@ -37,8 +38,8 @@ def teacher_logits(target: PreTrainedModel, batch: Batch, loss: LossConfig) -> O
     """[B, R, V] target logits (online), a top-k reconstruction (offline), or None (ce)."""
     if loss.name == "ce":
         return None
-    if loss.teacher == "online":
-        with torch.no_grad():
+    if loss.teacher == "online":  # stock kernels: the same bits whatever `auto` timed (cpu_kernels.py)
+        with torch.no_grad(), stock_kernels():
             return response_logits(target, batch).float()
     # Offline: the target's top-k logits, -inf elsewhere, i.e. p_target renormalised over its top k.
     vocab = target.get_output_embeddings().weight.shape[0]

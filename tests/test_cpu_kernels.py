@@ -216,6 +216,17 @@ def test_auto_picks_the_kernel_that_is_faster_at_each_row_count(monkeypatch):
         assert ("mkldnn::_linear_pointwise" in ops_run(lambda: model(torch.randn(2, 240)))) == policy.uses_onednn(2)
 
 
+def test_auto_leaves_the_global_random_stream_alone():
+    """Timing draws its inputs from its own generator: a run on "auto" draws the same random numbers afterwards as
+    one on another setting, so it trains the same drafter."""
+    model = nn.Sequential(nn.Linear(256, 512))
+    torch.manual_seed(3)
+    expected = torch.rand(4)
+    torch.manual_seed(3)
+    use_onednn_linears(model, "auto")
+    assert torch.equal(torch.rand(4), expected)
+
+
 def test_packed_weights_follow_in_place_updates():
     """oneDNN runs on a packed copy of each weight: after an optimizer step (in place) or a new tensor, inference must
     use the new weights, not the copy packed before."""
@@ -237,3 +248,66 @@ def test_packed_weights_follow_in_place_updates():
 def test_a_bad_setting_is_refused_in_one_line():
     with pytest.raises(ConfigError, match="target.cpu_kernels"):
         TargetConfig(cpu_kernels="mkl")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Passes that produce training data run on PyTorch's own kernel whatever "auto" timed
+
+
+def test_stock_kernels_run_pytorchs_kernel_inside_and_the_policy_again_after():
+    model, x = mlp(), torch.randn(3, 240)
+    with torch.inference_mode():
+        reference = model(x)
+        use_onednn_linears(model, "onednn")
+        with cpu_kernels.stock_kernels():
+            with cpu_kernels.stock_kernels():  # nests
+                assert "mkldnn::_linear_pointwise" not in ops_run(lambda: model(x))
+            assert "mkldnn::_linear_pointwise" not in ops_run(lambda: model(x))
+            assert torch.equal(model(x), reference)  # the same bits as the unpatched model
+        assert "mkldnn::_linear_pointwise" in ops_run(lambda: model(x))
+
+
+def _onednn_everywhere(model):
+    """`model` on oneDNN at every row count, however small its layers (tiny models are below the size limit)."""
+    assert use_onednn_linears(model, "onednn", min_elements=0) > 0
+    return model
+
+
+def _batch(target, rows=2, prompt=5, response=7):
+    from drafter_train.data.batches import Batch
+
+    torch.manual_seed(1)
+    ids = torch.randint(3, target.config.vocab_size, (rows, prompt + response))
+    resp_pos = torch.arange(prompt - 1, prompt + response - 1).expand(rows, -1)
+    return Batch(input_ids=ids, attention_mask=torch.ones_like(ids), resp_pos=resp_pos,
+                 resp_mask=torch.ones_like(resp_pos, dtype=torch.bool), labels=ids[:, prompt:])
+
+
+def test_datagen_generation_is_the_same_bits_whatever_the_kernel_policy(make_tiny_llama):
+    from drafter_train.config import DatagenConfig
+    from drafter_train.data.generation import generate_batch
+
+    cfg = DatagenConfig(max_new_tokens=12, store_topk=4)
+    prompts = [[1, 5, 9, 14], [1, 7, 3]]
+    reference = generate_batch(make_tiny_llama(), prompts, cfg, [2], 0)
+    target = _onednn_everywhere(make_tiny_llama())
+    assert "mkldnn::_linear_pointwise" not in ops_run(lambda: generate_batch(target, prompts, cfg, [2], 0))
+    assert generate_batch(target, prompts, cfg, [2], 0) == reference  # tokens and stored top-k logits
+
+
+def test_target_features_and_teacher_logits_are_the_same_bits_whatever_the_kernel_policy(make_tiny_llama):
+    from drafter_train.config import LossConfig
+    from drafter_train.distill import teacher_logits
+    from drafter_train.drafters.conditioned import target_signals
+
+    plain, patched = make_tiny_llama(), _onednn_everywhere(make_tiny_llama())
+    batch, layers = _batch(plain), [0, 2, 3]
+    reference = target_signals(plain, batch, layers)
+    assert "mkldnn::_linear_pointwise" not in ops_run(lambda: target_signals(patched, batch, layers))
+    for got, want in zip(target_signals(patched, batch, layers), reference):
+        assert torch.equal(got, want)
+    loss = LossConfig(name="fkl", teacher="online")
+    assert "mkldnn::_linear_pointwise" not in ops_run(lambda: teacher_logits(patched, batch, loss))
+    assert torch.equal(teacher_logits(patched, batch, loss), teacher_logits(plain, batch, loss))
+    with torch.inference_mode():  # and a decoding pass outside them still takes the policy
+        assert "mkldnn::_linear_pointwise" in ops_run(lambda: patched(input_ids=batch.input_ids))

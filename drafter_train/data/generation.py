@@ -19,6 +19,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_train.config import DatagenConfig
+from drafter_train.cpu_kernels import stock_kernels
 from drafter_train.data.sources import TrainPrompt
 
 # Logits processors that a target's own generation_config may switch on; datagen pins them off so the data is
@@ -80,6 +81,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
 
 
 @torch.inference_mode()
+@stock_kernels()  # training data: the same bits whatever `auto` timed (cpu_kernels.py)
 def generate_batch(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],

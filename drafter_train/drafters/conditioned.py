@@ -25,6 +25,7 @@ from transformers import PreTrainedModel
 
 from drafter_train import draft_vocab
 from drafter_train.config import DrafterConfig, TrainJobConfig
+from drafter_train.cpu_kernels import stock_kernels
 from drafter_train.data import feature_cache
 from drafter_train.data.batches import Batch
 from drafter_train.drafters.registry import BuildContext
@@ -156,6 +157,7 @@ def restricted_logits(target: PreTrainedModel, hidden: Tensor, draft_ids: Tensor
 
 
 @torch.no_grad()
+@stock_kernels()  # training data: the same bits whatever `auto` timed (cpu_kernels.py)
 def target_signals(target: PreTrainedModel, batch: Batch, layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
     """(features [B, T, n*H], final hidden states [B, R, H] at the response positions) from one no-grad target
     forward: what the offline feature cache stores, and what training computes online."""
