@@ -42,6 +42,7 @@ from transformers import PreTrainedModel
 
 from drafter_train.checkpoint import check_same_run, mark_best, prepare_run_dir, save_checkpoint, save_run_config
 from drafter_train.config import LayerSkipDrafterConfig, TrainJobConfig
+from drafter_train.cpu_kernels import stock_kernels
 from drafter_train.data.batches import collate
 from drafter_train.distill import head_at
 from drafter_train.distributed import make_accelerator
@@ -114,6 +115,7 @@ class Proxy:
         self.reference = [self._argmax(batch) for batch in self.batches]
 
     @torch.inference_mode()
+    @stock_kernels()  # the search's score must not depend on what `auto` timed (cpu_kernels.py)
     def _argmax(self, batch) -> torch.Tensor:
         return head_at(self.target, batch.input_ids, batch.attention_mask, batch.resp_pos).argmax(-1)
 

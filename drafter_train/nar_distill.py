@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from transformers import PreTrainedModel
 
 from drafter_train.config import DrafterConfig, LossConfig
+from drafter_train.cpu_kernels import stock_kernels
 from drafter_train.data.batches import Batch
 from drafter_train.distill import apply_loss, teacher_logits
 from drafter_train.losses import LossOutput
@@ -88,7 +89,7 @@ def nar_distill_loss(
     labels, mask = blocks.labels.view(rows, n, k), blocks.resp_mask.view(rows, n, k)
     glance_ids, learn = None, mask
     if drafter.glancing_ratio > 0:
-        with torch.no_grad():
+        with torch.no_grad(), stock_kernels():  # glancing's guesses are training data (cpu_kernels.py)
             predicted = module(blocks.input_ids, blocks.attention_mask, context_lens).argmax(-1)
         glance_ids, learn = glance(predicted, labels, mask, drafter.glancing_ratio)
     student = module(blocks.input_ids, blocks.attention_mask, context_lens, glance_ids)  # [B, n, k, V]

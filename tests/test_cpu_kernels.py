@@ -311,3 +311,29 @@ def test_target_features_and_teacher_logits_are_the_same_bits_whatever_the_kerne
     assert torch.equal(teacher_logits(patched, batch, loss), teacher_logits(plain, batch, loss))
     with torch.inference_mode():  # and a decoding pass outside them still takes the policy
         assert "mkldnn::_linear_pointwise" in ops_run(lambda: patched(input_ids=batch.input_ids))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "nar"])
+def test_glancings_no_grad_guesses_run_on_stock_kernels(tiny_data, tmp_path, monkeypatch, kind):
+    """Glancing's guesses (a no-grad drafter pass inside the loss) decide which tokens training reveals: they run
+    inside stock_kernels() like every other pass that makes training data. Decoding passes (inference mode) do not."""
+    from drafter_train.drafters.dflash import DFlashModel
+    from drafter_train.drafters.nar import SpecDrafter
+    from drafter_train.train import train
+    from tests.test_dflash import dflash_cfg
+    from tests.test_train import train_cfg
+
+    model_class = DFlashModel if kind == "dflash" else SpecDrafter
+    seen, forward = [], model_class.forward
+
+    def spy(self, *args, **kwargs):
+        if not torch.is_grad_enabled() and not torch.is_inference_mode_enabled():
+            seen.append(cpu_kernels._stock_depth)
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_class, "forward", spy)
+    steps = ("drafter.glancing_ratio=0.5", "train.max_steps=2", "train.save_every=2", "train.eval_at_start=false")
+    cfg = dflash_cfg(tiny_data, tmp_path, "loss=fkl", *steps) if kind == "dflash" else \
+        train_cfg(tiny_data, tmp_path, "drafter=nar", "loss=fkl", *steps)
+    train(cfg)
+    assert len(seen) == 2 and all(depth > 0 for depth in seen), seen  # one guess per step, each on stock kernels

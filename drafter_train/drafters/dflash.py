@@ -33,6 +33,7 @@ from transformers import AutoConfig, AutoModel, DynamicCache, PretrainedConfig, 
 
 from drafter_train import draft_vocab
 from drafter_train.config import DFlashDrafterConfig, DrafterConfig, TrainJobConfig
+from drafter_train.cpu_kernels import stock_kernels
 from drafter_train.data.batches import Batch
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
@@ -368,7 +369,7 @@ def dflash_loss(module: nn.Module, target: PreTrainedModel, blocks: Batch, cfg: 
     learn = mask & (labels >= 0) if cfg.loss.name == "ce" else mask
     glance_ids = None
     if cfg.drafter.glancing_ratio > 0:
-        with torch.no_grad():
+        with torch.no_grad(), stock_kernels():  # glancing's guesses are training data (cpu_kernels.py)
             guess = draft_vocab.draft_to_target(model.d2t)[module(blocks.input_ids, features, blocks.attention_mask,
                                                                   anchors).argmax(-1)]
         glance_ids, learn = glance(guess, blocks.labels.view(shape), learn, cfg.drafter.glancing_ratio)
