@@ -29,9 +29,10 @@ import torch  # noqa: E402
 from drafter_train import draft_vocab  # noqa: E402
 from drafter_train.config import TargetConfig  # noqa: E402
 from drafter_train.data.prompts import load_prompt_records  # noqa: E402
+from drafter_train.decoding.autoregressive import generate_autoregressive  # noqa: E402
 from drafter_train.drafters import eagle3  # noqa: E402
 from drafter_train.features import FeatureTap  # noqa: E402
-from drafter_train.targets import encode_prompt, load_target  # noqa: E402
+from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # noqa: E402
 
 
 @torch.no_grad()
@@ -49,11 +50,6 @@ def score(target, model, prompt_ids: list[int], response_ids: list[int]) -> dict
     outside = ~model.t2d[want]
     return {"top1": int((top2[:, 0] == want).sum()), "top2": int((top2 == want[:, None]).any(-1).sum()),
             "tokens": int(want.numel()), "outside": int(outside.sum())}
-
-
-def answer(target, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    out = target.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False)
-    return out[0, len(prompt_ids):].tolist()
 
 
 def total(counts: list[dict]) -> dict:
@@ -74,28 +70,30 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=48, help="greedy answer length of held-out prompts")
     parser.add_argument("--output", default="drafter-fit.json")
     args = parser.parse_args()
-    torch.manual_seed(0)
 
     target_cfg = TargetConfig()
     target, tokenizer = load_target(target_cfg)
     model = eagle3.load(args.drafter, target_cfg.dtype)
-    results = {}
+    eos = eos_token_ids(target, tokenizer)
+
+    def answer(prompt_ids: list[int]) -> list[int]:  # the evaluator's plain greedy decoding
+        return generate_autoregressive(target, prompt_ids, args.new_tokens, eos_token_ids=eos).tokens
+
+    def held_out(path: str, num: int) -> dict:  # category -> counts of each prompt, answered greedily
+        counts = defaultdict(list)
+        for text, category in load_prompt_records(path, num):
+            ids = encode_prompt(tokenizer, text, target_cfg.chat_template)
+            counts[category].append(score(target, model, ids, answer(ids)))
+        return counts
 
     shards = sorted((Path(args.data) / "shards").iterdir())
     train = datasets.concatenate_datasets([datasets.load_from_disk(str(shard)) for shard in shards])
     rows = train.select(range(min(args.train_rows, len(train))))
-    results["train"] = total([score(target, model, r["prompt_ids"], r["response_ids"][:args.train_tokens])
-                              for r in rows])
-    held = load_prompt_records(f"{args.data}/eval_prompts.jsonl", 10**6)
-    counts = []
-    for text, _ in held:
-        ids = encode_prompt(tokenizer, text, target_cfg.chat_template)
-        counts.append(score(target, model, ids, answer(target, ids, args.new_tokens)))
-    results["held-out sharegpt"] = total(counts)
-    by_category = defaultdict(list)
-    for text, category in load_prompt_records(args.prompts, args.mix_prompts):
-        ids = encode_prompt(tokenizer, text, target_cfg.chat_template)
-        by_category[category].append(score(target, model, ids, answer(target, ids, args.new_tokens)))
+    results = {"train": total([score(target, model, r["prompt_ids"], r["response_ids"][:args.train_tokens])
+                               for r in rows])}
+    sharegpt = held_out(f"{args.data}/eval_prompts.jsonl", 10**6)
+    results["held-out sharegpt"] = total([c for cs in sharegpt.values() for c in cs])
+    by_category = held_out(args.prompts, args.mix_prompts)
     results["held-out mix"] = total([c for cs in by_category.values() for c in cs])
     for category, cs in by_category.items():
         results[f"  mix: {category}"] = total(cs)
