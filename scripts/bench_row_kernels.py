@@ -1,0 +1,89 @@
+"""Benchmark: can another fp32 Linear kernel flatten the verify-cost curve on this CPU?
+
+The verify pass over n tokens costs ~1.4x a 1-token pass at n = 5 on PyTorch's MKL path (docs/benchmarks.md,
+"CPU kernels chosen by measurement"). Two alternatives to the kernels `target.cpu_kernels` chooses from, each timed
+as one SmolLM2 forward over n new tokens after a cached 256-token prefix (bench_kernels.forward_ms), interleaved with
+the default path, medians over repeats:
+- "mkl-packed": MKL's packed GEMM (torch.ops.mkl._mkl_linear) on weights packed once for exactly n rows: the
+  weight layout MKL would otherwise repack at every call;
+- "split": the rows cut into MKL calls of at most 3 (the row counts whose kernel streams the weights once).
+
+    python scripts/bench_row_kernels.py --sizes 1 3 4 5 8 9 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from bench_kernels import forward_ms  # noqa: E402
+from drafter_train.calibrate import machine_info  # noqa: E402
+from drafter_train.config import TargetConfig  # noqa: E402
+from drafter_train.cpu_kernels import use_grouped_attention  # noqa: E402
+from drafter_train.targets import load_target  # noqa: E402
+
+STOCK = torch.nn.Linear.forward
+
+
+def rows_of(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1]
+
+
+def split_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Rows in MKL calls of at most 3."""
+    flat = x.reshape(rows_of(x), x.shape[-1])
+    out = torch.cat([F.linear(chunk, self.weight, self.bias) for chunk in flat.split(3)])
+    return out.reshape(*x.shape[:-1], -1)
+
+
+def packed_forward(packs: dict, rows: int):
+    """MKL's packed GEMM on the weights packed for `rows` rows (other row counts: the stock path)."""
+    def forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        packed = packs.get(self)
+        if packed is None or rows_of(x) != rows:
+            return STOCK(self, x)
+        flat = x.reshape(rows, x.shape[-1])
+        out = torch.ops.mkl._mkl_linear(flat, packed, self.weight, self.bias, rows)
+        return out.reshape(*x.shape[:-1], -1)
+    return forward
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 3, 4, 5, 8, 9])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
+    print(machine_info(torch.device("cpu"), "float32"))
+    target, _ = load_target(TargetConfig(cpu_kernels="default"))
+    use_grouped_attention(target, "onednn")  # as every setting of bench_kernels.py but `default`
+    linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
+    ms: dict[tuple[str, int], list[float]] = {}
+    for n in args.sizes:
+        packs = {m: torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), n) for m in linears}
+        settings = {"default": STOCK, "mkl-packed": packed_forward(packs, n), "split": split_forward}
+        for rep in range(args.repeats):
+            for name, forward in settings.items():
+                torch.nn.Linear.forward = forward
+                try:
+                    ms.setdefault((name, n), []).append(forward_ms(target, n, seed=rep))
+                finally:
+                    torch.nn.Linear.forward = STOCK
+        del packs
+    print(f"load average at the end: {os.getloadavg()}")
+    print("| setting | " + " | ".join(f"n = {n}" for n in args.sizes) + " |")
+    print("|---|" + "---|" * len(args.sizes))
+    base = statistics.median(ms[("default", args.sizes[0])])
+    for name in ("default", "mkl-packed", "split"):
+        cells = [statistics.median(ms[(name, n)]) for n in args.sizes]
+        print(f"| {name} | " + " | ".join(f"{c:.1f} ms (×{c / base:.2f})" for c in cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
