@@ -1,9 +1,9 @@
 """Benchmark: can another fp32 Linear kernel flatten the verify-cost curve on this CPU?
 
-The verify pass over n tokens costs ~1.4x a 1-token pass at n = 5 on PyTorch's MKL path (docs/benchmarks.md,
-"CPU kernels chosen by measurement"). Two alternatives to the kernels `target.cpu_kernels` chooses from, each timed
-as one SmolLM2 forward over n new tokens after a cached 256-token prefix (bench_kernels.forward_ms), interleaved with
-the default path, medians over repeats:
+The verify pass over n tokens costs ~1.5x a 1-token pass at n = 5 on PyTorch's default MKL path, ~1.4x on the
+oneDNN kernel `target.cpu_kernels=auto` picks there (docs/benchmarks.md, "CPU kernels chosen by measurement"). Two
+more kernels, each timed as one SmolLM2 forward over n new tokens after a cached 256-token prefix
+(bench_kernels.forward_ms), interleaved with the default path, medians over repeats:
 - "mkl-packed": MKL's packed GEMM (torch.ops.mkl._mkl_linear) on weights packed once for exactly n rows: the
   weight layout MKL would otherwise repack at every call;
 - "split": the rows cut into MKL calls of at most 3 (the row counts whose kernel streams the weights once).
@@ -75,7 +75,7 @@ def main() -> None:
                     ms.setdefault((name, n), []).append(forward_ms(target, n, seed=rep))
                 finally:
                     torch.nn.Linear.forward = STOCK
-        del packs
+        del packs, settings  # ~2.7 GB of packed weights per row count
     print(f"load average at the end: {os.getloadavg()}")
     print("| setting | " + " | ".join(f"n = {n}" for n in args.sizes) + " |")
     print("|---|" + "---|" * len(args.sizes))
