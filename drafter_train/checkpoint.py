@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 from omegaconf import OmegaConf
 
+from drafter_train.io import write_atomic
 from drafter_train.errors import CheckpointDamagedError, ConfigError
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -87,9 +88,7 @@ def check_same_run(run_dir: Path, config: dict, ignore: Sequence[str] = (), star
 
 def save_run_config(run_dir: Path, config: dict) -> None:
     """config.yaml, replaced atomically: check_same_run of a later launch never reads half a file (main process)."""
-    tmp = run_dir / f".config.yaml.tmp-{os.getpid()}"
-    tmp.write_text(OmegaConf.to_yaml(config))
-    os.replace(tmp, run_dir / "config.yaml")
+    write_atomic(run_dir / "config.yaml", OmegaConf.to_yaml(config))
 
 
 def _without(config: dict, dotted_keys: Sequence[str]) -> dict:

@@ -12,11 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-from hydra import compose, initialize_config_dir
-from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
 
-from drafter_train.cli import main_process_only
 from drafter_train.cpu_kernels import CPU_KERNELS
 from drafter_train.errors import ConfigError
 
@@ -27,12 +23,14 @@ _EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
 EXPORT_FORMATS = ("hf", "vllm", "sglang")
 DTYPES = ("float32", "bfloat16")
 EMBEDDED_TARGET = "embedded:smollm2"
-# The repo's conf/ folder as an absolute path: Hydra reads a relative config_path as a package path when the
-# caller is a module (console scripts), and conf/ lives at the top of the repo, not inside the package.
-CONF_DIR = str(Path(__file__).resolve().parents[1] / "conf")
+# The package's conf/ folder (package data) as an absolute path: found the same way from a checkout, an editable
+# install or a wheel. Users add their own config folders with hydra.searchpath (docs/train.md).
+CONF_DIR = str(Path(__file__).resolve().parent / "conf")
+# The package's shipped prompt sets (package data): eval.prompts / datagen.prompts may name one by file name.
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
 
 
-def _check(ok: bool, name: str, message: str) -> None:
+def check_field(ok: bool, name: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{name}: {message}")
 
@@ -63,14 +61,10 @@ class TargetConfig:
     cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "target.path", "must name a hub id, a local folder or a .gguf file")
-        _check(self.dtype in DTYPES, "target.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
-        _check(self.cpu_kernels in CPU_KERNELS, "target.cpu_kernels",
+        check_field(bool(self.path), "target.path", "must name a hub id, a local folder or a .gguf file")
+        check_field(self.dtype in DTYPES, "target.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        check_field(self.cpu_kernels in CPU_KERNELS, "target.cpu_kernels",
                f"must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
-
-
-# Drafter kinds (drafters/registry.py maps each to its module). "auto": whatever kind a saved folder holds.
-DRAFTER_KINDS = ("ar", "nar", "eagle3", "ngram", "dflash", "layerskip")
 
 
 @dataclass
@@ -100,52 +94,8 @@ class DrafterConfig:
     freeze_lm_head: bool = True
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "drafter.path", "must name a folder, a hub id, scratch or truncated:N")
-        kinds = (*DRAFTER_KINDS, "auto")
-        _check(self.kind in kinds, "drafter.kind", f"must be one of {kinds}, got {self.kind!r}")
-        _check(self.draft_len >= 1, "drafter.draft_len", f"must be >= 1, got {self.draft_len}")
-
-
-@dataclass
-class ARDrafterConfig(DrafterConfig):
-    """`drafter=truncated|scratch`: an autoregressive drafter (a small causal LM on the target's vocabulary)."""
-
-    kind: str = "ar"
-    # scratch only: architecture of the new drafter (the target's model class, vocabulary and rope settings).
-    num_layers: int = 2
-    hidden_size: int = 256
-    intermediate_size: int = 768
-    num_heads: int = 4
-    num_kv_heads: int = 2
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(self.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {self.num_layers}")
-        _check(self.hidden_size % self.num_heads == 0, "drafter.hidden_size", "must be divisible by num_heads")
-        _check(self.num_heads % self.num_kv_heads == 0, "drafter.num_heads", "must be divisible by num_kv_heads")
-
-
-@dataclass
-class NARDrafterConfig(ARDrafterConfig):
-    """`drafter=nar`: a SpecDec Spec-Drafter (drafters/nar.py); `path: scratch` uses the architecture fields."""
-
-    kind: str = "nar"
-    # Of the drafter's layers, how many only encode the context (SpecDec's encoder); the mask queries pass through
-    # the rest (its decoder). 0 = every layer sees the queries.
-    encoder_layers: int = 0
-    # Training: draft blocks (random start positions in the response) trained per sequence in one forward;
-    # 0 = a block at every response position.
-    blocks_per_sequence: int = 8
-    # Training, GLAT glancing (SpecDec sec. 3.2): reveal this fraction of the wrongly predicted tokens of a block to
-    # its queries, and learn the rest. 0 = off.
-    glancing_ratio: float = 0.0
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(self.encoder_layers >= 0, "drafter.encoder_layers", f"must be >= 0, got {self.encoder_layers}")
-        _check(self.blocks_per_sequence >= 0, "drafter.blocks_per_sequence",
-               f"must be >= 0, got {self.blocks_per_sequence}")
-        _check(0 <= self.glancing_ratio <= 1, "drafter.glancing_ratio", f"must be in [0, 1], got {self.glancing_ratio}")
+        check_field(bool(self.path), "drafter.path", "must name a folder, a hub id, scratch or truncated:N")
+        check_field(self.draft_len >= 1, "drafter.draft_len", f"must be >= 1, got {self.draft_len}")
 
 
 @dataclass
@@ -165,174 +115,8 @@ class CorpusLookupConfig:
         return bool(self.path)
 
     def check(self, prefix: str) -> None:
-        _check(0 < self.min_share <= 1, f"{prefix}.min_share", f"must be in (0, 1], got {self.min_share}")
-        _check(self.min_count >= 1, f"{prefix}.min_count", f"must be >= 1, got {self.min_count}")
-
-
-@dataclass
-class NgramDrafterConfig(DrafterConfig):
-    """`drafter=ngram`: prompt-lookup decoding (drafters/ngram.py), no model and no training; `path: lookup` builds
-    it from the fields below, a saved ngram folder loads its own."""
-
-    kind: str = "ngram"
-    path: str = "lookup"
-    # Suffix n-gram sizes tried, longest first (vLLM: prompt_lookup_min / prompt_lookup_max).
-    min_ngram: int = 1
-    max_ngram: int = 3
-    # Where the sequence itself has no match: lookup in a corpus of earlier responses (drafter.corpus.path).
-    corpus: CorpusLookupConfig = field(default_factory=CorpusLookupConfig)
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(self.min_ngram >= 1, "drafter.min_ngram", f"must be >= 1, got {self.min_ngram}")
-        _check(self.max_ngram >= self.min_ngram, "drafter.max_ngram", "must be >= drafter.min_ngram")
-        self.corpus.check("drafter.corpus")
-
-
-@dataclass
-class LayerSkipDrafterConfig(DrafterConfig):
-    """`drafter=layerskip`: self-speculative decoding (Draft & Verify, arXiv 2309.08168): the target drafts for itself
-    with some attention and MLP sub-layers skipped, on its own KV cache (drafters/layerskip.py). `path: skips` builds
-    it from skip_attn / skip_mlp; a saved layerskip folder (what `drafter-train drafter=layerskip` writes) loads its
-    own, for the target it was searched for only.
-
-    `drafter-train drafter=layerskip` searches the skip set (layer_search.py): optuna's TPE sampler (seeded by
-    train.seed) proposes per-sub-layer skip flags; each trial is scored, without decoding, by SWIFT's proxy: one
-    parallel forward with the skips over target-generated text (train.data_dir's responses) gives the share alpha of
-    positions whose argmax equals the full target's; with c the kept share of the target's cost (parameters of the
-    kept sub-layers plus the LM head, over all), the objective is the expected speedup
-    (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1)) at the best k <= draft_len. The search_confirm best trials are then
-    decoded for real (the evaluator, with eval.draft_exit) and the fastest is saved."""
-
-    kind: str = "layerskip"
-    path: str = "skips"
-    # Target layers (0-based) whose attention / MLP sub-layer is skipped while drafting. The first and last layers
-    # are never skipped. drafter-train: when set, the search's first trial.
-    skip_attn: list[int] = field(default_factory=list)
-    skip_mlp: list[int] = field(default_factory=list)
-    # Adaptive draft exit's threshold gamma this drafter starts from when the evaluator sets none (eval.draft_exit=0):
-    # it stops a proposal before the first draft whose top-1 probability is below it (0 = never). A searched folder
-    # carries the gamma its confirmation run ended with.
-    exit_threshold: float = 0.0
-    # drafter-train: trials of the search (a rerun with more continues the same search), ...
-    search_trials: int = 100
-    # ... the target-generated records (train.data_dir) the proxy reads, each cut to search_max_tokens tokens, ...
-    search_sequences: int = 8
-    search_max_tokens: int = 256
-    # ... and how many of the best trials are confirmed by real speculative decoding on the eval prompts.
-    search_confirm: int = 3
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("skip_attn", "skip_mlp"):
-            layers = list(getattr(self, name))
-            _check(all(i >= 0 for i in layers), f"drafter.{name}", f"layer ids must be >= 0, got {layers}")
-            _check(len(set(layers)) == len(layers), f"drafter.{name}", f"names a layer twice: {layers}")
-        _check(0 <= self.exit_threshold < 1, "drafter.exit_threshold", f"must be in [0, 1), got {self.exit_threshold}")
-        for name in ("search_trials", "search_sequences", "search_max_tokens", "search_confirm"):
-            _check(getattr(self, name) >= 1, f"drafter.{name}", f"must be >= 1, got {getattr(self, name)}")
-
-
-FEATURE_SOURCES = ("online", "offline")
-
-
-@dataclass
-class TargetFeaturesDrafterConfig(DrafterConfig):
-    """What the kinds that read the target's own hidden states share (EAGLE-3, DFlash; drafters/conditioned.py):
-    which target layers they fuse, the reduced draft vocabulary, and where training gets the features from."""
-
-    path: str = "new"
-    # Target layers whose OUTPUTS are fused (index convention: "output of layer i" = the residual stream after the
-    # target's decoder layer i, 0-based = transformers' `output_hidden_states[i + 1]`). Empty: the kind's default.
-    # Serving engines number these differently; the exports translate.
-    target_layers: list[int] = field(default_factory=list)
-    # Size of the reduced draft vocabulary: the most frequent tokens of the training data's responses (d2t / t2d
-    # mapping stored with the weights). 0 = the target's whole vocabulary.
-    draft_vocab_size: int = 8192
-    # Target features during training: online (a no-grad target forward per batch) or offline (computed once into a
-    # feature cache next to the data, reused by every epoch and run with the same target and layers).
-    features: str = "online"
-    # Storage dtype of the offline feature cache (16-bit; bfloat16 keeps the range of massive activations).
-    feature_dtype: str = "bfloat16"
-    # Folder of the offline feature cache; unset: <train.data_dir>/features/<hash of what the features depend on>.
-    # A folder made for another target, layer set, response column, max_seq_len or dtype is refused.
-    feature_cache: Optional[str] = None
-    # Normalise each target feature (RMSNorm per layer) before the fc fusion: targets with massive activations
-    # (SmolLM2's residual stream reaches ~25,000) otherwise swamp the fused input.
-    fc_norm: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(self.draft_vocab_size >= 0, "drafter.draft_vocab_size", f"must be >= 0, got {self.draft_vocab_size}")
-        _check(self.features in FEATURE_SOURCES, "drafter.features", f"must be one of {FEATURE_SOURCES}")
-        _check(self.feature_dtype in ("bfloat16", "float16"), "drafter.feature_dtype", "must be bfloat16 or float16")
-        _check(all(i >= 0 for i in self.target_layers), "drafter.target_layers", "layer ids must be >= 0")
-
-
-@dataclass
-class Eagle3DrafterConfig(TargetFeaturesDrafterConfig):
-    """`drafter=eagle3`: EAGLE-3 (arXiv 2503.01840), one decoder layer reading the target's own hidden states
-    (drafters/eagle3.py). `path: new` builds a fresh one for the target; a folder continues a saved one. Empty
-    target_layers: EAGLE-3's low/mid/high {2, L // 2, L - 3} for a target of L layers."""
-
-    kind: str = "eagle3"
-    # Training-time test: unrolled drafting steps per training position (step j consumes the drafter's own output
-    # of step j - 1), weighted ttt_decay ** j.
-    ttt_steps: int = 3
-    ttt_decay: float = 0.8
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(self.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
-        _check(0 < self.ttt_decay <= 1, "drafter.ttt_decay", f"must be in (0, 1], got {self.ttt_decay}")
-
-
-@dataclass
-class DFlashDrafterConfig(TargetFeaturesDrafterConfig):
-    """`drafter=dflash`: a one-pass block drafter on the target's context features (DFlash, arXiv 2602.06036;
-    drafters/dflash.py). A block [last verified token, MASK x (block_size - 1)] passes through num_layers decoder
-    layers whose keys/values also hold the fused target features of every earlier position; one forward drafts
-    up to block_size - 1 tokens. Empty target_layers: num_layers layers evenly spaced from EAGLE-3's low (2) to
-    high (L - 3) layer ({2, L // 2, L - 3} for 3 on a 30-layer target, so an EAGLE-3 feature cache is reused)."""
-
-    kind: str = "dflash"
-    # Drafter depth: decoder layers of the target's architecture, each reading the injected context features.
-    num_layers: int = 1
-    # Block size B trained: one anchor token plus B - 1 mask slots; drafter.draft_len / eval.draft_len <= B - 1.
-    block_size: int = 16
-    # Per-head RMSNorm on queries and keys (DFlash's layers are Qwen3 layers, which have it; on a target without
-    # it, e.g. Llama, the layers become Qwen3 layers of the target's sizes). vLLM and SGLang serve only such layers.
-    qk_norm: bool = True
-    # Training: random anchors per sequence in the response, redrawn every batch (0 = an anchor at every position).
-    blocks_per_sequence: int = 16
-    # Loss weight of block position k (1 .. B - 1): exp(-(k - 1) / position_decay). None: DFlash's gamma for the
-    # block size (7, 5, 4 for B = 16, 10, 8; linear between and beyond those). 0: all positions weigh 1.
-    position_decay: Optional[float] = None
-    # Training, GLAT glancing: reveal this fraction of a block's wrongly predicted tokens in their mask slots and
-    # learn the rest. 0 = off.
-    glancing_ratio: float = 0.0
-    # The token id serving engines put in the mask slots (vLLM, SGLang); None: chosen when the drafter is built
-    # (a special token of the tokenizer that is not BOS, EOS or padding, else the last id).
-    mask_token_id: Optional[int] = None
-    # true: the mask slots have a learned embedding of their own (exported to vLLM as mask_embedding.pt).
-    # false: they use the target's frozen embedding of mask_token_id, as DFlash's released drafters do (what SGLang
-    # can serve); an untrained row of the target's embedding (vocabulary padding) is a trap.
-    learned_mask: bool = True
-    fc_norm: bool = False  # DFlash (and vLLM / SGLang) fuse with fc then one norm; true adds EAGLE-3's per-layer norm
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(self.num_layers >= 1, "drafter.num_layers", f"must be >= 1, got {self.num_layers}")
-        _check(self.block_size >= 2, "drafter.block_size", f"must be >= 2 (an anchor and a mask slot), got "
-               f"{self.block_size}")
-        _check(self.draft_len <= self.block_size - 1, "drafter.draft_len", f"must be <= block_size - 1 = "
-               f"{self.block_size - 1} (one forward drafts that many), got {self.draft_len}")
-        _check(self.blocks_per_sequence >= 0, "drafter.blocks_per_sequence",
-               f"must be >= 0, got {self.blocks_per_sequence}")
-        _check(self.position_decay is None or self.position_decay >= 0, "drafter.position_decay",
-               f"must be >= 0, got {self.position_decay}")
-        _check(0 <= self.glancing_ratio <= 1, "drafter.glancing_ratio", f"must be in [0, 1], got {self.glancing_ratio}")
-        _check(self.mask_token_id is None or self.mask_token_id >= 0, "drafter.mask_token_id", "must be >= 0")
+        check_field(0 < self.min_share <= 1, f"{prefix}.min_share", f"must be in (0, 1], got {self.min_share}")
+        check_field(self.min_count >= 1, f"{prefix}.min_count", f"must be >= 1, got {self.min_count}")
 
 
 @dataclass
@@ -355,16 +139,16 @@ class TreeConfig:
         return self.top_k is not None
 
     def __post_init__(self) -> None:
-        _check(self.branching in TREE_BRANCHING, "eval.tree.branching", f"must be one of {TREE_BRANCHING}, got "
+        check_field(self.branching in TREE_BRANCHING, "eval.tree.branching", f"must be one of {TREE_BRANCHING}, got "
                f"{self.branching!r}")
         if not self.enabled:
-            _check(self.depth is None and self.total_tokens is None, "eval.tree.top_k", "set it to draft a tree "
+            check_field(self.depth is None and self.total_tokens is None, "eval.tree.top_k", "set it to draft a tree "
                    "(eval.tree.depth / total_tokens shape a tree; without top_k the decoder drafts a chain)")
             return
-        _check(self.top_k >= 1, "eval.tree.top_k", f"must be >= 1, got {self.top_k}")
-        _check(self.depth is None or self.depth >= 1, "eval.tree.depth", f"must be >= 1, got {self.depth}")
+        check_field(self.top_k >= 1, "eval.tree.top_k", f"must be >= 1, got {self.top_k}")
+        check_field(self.depth is None or self.depth >= 1, "eval.tree.depth", f"must be >= 1, got {self.depth}")
         if self.branching == "iid":
-            _check(self.total_tokens is None, "eval.tree.total_tokens", "an iid tree holds top_k sequences of depth "
+            check_field(self.total_tokens is None, "eval.tree.total_tokens", "an iid tree holds top_k sequences of depth "
                    "tokens: leave total_tokens unset")
 
     def check_size(self, depth: int) -> None:
@@ -372,7 +156,7 @@ class TreeConfig:
         if not self.enabled or self.total_tokens is None:
             return
         candidates = self.top_k + (depth - 1) * self.top_k ** 2
-        _check(depth <= self.total_tokens <= candidates, "eval.tree.total_tokens", f"must be in [depth, top_k + "
+        check_field(depth <= self.total_tokens <= candidates, "eval.tree.total_tokens", f"must be in [depth, top_k + "
                f"(depth - 1) * top_k^2] = [{depth}, {candidates}], got {self.total_tokens}")
 
 
@@ -394,8 +178,8 @@ class LookupConfig:
         return self.min_ngram > 0 or self.corpus.enabled
 
     def __post_init__(self) -> None:
-        _check(self.min_ngram >= 0, "eval.lookup.min_ngram", f"must be >= 0 (0 = off), got {self.min_ngram}")
-        _check(not self.min_ngram or self.max_ngram >= self.min_ngram, "eval.lookup.max_ngram",
+        check_field(self.min_ngram >= 0, "eval.lookup.min_ngram", f"must be >= 0 (0 = off), got {self.min_ngram}")
+        check_field(not self.min_ngram or self.max_ngram >= self.min_ngram, "eval.lookup.max_ngram",
                f"must be >= eval.lookup.min_ngram ({self.min_ngram}), got {self.max_ngram}")
         self.corpus.check("eval.lookup.corpus")
 
@@ -430,12 +214,12 @@ class CalibrationConfig:
     def __post_init__(self) -> None:
         for name in ("draft_lens", "tree_top_k", "tree_depth", "tree_sizes"):
             values = getattr(self, name)
-            _check(all(v >= 1 for v in values), f"eval.calibration.{name}", f"values must be >= 1, got {values}")
-        _check(bool(self.draft_lens or (self.tree_top_k and self.tree_depth and self.tree_sizes)),
+            check_field(all(v >= 1 for v in values), f"eval.calibration.{name}", f"values must be >= 1, got {values}")
+        check_field(bool(self.draft_lens or (self.tree_top_k and self.tree_depth and self.tree_sizes)),
                "eval.calibration.draft_lens", "name at least one chain length or one tree shape and size")
-        _check(self.num_prompts >= 1, "eval.calibration.num_prompts", f"must be >= 1, got {self.num_prompts}")
-        _check(self.repeats >= 1, "eval.calibration.repeats", f"must be >= 1, got {self.repeats}")
-        _check(self.max_new_tokens is None or self.max_new_tokens >= 2, "eval.calibration.max_new_tokens",
+        check_field(self.num_prompts >= 1, "eval.calibration.num_prompts", f"must be >= 1, got {self.num_prompts}")
+        check_field(self.repeats >= 1, "eval.calibration.repeats", f"must be >= 1, got {self.repeats}")
+        check_field(self.max_new_tokens is None or self.max_new_tokens >= 2, "eval.calibration.max_new_tokens",
                f"must be >= 2, got {self.max_new_tokens}")
 
 
@@ -490,38 +274,38 @@ class EvalConfig:
     draft_exit_target: float = 0.9
 
     def __post_init__(self) -> None:
-        _check(self.draft_len >= 1, "eval.draft_len", f"must be >= 1, got {self.draft_len}")
-        _check(0 <= self.draft_exit < 1, "eval.draft_exit", f"must be in [0, 1), got {self.draft_exit}")
-        _check(0 < self.draft_exit_target <= 1, "eval.draft_exit_target", f"must be in (0, 1], got {self.draft_exit_target}")
-        _check(self.verify in VERIFY_MODES, "eval.verify", f"must be one of {VERIFY_MODES}, got {self.verify!r}")
-        _check(self.temperature > 0, "eval.temperature", f"must be > 0, got {self.temperature}")
-        _check(self.top_k >= 0, "eval.top_k", f"must be >= 0, got {self.top_k}")
-        _check(0 < self.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.specdec_top_beta >= 1, "eval.specdec_top_beta", f"must be >= 1, got {self.specdec_top_beta}")
-        _check(self.specdec_tolerance >= 0, "eval.specdec_tolerance", "must be >= 0")
-        _check(self.max_new_tokens >= 1, "eval.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
-        _check(self.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {self.num_prompts}")
-        _check(self.warmup >= 0, "eval.warmup", f"must be >= 0, got {self.warmup}")
+        check_field(self.draft_len >= 1, "eval.draft_len", f"must be >= 1, got {self.draft_len}")
+        check_field(0 <= self.draft_exit < 1, "eval.draft_exit", f"must be in [0, 1), got {self.draft_exit}")
+        check_field(0 < self.draft_exit_target <= 1, "eval.draft_exit_target", f"must be in (0, 1], got {self.draft_exit_target}")
+        check_field(self.verify in VERIFY_MODES, "eval.verify", f"must be one of {VERIFY_MODES}, got {self.verify!r}")
+        check_field(self.temperature > 0, "eval.temperature", f"must be > 0, got {self.temperature}")
+        check_field(self.top_k >= 0, "eval.top_k", f"must be >= 0, got {self.top_k}")
+        check_field(0 < self.top_p <= 1, "eval.top_p", f"must be in (0, 1], got {self.top_p}")
+        check_field(self.specdec_top_beta >= 1, "eval.specdec_top_beta", f"must be >= 1, got {self.specdec_top_beta}")
+        check_field(self.specdec_tolerance >= 0, "eval.specdec_tolerance", "must be >= 0")
+        check_field(self.max_new_tokens >= 1, "eval.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+        check_field(self.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {self.num_prompts}")
+        check_field(self.warmup >= 0, "eval.warmup", f"must be >= 0, got {self.warmup}")
         self.tree.check_size(self.tree_depth)
         if self.tree.enabled:
-            _check(self.verify != "specdec", "eval.verify", "specdec verifies chains only: unset eval.tree.top_k, or "
+            check_field(self.verify != "specdec", "eval.verify", "specdec verifies chains only: unset eval.tree.top_k, or "
                    "use greedy, sample or spectr")
-            _check(self.verify != "greedy" or self.tree.branching == "topk", "eval.tree.branching", "iid trees are "
+            check_field(self.verify != "greedy" or self.tree.branching == "topk", "eval.tree.branching", "iid trees are "
                    "sampled: verify them with eval.verify=sample or spectr (greedy uses topk trees)")
-            _check(not self.draft_exit, "eval.draft_exit", "draft exit cuts chains short; a tree is pruned by its "
+            check_field(not self.draft_exit, "eval.draft_exit", "draft exit cuts chains short; a tree is pruned by its "
                    "total_tokens instead: unset eval.tree.top_k or eval.draft_exit")
-        _check(self.verify != "spectr" or (self.tree.enabled and self.tree.branching == "iid"), "eval.verify",
+        check_field(self.verify != "spectr" or (self.tree.enabled and self.tree.branching == "iid"), "eval.verify",
                "spectr verifies i.i.d. sampled drafts: set eval.tree.top_k (the number of draft sequences) and "
                "eval.tree.branching=iid")
-        _check(not self.calibration.enabled or self.verify in ("greedy", "sample"), "eval.calibration.enabled",
+        check_field(not self.calibration.enabled or self.verify in ("greedy", "sample"), "eval.calibration.enabled",
                f"calibration compares chains and topk trees under greedy or sample verification, not {self.verify}")
-        _check(not (self.calibration.enabled and self.draft_exit), "eval.calibration.enabled",
+        check_field(not (self.calibration.enabled and self.draft_exit), "eval.calibration.enabled",
                "calibration compares fixed chain lengths and tree sizes: unset eval.draft_exit")
-        _check(not (self.lookup.enabled and self.tree.enabled and self.tree.branching == "iid"),
+        check_field(not (self.lookup.enabled and self.tree.enabled and self.tree.branching == "iid"),
                "eval.lookup.min_ngram", "prompt lookup's chains are deterministic and go in front of topk trees, not "
                "of i.i.d. sampled ones: set eval.tree.branching=topk, or unset eval.lookup.min_ngram and "
                "eval.lookup.corpus.path")
-        _check(not (self.lookup.enabled and self.calibration.enabled), "eval.lookup.min_ngram",
+        check_field(not (self.lookup.enabled and self.calibration.enabled), "eval.lookup.min_ngram",
                "calibration predicts the drafter's own chains and trees: unset eval.calibration.enabled, or "
                "eval.lookup.min_ngram and eval.lookup.corpus.path")
 
@@ -566,12 +350,12 @@ class VllmEngineConfig:
     engine_args: Dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        _check(self.tensor_parallel_size >= 1, "datagen.vllm.tensor_parallel_size", "must be >= 1")
+        check_field(self.tensor_parallel_size >= 1, "datagen.vllm.tensor_parallel_size", "must be >= 1")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
-            _check(value is None or value >= 1, f"datagen.vllm.{name}", f"must be >= 1, got {value}")
+            check_field(value is None or value >= 1, f"datagen.vllm.{name}", f"must be >= 1, got {value}")
         util = self.gpu_memory_utilization
-        _check(util is None or 0 < util <= 1, "datagen.vllm.gpu_memory_utilization", f"must be in (0, 1], got {util}")
+        check_field(util is None or 0 < util <= 1, "datagen.vllm.gpu_memory_utilization", f"must be in (0, 1], got {util}")
 
 
 @dataclass
@@ -625,15 +409,15 @@ class DatagenConfig:
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "batch_size", "shard_size"):
-            _check(getattr(self, name) >= 1, f"datagen.{name}", f"must be >= 1, got {getattr(self, name)}")
-        _check(self.num_eval_prompts >= 0, "datagen.num_eval_prompts", "must be >= 0")
-        _check(self.temperature >= 0, "datagen.temperature", f"must be >= 0, got {self.temperature}")
-        _check(self.store_topk >= 0, "datagen.store_topk", f"must be >= 0, got {self.store_topk}")
-        _check(self.generate or not self.store_topk, "datagen.store_topk", "needs datagen.generate=true (logits "
+            check_field(getattr(self, name) >= 1, f"datagen.{name}", f"must be >= 1, got {getattr(self, name)}")
+        check_field(self.num_eval_prompts >= 0, "datagen.num_eval_prompts", "must be >= 0")
+        check_field(self.temperature >= 0, "datagen.temperature", f"must be >= 0, got {self.temperature}")
+        check_field(self.store_topk >= 0, "datagen.store_topk", f"must be >= 0, got {self.store_topk}")
+        check_field(self.generate or not self.store_topk, "datagen.store_topk", "needs datagen.generate=true (logits "
                "are stored for generated tokens)")
-        _check(0 < self.top_p <= 1, "datagen.top_p", f"must be in (0, 1], got {self.top_p}")
-        _check(self.top_k >= 0, "datagen.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
-        _check(self.backend in DATAGEN_BACKENDS, "datagen.backend",
+        check_field(0 < self.top_p <= 1, "datagen.top_p", f"must be in (0, 1], got {self.top_p}")
+        check_field(self.top_k >= 0, "datagen.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        check_field(self.backend in DATAGEN_BACKENDS, "datagen.backend",
                f"must be one of {DATAGEN_BACKENDS}, got {self.backend!r}")
 
 
@@ -667,15 +451,15 @@ class LossConfig:
     teacher: str = "online"
 
     def __post_init__(self) -> None:
-        _check(self.name in LOSS_NAMES, "loss.name", f"must be one of {LOSS_NAMES}, got {self.name!r}")
-        _check(self.teacher in TEACHERS, "loss.teacher", f"must be one of {TEACHERS}, got {self.teacher!r}")
-        _check(self.temperature > 0, "loss.temperature", f"must be > 0, got {self.temperature}")
-        _check(0 <= self.beta <= 1, "loss.beta", f"must be in [0, 1], got {self.beta}")
+        check_field(self.name in LOSS_NAMES, "loss.name", f"must be one of {LOSS_NAMES}, got {self.name!r}")
+        check_field(self.teacher in TEACHERS, "loss.teacher", f"must be one of {TEACHERS}, got {self.teacher!r}")
+        check_field(self.temperature > 0, "loss.temperature", f"must be > 0, got {self.temperature}")
+        check_field(0 <= self.beta <= 1, "loss.beta", f"must be in [0, 1], got {self.beta}")
         if self.name != "ce":
-            _check(self.teacher != "none", "loss.teacher", f"loss {self.name} needs target logits (online/offline)")
+            check_field(self.teacher != "none", "loss.teacher", f"loss {self.name} needs target logits (online/offline)")
         if self.uses_stored_logits:
             # Stored top-k logits give p = 0 outside the top k, where log p is -inf: rkl's q log(q/p) blows up.
-            _check(self.name != "rkl", "loss.teacher", "rkl needs full target logits: use loss.teacher=online")
+            check_field(self.name != "rkl", "loss.teacher", "rkl needs full target logits: use loss.teacher=online")
 
 
     @property
@@ -722,13 +506,13 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check(self.response in ("target", "reference"), "train.response", "must be target or reference")
+        check_field(self.response in ("target", "reference"), "train.response", "must be target or reference")
         for name in ("max_steps", "batch_size", "grad_accum", "save_every", "keep_last", "max_seq_len", "log_every"):
-            _check(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
-        _check(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
-        _check(self.mixed_precision in ("no", "bf16"), "train.mixed_precision", "must be no or bf16")
-        _check(self.resume in ("auto", "never"), "train.resume", f"must be auto or never, got {self.resume!r}")
-        _check(bool(self.run_name) and "/" not in self.run_name, "train.run_name", "must be a plain folder name")
+            check_field(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
+        check_field(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        check_field(self.mixed_precision in ("no", "bf16"), "train.mixed_precision", "must be no or bf16")
+        check_field(self.resume in ("auto", "never"), "train.resume", f"must be auto or never, got {self.resume!r}")
+        check_field(bool(self.run_name) and "/" not in self.run_name, "train.run_name", "must be a plain folder name")
 
 
 @dataclass
@@ -742,8 +526,8 @@ class TrackerConfig:
     mode: str = "offline"
 
     def __post_init__(self) -> None:
-        _check(self.kind in ("none", "wandb", "tensorboard"), "tracker.kind", "must be none, wandb or tensorboard")
-        _check(self.mode in ("offline", "online"), "tracker.mode", "must be offline or online")
+        check_field(self.kind in ("none", "wandb", "tensorboard"), "tracker.kind", "must be none, wandb or tensorboard")
+        check_field(self.mode in ("offline", "online"), "tracker.mode", "must be offline or online")
 
 
 @dataclass
@@ -790,7 +574,7 @@ class ExportConfig:
 
     def __post_init__(self) -> None:
         # Checks that hold for the defaults too (the ConfigStore builds them); required inputs: require_inputs().
-        _check(self.format in EXPORT_FORMATS, "export.format", f"must be one of {EXPORT_FORMATS}, got {self.format!r}")
+        check_field(self.format in EXPORT_FORMATS, "export.format", f"must be one of {EXPORT_FORMATS}, got {self.format!r}")
         if not _EXPORT_WHICH.match(self.which):
             raise ConfigError(f"export.which: must be best, latest or step-N, got {self.which!r}")
         if self.push and not self.repo_id:
@@ -824,7 +608,7 @@ class ReportConfig:
     output_dir: Optional[str] = None
 
     def require_inputs(self) -> None:
-        _check(bool(self.input), "report.input", "name the sweep or run folder to report on")
+        check_field(bool(self.input), "report.input", "name the sweep or run folder to report on")
 
 
 @dataclass
@@ -843,29 +627,3 @@ def _check_repo_id(repo_id: str) -> None:
         validate_repo_id(repo_id)
     except HFValidationError as err:
         raise ConfigError(f"export.repo_id: {str(err).splitlines()[0]}") from None
-
-
-def register_configs() -> None:
-    """Register the schemas so YAML files can extend them, and the resolvers the YAML files use (called by the entry
-    points, not at import)."""
-    OmegaConf.register_new_resolver("main_process_only", main_process_only, replace=True)
-    cs = ConfigStore.instance()
-    cs.store(name="eval_schema", node=EvalJobConfig)
-    cs.store(name="datagen_schema", node=DatagenJobConfig)
-    cs.store(name="train_schema", node=TrainJobConfig)
-    cs.store(name="export_schema", node=ExportJobConfig)
-    cs.store(name="report_schema", node=ReportJobConfig)
-    # One schema per drafter kind, extended by the YAML files of the `drafter` group (conf/drafter/*.yaml).
-    for name, node in (("ar_schema", ARDrafterConfig), ("nar_schema", NARDrafterConfig),
-                       ("eagle3_schema", Eagle3DrafterConfig), ("ngram_schema", NgramDrafterConfig),
-                       ("dflash_schema", DFlashDrafterConfig), ("layerskip_schema", LayerSkipDrafterConfig),
-                       ("any_schema", DrafterConfig)):
-        cs.store(group="drafter", name=name, node=node)
-
-
-def compose_config(name: str, overrides: list[str]) -> Any:
-    """The typed, validated job config of entry point `name` (train, eval, datagen, export, report) with Hydra
-    `overrides`, composed from conf/ as the command line composes it: for scripts and notebooks."""
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose(name, overrides=list(overrides)))

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from drafter_train.drafters.registry import DrafterKind, folder_kind, get_kind, module_name
+from drafter_train.io import read_json_or_empty
 from drafter_train.errors import ConfigError
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -49,7 +50,7 @@ class RunInfo:
 def read_run_info(step_dir: Path) -> RunInfo:
     """The step's metrics.json, the run's eval history (metrics.jsonl) and its Hydra config (.hydra/config.yaml)."""
     run_dir = step_dir.parent
-    metrics = _read_json(step_dir / "metrics.json")
+    metrics = read_json_or_empty(step_dir / "metrics.json")
     # train() writes the resolved config.yaml itself (sweeps and in-process runs leave no .hydra/ in the run folder).
     config = run_config(run_dir / "config.yaml") or run_config(run_dir / ".hydra" / "config.yaml")
     # The trained draft length; a run started without Hydra left only its evaluation's draft length.
@@ -60,11 +61,6 @@ def read_run_info(step_dir: Path) -> RunInfo:
     return RunInfo(step_dir, step, config, metrics, eval_history(run_dir / "metrics.jsonl"), int(draft_len))
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):  # missing or unreadable: the card says what is not known
-        return {}
 
 
 def run_config(path: Path) -> dict:
@@ -189,7 +185,7 @@ def _data_text(train: dict) -> str:
     data_dir = str(train.get("data_dir"))
     answers = "the target's own continuations" if train.get("response", "target") == "target" else "reference answers"
     text = f"`{public_name(data_dir)}`, trained on {answers}"
-    record = _read_json(Path(data_dir).expanduser() / "datagen.json")  # relative paths: only from the run's cwd
+    record = read_json_or_empty(Path(data_dir).expanduser() / "datagen.json")  # relative paths: only from the run's cwd
     if record:
         source = public_name(record.get("prompts", {}).get("source")) or "ShareGPT first user turns"
         gen = record.get("generation", {})

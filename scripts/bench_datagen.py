@@ -31,9 +31,8 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from drafter_train.config import compose_config  # noqa: E402
-from drafter_train.data.datagen import (  # noqa: E402
-    Throughput, _pad_id, generate_shard, load_distill_dataset, run_datagen)
+from drafter_train.recipes.cli import compose_config  # noqa: E402
+
 from drafter_train.data.generation import HFBackend  # noqa: E402
 from drafter_train.data.sources import open_source, select_prompts  # noqa: E402
 from drafter_train.data.vllm_backend import VllmBackend  # noqa: E402
@@ -41,10 +40,11 @@ from drafter_train.drafters.registry import make_drafter  # noqa: E402
 from drafter_train.decoding.speculative import generate_speculative  # noqa: E402
 from drafter_train.decoding.stats import DecodeStats  # noqa: E402
 from drafter_train.decoding.verify import verify_greedy  # noqa: E402
-from drafter_train.drafters.loading import load_drafter  # noqa: E402
-from drafter_train.evaluate import divergence_margin, eos_token_ids  # noqa: E402
+from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
+from drafter_train.evaluation import divergence_margin  # noqa: E402
+from drafter_train.recipes.evaluate import eos_token_ids  # noqa: E402
 from drafter_train.targets import load_target  # noqa: E402
-from drafter_train.train import eval_prompt_ids, train  # noqa: E402
+from drafter_train.recipes.train import eval_prompt_ids, train  # noqa: E402
 
 
 def agreement(target, prompts: list[list[int]], reference: list[list[int]], other: list[list[int]]) -> dict:

@@ -30,7 +30,7 @@ from drafter_train.decoding.autoregressive import generate_autoregressive  # noq
 from drafter_train.decoding.drafter import ARDrafter  # noqa: E402
 from drafter_train.decoding.speculative import generate_speculative  # noqa: E402
 from drafter_train.decoding.verify import verify_greedy  # noqa: E402
-from drafter_train.drafters.loading import load_drafter  # noqa: E402
+from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
 from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # noqa: E402
 
 STORIES = os.environ.get("DRAFTER_TRAIN_STORIES260K", str(Path(__file__).resolve().parents[2] / "shared/models/stories260K"))

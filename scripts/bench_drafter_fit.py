@@ -30,7 +30,7 @@ from drafter_train import draft_vocab  # noqa: E402
 from drafter_train.config import TargetConfig  # noqa: E402
 from drafter_train.data.prompts import load_prompt_records  # noqa: E402
 from drafter_train.decoding.autoregressive import generate_autoregressive  # noqa: E402
-from drafter_train.drafters import eagle3  # noqa: E402
+from drafter_train.drafters.eagle3 import model as eagle3  # noqa: E402
 from drafter_train.features import FeatureTap  # noqa: E402
 from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # noqa: E402
 

@@ -33,12 +33,13 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from drafter_train.config import NgramDrafterConfig, compose_config  # noqa: E402
-from drafter_train.drafters.loading import load_drafter  # noqa: E402
+from drafter_train.recipes.cli import compose_config  # noqa: E402
+from drafter_train.drafters.ngram.config import NgramDrafterConfig
+from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
 from drafter_train.drafters.registry import make_drafter  # noqa: E402
-from drafter_train.evaluate import evaluate_decoding  # noqa: E402
+from drafter_train.recipes.evaluate import evaluate_decoding  # noqa: E402
 from drafter_train.targets import eos_token_ids, load_target  # noqa: E402
-from drafter_train.train import eval_prompt_ids, train  # noqa: E402
+from drafter_train.recipes.train import eval_prompt_ids, train  # noqa: E402
 
 KINDS = {
     # the main job's recipe (1 TTT step, 4096-token head), and the same with 3 TTT steps for longer chains

@@ -28,12 +28,13 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
 from drafter_train.calibrate import machine_info  # noqa: E402
-from drafter_train.config import DrafterConfig, EvalConfig, NgramDrafterConfig, TargetConfig  # noqa: E402
+from drafter_train.config import DrafterConfig, EvalConfig, TargetConfig  # noqa: E402
+from drafter_train.drafters.ngram.config import NgramDrafterConfig
 from drafter_train.cpu_kernels import row_policy, use_grouped_attention  # noqa: E402
 from drafter_train.data.prompts import load_prompt_records  # noqa: E402
-from drafter_train.drafters.loading import load_drafter  # noqa: E402
+from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
 from drafter_train.drafters.registry import make_drafter  # noqa: E402
-from drafter_train.evaluate import evaluate_decoding  # noqa: E402
+from drafter_train.recipes.evaluate import evaluate_decoding  # noqa: E402
 from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # noqa: E402
 
 SIZES = (1, 2, 3, 5, 9, 17)

@@ -23,10 +23,10 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from drafter_train.config import compose_config  # noqa: E402
-from drafter_train.data.datagen import run_datagen  # noqa: E402
-from drafter_train.evaluate import run_eval_job  # noqa: E402
-from drafter_train.train import train  # noqa: E402
+from drafter_train.recipes.cli import compose_config  # noqa: E402
+from drafter_train.recipes.datagen import run_datagen  # noqa: E402
+from drafter_train.recipes.evaluate import run_eval_job  # noqa: E402
+from drafter_train.recipes.train import train  # noqa: E402
 
 
 def main() -> None:

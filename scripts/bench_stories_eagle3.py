@@ -24,9 +24,9 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from drafter_train.config import compose_config  # noqa: E402
-from drafter_train.data.datagen import run_datagen  # noqa: E402
-from drafter_train.train import train  # noqa: E402
+from drafter_train.recipes.cli import compose_config  # noqa: E402
+from drafter_train.recipes.datagen import run_datagen  # noqa: E402
+from drafter_train.recipes.train import train  # noqa: E402
 
 STEMS = ("Once upon a time", "The little dog", "Lily saw")
 HELD_OUT = ("Tom had a big red ball", "One day, a bird flew", "The sun was hot and", "Sara and Ben went to",

@@ -33,9 +33,10 @@ from drafter_train.calibrate import calibrate  # noqa: E402
 from drafter_train.config import CalibrationConfig, DrafterConfig, EvalConfig, TargetConfig, TreeConfig  # noqa: E402
 from drafter_train.data.prompts import load_prompt_records  # noqa: E402
 from drafter_train.decoding.autoregressive import generate_autoregressive  # noqa: E402
-from drafter_train.drafters.loading import load_drafter  # noqa: E402
+from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
 from drafter_train.drafters.registry import make_drafter, model_kind  # noqa: E402
-from drafter_train.evaluate import calibration_decoder, sampling_params, speculative_runner  # noqa: E402
+from drafter_train.recipes.evaluate import calibration_decoder  # noqa: E402
+from drafter_train.evaluation import sampling_params, speculative_runner  # noqa: E402
 from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # noqa: E402
 
 

@@ -24,12 +24,12 @@ from pathlib import Path
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from drafter_train.config import compose_config  # noqa: E402
+from drafter_train.recipes.cli import compose_config  # noqa: E402
 from drafter_train.decoding.drafter import ARDrafter  # noqa: E402
-from drafter_train.drafters.loading import load_drafter  # noqa: E402
-from drafter_train.evaluate import evaluate_decoding  # noqa: E402
+from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
+from drafter_train.recipes.evaluate import evaluate_decoding  # noqa: E402
 from drafter_train.targets import eos_token_ids, load_target  # noqa: E402
-from drafter_train.train import eval_prompt_ids, train  # noqa: E402
+from drafter_train.recipes.train import eval_prompt_ids, train  # noqa: E402
 
 VARIANTS = {
     "ce-reference": ["loss=ce", "train.response=reference"],

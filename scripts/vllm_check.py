@@ -205,10 +205,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from drafter_train.config import DrafterConfig, EvalConfig, TargetConfig
     from drafter_train.data.prompts import load_prompt_records
-    from drafter_train.drafters.loading import load_drafter
+    from drafter_train.drafters.common.loading import load_drafter
     from drafter_train.drafters.registry import make_drafter
-    from drafter_train.evaluate import evaluate_decoding
-    from drafter_train.export import ExportConfig, export, resolve_checkpoint
+    from drafter_train.recipes.evaluate import evaluate_decoding
+    from drafter_train.recipes.export import ExportConfig, export, resolve_checkpoint
     from drafter_train.model_card import read_run_info
     from drafter_train.targets import embedded_folder, encode_prompt, eos_token_ids, load_target
 

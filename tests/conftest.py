@@ -46,7 +46,7 @@ def tiny_data(tmp_path_factory):
     (prompts.jsonl, data/ with stored top-8 logits and held-out eval prompts)."""
     from omegaconf import OmegaConf
 
-    from drafter_train.data.datagen import run_datagen
+    from drafter_train.recipes.datagen import run_datagen
     from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, save_tiny
 
     root = tmp_path_factory.mktemp("train")

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-import drafter_train.train as train_module
+import drafter_train.recipes.train as train_module
 from drafter_train.data.batches import BatchStream
 from tests.stubs import compose_cfg
 

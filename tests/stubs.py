@@ -88,7 +88,8 @@ def compose_cfg(name: str, overrides: list[str], return_hydra_config: bool = Fal
     `hydra` node if asked: callbacks, sweep folder)."""
     from hydra import compose, initialize_config_dir
 
-    from drafter_train.config import CONF_DIR, register_configs
+    from drafter_train.config import CONF_DIR
+    from drafter_train.recipes.cli import register_configs
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):

@@ -18,9 +18,9 @@ from drafter_train.checkpoint import (
     MANIFEST, TrainState, prepare_run_dir, prune, resume_checkpoint, save_checkpoint, step_dirs, verify_checkpoint,
 )
 from drafter_train.errors import CheckpointDamagedError
-from drafter_train.evaluate import run_eval_job
-from drafter_train.export import ExportConfig, export
-from drafter_train.train import train
+from drafter_train.recipes.evaluate import run_eval_job
+from drafter_train.recipes.export import ExportConfig, export
+from drafter_train.recipes.train import train
 from tests.conftest import tiny_llama
 from tests.stubs import VOCAB, compose_cfg, run_cli, word_tokenizer
 from tests.test_train import train_cfg
@@ -185,7 +185,7 @@ def test_rerunning_a_run_with_damaged_latest_resumes_and_rewrites_it(tiny_data, 
             f"train.data_dir={tiny_data / 'data'}", f"train.output_root={tmp_path}", "train.run_name=run",
             "train.max_steps=4", "train.save_every=2", "train.batch_size=4", "train.log_every=1", "train.lr=3e-3",
             "train.warmup_steps=0", "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.warmup=0"]
-    done = run_cli("drafter_train.train", *args, cwd=tmp_path)
+    done = run_cli("drafter_train.recipes.train", *args, cwd=tmp_path)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     warnings = [line for line in done.stderr.splitlines() if "warning" in line]
     assert len(warnings) == 1 and WEIGHTS in warnings[0] and "resuming from step-2" in warnings[0], warnings

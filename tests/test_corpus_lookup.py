@@ -10,17 +10,19 @@ from collections import Counter
 import pytest
 from omegaconf import OmegaConf
 
-from drafter_train.config import CorpusLookupConfig, EvalConfig, LookupConfig, NgramDrafterConfig
+from drafter_train.config import CorpusLookupConfig, EvalConfig, LookupConfig
+from drafter_train.drafters.ngram.config import NgramDrafterConfig
 from drafter_train.data.store import check_tokenizer, load_distill_dataset, tokenizer_fingerprint
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
-from drafter_train.drafters.loading import load_drafter
-from drafter_train.drafters.ngram import CorpusIndex, LookupFirst, PromptLookupDrafter, corpus_index, lookup
+from drafter_train.drafters.common.loading import load_drafter
+from drafter_train.drafters.ngram.model import PromptLookupDrafter
+from drafter_train.decoding.lookup import CorpusIndex, LookupFirst, corpus_index, lookup
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
-from drafter_train.evaluate import evaluate_decoding
+from drafter_train.recipes.evaluate import evaluate_decoding
 from tests.stubs import WORDS, compose_cfg, word_tokenizer
 from tests.test_eagle3 import random_eagle3
 from tests.test_lookup_first import PROMPT, Counting, drafter_of, sampled_with_lookup_first
@@ -159,7 +161,7 @@ def test_data_made_with_another_tokenizer_is_refused_in_one_line(tiny_data, tmp_
     import shutil
 
     from drafter_train.targets import load_causal_lm
-    from drafter_train.train import load_training_data
+    from drafter_train.recipes.train import load_training_data
 
     data = tiny_data / "data"
     own, other = word_tokenizer(), word_tokenizer(list(reversed(WORDS)))  # the same tokens under other ids

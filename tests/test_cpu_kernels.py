@@ -297,8 +297,8 @@ def test_datagen_generation_is_the_same_bits_whatever_the_kernel_policy(make_tin
 
 def test_target_features_and_teacher_logits_are_the_same_bits_whatever_the_kernel_policy(make_tiny_llama):
     from drafter_train.config import LossConfig
-    from drafter_train.distill import teacher_logits
-    from drafter_train.drafters.conditioned import target_signals
+    from drafter_train.drafters.common.distill import teacher_logits
+    from drafter_train.drafters.common.conditioned import target_signals
 
     plain, patched = make_tiny_llama(), _onednn_everywhere(make_tiny_llama())
     batch, layers = _batch(plain), [0, 2, 3]
@@ -317,9 +317,9 @@ def test_target_features_and_teacher_logits_are_the_same_bits_whatever_the_kerne
 def test_glancings_no_grad_guesses_run_on_stock_kernels(tiny_data, tmp_path, monkeypatch, kind):
     """Glancing's guesses (a no-grad drafter pass inside the loss) decide which tokens training reveals: they run
     inside stock_kernels() like every other pass that makes training data. Decoding passes (inference mode) do not."""
-    from drafter_train.drafters.dflash import DFlashModel
-    from drafter_train.drafters.nar import SpecDrafter
-    from drafter_train.train import train
+    from drafter_train.drafters.dflash.model import DFlashModel
+    from drafter_train.drafters.nar.model import SpecDrafter
+    from drafter_train.recipes.train import train
     from tests.test_dflash import dflash_cfg
     from tests.test_train import train_cfg
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafter_train.data import datagen
-from drafter_train.data.datagen import load_distill_dataset, load_eval_prompts, run_datagen
+from drafter_train.recipes import datagen
+from drafter_train.recipes.datagen import load_distill_dataset, load_eval_prompts, run_datagen
 from drafter_train.data.prompts import load_prompts
 from drafter_train.data.sources import open_source
 from drafter_train.data.store import DatagenStore
@@ -209,7 +209,7 @@ def test_loading_an_empty_folder(tmp_path):
 
 
 def drafter_datagen(*args, cwd):
-    return run_cli("drafter_train.data.datagen", *args, cwd=cwd)
+    return run_cli("drafter_train.recipes.datagen", *args, cwd=cwd)
 
 
 def test_cli(folders, tmp_path):

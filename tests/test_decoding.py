@@ -11,7 +11,7 @@ from drafter_train.decoding.drafter import ARDrafter
 from drafter_train.decoding.sampling import SamplingParams, logits_to_probs
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier, verify_greedy
-from drafter_train.drafters.truncated import cut_from_target
+from drafter_train.drafters.common.truncated import cut_from_target
 from tests.stubs import BigramLM, cycle_table, greedy_table
 
 GREEDY = make_verifier("greedy", SamplingParams())

@@ -9,21 +9,21 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from drafter_train.config import DFlashDrafterConfig
+from drafter_train.drafters.dflash.config import DFlashDrafterConfig
 from drafter_train.data.batches import collate
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
-from drafter_train.drafters import conditioned
-from drafter_train.drafters.dflash import (
+from drafter_train.drafters.common import conditioned
+from drafter_train.drafters.dflash.model import (
     DFlashDrafter, DFlashModel, block_mask, position_weights, to_anchor_blocks,
 )
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
 from drafter_train.features import FeatureTap, evenly_spaced_layers
 from drafter_train.targets import load_causal_lm
-from drafter_train.train import train
+from drafter_train.recipes.train import train
 from tests.stubs import compose_cfg
 from tests.test_eagle3 import eagle3_counts
 from tests.test_sampling_exactness import chi2_pvalue, enumerate_marginals
@@ -371,8 +371,8 @@ def dflash_run(tiny_data, tmp_path_factory):
 
 def test_hf_export_loads_through_the_project_and_drafts_the_same(dflash_run, tiny_data, tmp_path):
     from drafter_train.config import DrafterConfig
-    from drafter_train.drafters.loading import load_drafter
-    from drafter_train.export import ExportConfig, export
+    from drafter_train.drafters.common.loading import load_drafter
+    from drafter_train.recipes.export import ExportConfig, export
     from tests.stubs import word_tokenizer
 
     out = tmp_path / "hf"
@@ -396,7 +396,7 @@ def test_vllm_export_is_the_dflash_draft_model_folder_and_round_trips(dflash_run
     """config.json as vLLM's DFlash reads it (DFlashDraftModel, block_size, dflash_config with mask_token_id and
     target_layer_ids in DFlash's "output of layer i" convention = ours), and the weights, mask_embedding.pt and the
     target's embeddings rebuild exactly the trained drafter."""
-    from drafter_train.export import ExportConfig, export
+    from drafter_train.recipes.export import ExportConfig, export
 
     out = tmp_path / "vllm"
     export(ExportConfig(run_dir=str(dflash_run), which="latest", output_dir=str(out), format="vllm",
@@ -428,7 +428,7 @@ def test_vllm_export_is_the_dflash_draft_model_folder_and_round_trips(dflash_run
 
 
 def test_sglang_export_refuses_what_sglang_would_serve_differently(dflash_run, tiny_data, tmp_path):
-    from drafter_train.export import ExportConfig, export
+    from drafter_train.recipes.export import ExportConfig, export
 
     with pytest.raises(ConfigError, match="export.format=sglang: .*a learned mask embedding.*a reduced draft "
                                           "vocabulary.*an LM head of its own"):
@@ -448,7 +448,7 @@ def test_sglang_export_refuses_what_sglang_would_serve_differently(dflash_run, t
 
 
 def test_engine_export_refuses_layers_the_engines_do_not_run(tiny_data, tmp_path):
-    from drafter_train.export import ExportConfig, export
+    from drafter_train.recipes.export import ExportConfig, export
 
     for name, option, message in (("llama", "drafter.qk_norm=false", "Qwen3 layers; this one has 'llama' layers"),
                                   ("fc_norm", "drafter.fc_norm=true", "no per-layer fc_norm")):

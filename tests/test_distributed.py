@@ -30,7 +30,7 @@ from drafter_train.data.batches import BatchStream
 from drafter_train.data.store import load_distill_dataset
 from drafter_train.distributed import check_launch, check_launch_precision
 from drafter_train.errors import ConfigError
-from drafter_train.train import train
+from drafter_train.recipes.train import train
 from tests.conftest import REPO
 from tests.stubs import compose_cfg, run_cli
 from tests.test_train import losses
@@ -99,7 +99,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def accelerate_launch(config: str, args: list[str], cwd: Path, use_cpu: bool = False, module="drafter_train.train"):
+def accelerate_launch(config: str, args: list[str], cwd: Path, use_cpu: bool = False, module="drafter_train.recipes.train"):
     """`accelerate launch --config_file conf/accelerate/<config> -m <module> <args>`, on this checkout's code.
 
     (Not accelerate.debug_launcher: it forks this process, and a fork of a process that has already run torch ops
@@ -195,7 +195,7 @@ def test_only_the_main_process_writes_hydra_files_into_the_shared_run_dir(tmp_pa
     (A run that stops at its config check: Hydra has written its files by then.)"""
     for rank in ("1", "0"):
         out = tmp_path / f"rank{rank}"
-        done = run_cli("drafter_train.train", f"train.output_root={out}", "train.run_name=run", "train.batch_size=0",
+        done = run_cli("drafter_train.recipes.train", f"train.output_root={out}", "train.run_name=run", "train.batch_size=0",
                        cwd=tmp_path, env={"RANK": rank})
         assert done.returncode == 2 and "train.batch_size" in done.stderr, done.stderr[-2000:]
         written = sorted(p.name for p in (out / "run").iterdir())

@@ -14,8 +14,8 @@ from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
-from drafter_train.evaluate import make_draft_exit
-from drafter_train.drafters.ngram import NgramConfig, NgramModel, PromptLookupDrafter
+from drafter_train.evaluation import make_draft_exit
+from drafter_train.drafters.ngram.model import NgramConfig, NgramModel, PromptLookupDrafter
 from tests.stubs import BigramLM
 from tests.test_eagle3 import random_eagle3
 from tests.test_sampling_exactness import bigram_marginals, chi2_pvalue, make_bigram_pair

@@ -15,12 +15,12 @@ from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
-from drafter_train.drafters.eagle3 import Eagle3Drafter, Eagle3Model, later_rows, target_signals, ttt_mask
+from drafter_train.drafters.eagle3.model import Eagle3Drafter, Eagle3Model, later_rows, target_signals, ttt_mask
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
 from drafter_train.features import FeatureTap, default_layers
 from drafter_train.targets import load_causal_lm
-from drafter_train.train import train
+from drafter_train.recipes.train import train
 from tests.stubs import VOCAB, compose_cfg
 from tests.test_sampling_exactness import chi2_pvalue, enumerate_marginals
 from tests.test_train import train_cfg
@@ -251,7 +251,7 @@ def test_save_load_round_trip_keeps_the_mapping_and_the_drafts(make_tiny_llama, 
 
 
 def test_loading_a_folder_whose_mapping_does_not_fit_the_head_is_refused(make_tiny_llama, tmp_path):
-    from drafter_train.drafters.eagle3 import load
+    from drafter_train.drafters.eagle3.model import load
 
     target = make_tiny_llama(num_layers=4)
     random_eagle3(target, draft_ids=torch.arange(5, 60, 3)).save_pretrained(tmp_path / "d")
@@ -294,7 +294,7 @@ def test_eagle3_trains_checkpoints_and_resumes_exactly(tiny_data, tmp_path, feat
 def test_offline_features_equal_online_ones(tiny_data, tmp_path):
     from drafter_train.data import feature_cache
     from drafter_train.data.store import load_distill_dataset
-    from drafter_train.drafters.conditioned import attach_cached_features, feature_root, feature_spec
+    from drafter_train.drafters.common.conditioned import attach_cached_features, feature_root, feature_spec
 
     cfg = eagle3_cfg(tiny_data, tmp_path, "drafter.features=offline", "train.max_steps=1")
     train(cfg)
@@ -340,8 +340,8 @@ def test_bad_eagle3_settings_fail_in_one_line(tiny_data, tmp_path):
 
 
 def test_a_drafter_trained_for_another_hidden_size_is_refused(make_tiny_llama, tmp_path):
-    from drafter_train.config import Eagle3DrafterConfig
-    from drafter_train.drafters.loading import load_drafter
+    from drafter_train.drafters.eagle3.config import Eagle3DrafterConfig
+    from drafter_train.drafters.common.loading import load_drafter
     from transformers import LlamaConfig, LlamaForCausalLM
     from tests.stubs import word_tokenizer
 
@@ -366,7 +366,7 @@ def eagle3_run(tiny_data, tmp_path_factory):
 
 
 def test_vllm_export_is_the_speculators_format_with_engine_layer_ids(eagle3_run, tmp_path):
-    from drafter_train.export import ExportConfig, export
+    from drafter_train.recipes.export import ExportConfig, export
 
     out = tmp_path / "vllm"
     export(ExportConfig(run_dir=str(eagle3_run), which="latest", output_dir=str(out), format="vllm",
@@ -393,7 +393,7 @@ def test_vllm_export_is_the_speculators_format_with_engine_layer_ids(eagle3_run,
 
 
 def test_sglang_export_renames_the_layer_and_refuses_what_sglang_would_ignore(eagle3_run, tiny_data, tmp_path):
-    from drafter_train.export import ExportConfig, export
+    from drafter_train.recipes.export import ExportConfig, export
 
     out = tmp_path / "sglang"
     export(ExportConfig(run_dir=str(eagle3_run), which="latest", output_dir=str(out), format="sglang"))

@@ -8,9 +8,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafter_train.drafters.truncated import cut_from_target
+from drafter_train.drafters.common.truncated import cut_from_target
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
-from drafter_train.evaluate import run_eval_job
+from drafter_train.recipes.evaluate import run_eval_job
 from tests.conftest import tiny_llama
 from tests.stubs import VOCAB, compose_cfg, run_cli, save_tiny
 
@@ -41,7 +41,7 @@ def job(folders, *overrides):
 
 
 def drafter_eval(*args, cwd):
-    return run_cli("drafter_train.evaluate", *args, cwd=cwd)
+    return run_cli("drafter_train.recipes.evaluate", *args, cwd=cwd)
 
 
 def test_cli_documented_override_line(folders, tmp_path):
@@ -119,7 +119,7 @@ def test_cli_error_is_one_line_without_traceback(folders, tmp_path):
 
 
 def test_divergence_margin_reads_the_target_at_the_first_difference(make_tiny_llama):
-    from drafter_train.evaluate import divergence_margin
+    from drafter_train.evaluation import divergence_margin
 
     target = make_tiny_llama(vocab_size=32)
     prompt, ar = [1, 4, 5], [7, 8, 9]

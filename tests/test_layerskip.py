@@ -9,8 +9,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafter_train.config import LayerSkipDrafterConfig, TrackerConfig
-from drafter_train.data.datagen import run_datagen
+from drafter_train.config import TrackerConfig
+from drafter_train.drafters.layerskip.config import LayerSkipDrafterConfig
+from drafter_train.recipes.datagen import run_datagen
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.decoding.cached_lm import CachedLM
 from drafter_train.decoding.draft_exit import DraftExit
@@ -18,17 +19,17 @@ from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative, generate_tree_speculative
 from drafter_train.decoding.tree import TreeSpec
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier, verify_greedy
-from drafter_train.drafters import layerskip
-from drafter_train.drafters.layerskip import LayerSkipDrafter, keep_first, new_model, skipping
-from drafter_train.drafters.loading import load_drafter
+from drafter_train.drafters.layerskip import model as layerskip
+from drafter_train.drafters.layerskip.model import LayerSkipDrafter, keep_first, new_model, skipping
+from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
-from drafter_train.evaluate import run_eval_job
-from drafter_train.export import export
-from drafter_train.layer_search import Proxy, SkipSet, expected_speedup, relative_cost
-from drafter_train.report import write_report
+from drafter_train.recipes.evaluate import run_eval_job
+from drafter_train.recipes.export import export
+from drafter_train.drafters.layerskip.search import Proxy, SkipSet, expected_speedup, relative_cost
+from drafter_train.recipes.report import write_report
 from drafter_train.targets import load_causal_lm
-from drafter_train.train import train
+from drafter_train.recipes.train import train
 from tests.conftest import tiny_llama
 from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, save_tiny, word_tokenizer
 from tests.test_sampling_exactness import chi2_pvalue, enumerate_marginals, sampled_counts
@@ -248,7 +249,7 @@ def search_cfg(root: Path, out: Path, *overrides: str):
 
 
 def trials(run_dir: Path) -> list[tuple[dict, float]]:
-    from drafter_train.layer_search import completed, open_study
+    from drafter_train.drafters.layerskip.search import completed, open_study
 
     return [(t.params, t.value) for t in completed(open_study(run_dir, 0))]
 

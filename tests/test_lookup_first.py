@@ -13,11 +13,11 @@ from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative, generate_tree_speculative
 from drafter_train.decoding.tree import TreeSpec
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier
-from drafter_train.drafters.nar import NARDrafter, SpecDrafter
-from drafter_train.drafters.ngram import LookupFirst, lookup, lookup_first
+from drafter_train.drafters.nar.model import NARDrafter, SpecDrafter
+from drafter_train.decoding.lookup import LookupFirst, lookup, lookup_first
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
-from drafter_train.evaluate import evaluate_decoding
+from drafter_train.recipes.evaluate import evaluate_decoding
 from tests.stubs import BigramLM
 from tests.test_dflash import random_dflash
 from tests.test_eagle3 import random_eagle3

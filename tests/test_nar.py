@@ -16,13 +16,14 @@ from drafter_train.drafters.registry import make_drafter
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
-from drafter_train.drafters.loading import load_drafter
-from drafter_train.drafters.nar import NARCaches, NARDrafter, SpecDrafter, block_attention_mask
+from drafter_train.drafters.common.loading import load_drafter
+from drafter_train.drafters.nar.model import NARCaches, NARDrafter, SpecDrafter, block_attention_mask
 from drafter_train.errors import ConfigError
-from drafter_train.evaluate import evaluate_decoding, target_logprob_sum
-from drafter_train.nar_distill import block_batch, glance, sample_block_starts
+from drafter_train.recipes.evaluate import evaluate_decoding
+from drafter_train.evaluation import target_logprob_sum
+from drafter_train.drafters.common.block_distill import block_batch, glance, sample_block_starts
 from drafter_train.data.batches import collate
-from drafter_train.train import train
+from drafter_train.recipes.train import train
 from tests.conftest import tiny_llama
 from tests.stubs import compose_cfg, save_tiny, word_tokenizer
 from tests.test_train import losses, stories_run, train_cfg
@@ -269,7 +270,7 @@ def test_nar_training_raises_tau_on_stories260k(stories_path, tmp_path):
 def test_exported_nar_drafter_loads_and_decodes_losslessly(tiny_data, tmp_path):
     """drafter-export on a NAR run: a folder AutoModel loads (after the import that registers the class), with a card
     that points at the project's decoder instead of assisted generation, and greedy output equal to the target's."""
-    from drafter_train.export import ExportConfig, export
+    from drafter_train.recipes.export import ExportConfig, export
     from drafter_train.targets import load_causal_lm
 
     cfg = train_cfg(tiny_data, tmp_path / "runs", "drafter=nar", "train.max_steps=3", "train.save_every=3")
@@ -292,7 +293,7 @@ def test_exported_nar_drafter_loads_and_decodes_losslessly(tiny_data, tmp_path):
 @pytest.mark.parametrize("tied", [True, False])
 def test_nar_drafter_is_the_size_of_the_ar_drafter_cut_from_the_same_layers(tied):
     """Same layers, same (tied or not, as in the target) embeddings and head, plus draft_len query vectors."""
-    from drafter_train.drafters.truncated import cut_from_target
+    from drafter_train.drafters.common.truncated import cut_from_target
 
     target = tiny_llama(num_layers=4)
     target.config.tie_word_embeddings = tied

@@ -6,16 +6,17 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from drafter_train.config import NgramDrafterConfig
+from drafter_train.drafters.ngram.config import NgramDrafterConfig
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
-from drafter_train.drafters.loading import load_drafter
-from drafter_train.drafters.ngram import NgramConfig, NgramModel, PromptLookupDrafter, lookup
+from drafter_train.drafters.common.loading import load_drafter
+from drafter_train.drafters.ngram.model import NgramConfig, NgramModel, PromptLookupDrafter
+from drafter_train.decoding.lookup import lookup
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
-from drafter_train.train import train
+from drafter_train.recipes.train import train
 from tests.stubs import compose_cfg, word_tokenizer
 from tests.test_sampling_exactness import chi2_pvalue, enumerate_marginals
 from tests.test_train import train_cfg

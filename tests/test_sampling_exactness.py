@@ -14,8 +14,8 @@ from drafter_train.drafters.registry import make_drafter
 from drafter_train.decoding.sampling import SamplingParams, logits_to_probs, sample
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
-from drafter_train.drafters.nar import SpecDrafter
-from drafter_train.drafters.truncated import cut_from_target
+from drafter_train.drafters.nar.model import SpecDrafter
+from drafter_train.drafters.common.truncated import cut_from_target
 from tests.stubs import BigramLM
 
 

@@ -345,7 +345,7 @@ def test_eos_ids_join_generation_config_model_config_and_tokenizer():
 
 def test_data_generation_does_not_reach_into_the_evaluator():
     """What the target stops on is a fact about the target: drafter-datagen gets it without importing drafter-eval."""
-    code = "import sys, drafter_train.data.datagen; print('drafter_train.evaluate' in sys.modules)"
+    code = "import sys, drafter_train.recipes.datagen; print('drafter_train.recipes.evaluate' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr[-2000:]

@@ -10,11 +10,13 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
-from drafter_train.config import CONF_DIR, Eagle3DrafterConfig, compose_config
-from drafter_train.data.datagen import run_datagen
+from drafter_train.config import CONF_DIR
+from drafter_train.recipes.cli import compose_config
+from drafter_train.drafters.eagle3.config import Eagle3DrafterConfig
+from drafter_train.recipes.datagen import run_datagen
 from drafter_train.drafters.registry import get_kind
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
-from drafter_train.train import TrainingDivergedError, train
+from drafter_train.recipes.train import TrainingDivergedError, train
 from tests.stubs import compose_cfg, run_cli
 
 
@@ -245,8 +247,8 @@ def test_stored_topk_lines_up_with_online_target_logits(tiny_data):
     """Offline KD reads the target's logits at the same positions the online teacher computes them."""
     from drafter_train.config import LossConfig
     from drafter_train.data.batches import collate
-    from drafter_train.data.datagen import load_distill_dataset
-    from drafter_train.distill import teacher_logits
+    from drafter_train.recipes.datagen import load_distill_dataset
+    from drafter_train.drafters.common.distill import teacher_logits
     from drafter_train.targets import load_causal_lm
 
     target = load_causal_lm(str(tiny_data / "target"))
@@ -283,8 +285,8 @@ def test_cli_trains_and_reports_errors_in_one_line(tiny_data, tmp_path):
             "target.chat_template=false", "drafter.path=truncated:1", f"train.data_dir={tiny_data / 'data'}",
             f"train.output_root={tmp_path}", "train.max_steps=2", "train.save_every=2", "train.batch_size=4",
             "eval.num_prompts=1", "eval.max_new_tokens=4"]
-    ok = run_cli("drafter_train.train", *base, cwd=tmp_path)
+    ok = run_cli("drafter_train.recipes.train", *base, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert (tmp_path / "ar-fkl-k4" / "latest" / "drafter" / "config.json").exists()
-    bad = run_cli("drafter_train.train", *base, "drafter.draft_len=0", cwd=tmp_path)
+    bad = run_cli("drafter_train.recipes.train", *base, "drafter.draft_len=0", cwd=tmp_path)
     assert bad.returncode != 0 and "drafter.draft_len" in bad.stderr and "Traceback" not in bad.stderr

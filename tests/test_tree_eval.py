@@ -18,10 +18,10 @@ from drafter_train.decoding.speculative import generate_speculative, generate_tr
 from drafter_train.decoding.tree import TreeSpec, build_topk_tree
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier
 from drafter_train.errors import ConfigError
-from drafter_train.evaluate import calibration_decoder, run_eval_job
-from drafter_train.export import export
-from drafter_train.report import collect, group_lines
-from drafter_train.train import train
+from drafter_train.recipes.evaluate import calibration_decoder, run_eval_job
+from drafter_train.recipes.export import export
+from drafter_train.recipes.report import collect, group_lines
+from drafter_train.recipes.train import train
 from tests.stubs import BigramLM, compose_cfg, run_cli
 from tests.test_evaluate import folders, job  # noqa: F401  (module fixture)
 from tests.test_export import tiny_run  # noqa: F401  (module fixture)
@@ -86,7 +86,7 @@ def test_tree_metrics_record_shape_histogram_and_depths(folders):  # noqa: F811
 def test_eval_sweep_over_tree_size_is_reported_as_one_line(folders, tmp_path):  # noqa: F811
     sweep = tmp_path / "sweep"
     result = run_cli(
-        "drafter_train.evaluate", "-m", "eval.tree.total_tokens=3,6", "eval.tree.top_k=2", "eval.tree.depth=3",
+        "drafter_train.recipes.evaluate", "-m", "eval.tree.total_tokens=3,6", "eval.tree.top_k=2", "eval.tree.depth=3",
         f"target.path={folders / 'target'}", "target.chat_template=false", f"drafter.path={folders / 'drafter'}",
         f"eval.prompts={folders / 'prompts.txt'}", "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.warmup=0",
         f"hydra.sweep.dir={sweep}", cwd=tmp_path,
@@ -173,7 +173,7 @@ def test_calibration_mode_picks_measures_and_records(tiny_run, tmp_path):  # noq
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the cat sat\nthe dog ran\na big red house\nthe sun\nhappy day\nsmall blue tree\n")
     result = run_cli(
-        "drafter_train.evaluate", f"target.path={root / 'target'}", "target.chat_template=false",
+        "drafter_train.recipes.evaluate", f"target.path={root / 'target'}", "target.chat_template=false",
         "drafter=path", f"drafter.path={drafter_dir}", f"eval.prompts={prompts}", "eval.num_prompts=3",
         "eval.max_new_tokens=10", "eval.warmup=0", f"eval.output={tmp_path / 'metrics.json'}",
         "eval.calibration.enabled=true", "eval.calibration.num_prompts=2", "eval.calibration.draft_lens=[1,2]",
@@ -222,7 +222,7 @@ def test_report_plots_tree_size_sweeps_next_to_the_chains(tmp_path, monkeypatch)
     from matplotlib.figure import Figure
 
     from drafter_train.config import TrackerConfig
-    from drafter_train.report import write_report
+    from drafter_train.recipes.report import write_report
     from tests.test_report import assert_valid_png, table_rows
 
     sweep = tmp_path / "sweep"

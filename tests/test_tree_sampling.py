@@ -16,7 +16,7 @@ from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_tree_speculative
 from drafter_train.decoding.tree import TreeSpec
 from drafter_train.decoding.verify import kseq_rho, make_tree_verifier
-from drafter_train.drafters.eagle3 import Eagle3Drafter
+from drafter_train.drafters.eagle3.model import Eagle3Drafter
 from tests.conftest import tiny_llama
 from tests.stubs import BigramLM
 from tests.test_eagle3 import random_eagle3

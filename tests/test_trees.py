@@ -15,11 +15,11 @@ from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative, generate_tree_speculative
 from drafter_train.decoding.tree import DraftTree, TreeSpec, ancestors, build_topk_tree, verify_inputs
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier, verify_tree_greedy
-from drafter_train.drafters.eagle3 import Eagle3Drafter
-from drafter_train.drafters.nar import SpecDrafter
-from drafter_train.drafters.ngram import NgramConfig, NgramModel, PromptLookupDrafter
+from drafter_train.drafters.eagle3.model import Eagle3Drafter
+from drafter_train.drafters.nar.model import SpecDrafter
+from drafter_train.drafters.ngram.model import NgramConfig, NgramModel, PromptLookupDrafter
 from drafter_train.drafters.registry import make_drafter
-from drafter_train.drafters.truncated import cut_from_target
+from drafter_train.drafters.common.truncated import cut_from_target
 from drafter_train.features import FeatureTap
 from tests.conftest import tiny_llama
 from tests.stubs import BigramLM, greedy_table

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafter_train.config import DatagenConfig
-from drafter_train.data import datagen
-from drafter_train.data.datagen import load_distill_dataset, run_datagen
+from drafter_train.recipes import datagen
+from drafter_train.recipes.datagen import load_distill_dataset, run_datagen
 from drafter_train.data.sources import TrainPrompt
 from drafter_train.data.vllm_backend import BackendError, VllmBackend, prompt_seed, sampling_params, to_continuation
 from drafter_train.decoding.sampling import SamplingParams, logits_to_probs
@@ -175,7 +175,7 @@ def test_one_line_refusals(folders, tmp_path, monkeypatch, overrides, env, error
 
 
 def test_cli_refusal(tmp_path):
-    result = run_cli("drafter_train.data.datagen", "datagen.backend=vllm", "datagen.vllm_python=/no/such/python",
+    result = run_cli("drafter_train.recipes.datagen", "datagen.backend=vllm", "datagen.vllm_python=/no/such/python",
                      f"datagen.output_dir={tmp_path / 'out'}", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
         "drafter-datagen: error: datagen.vllm_python: cannot run /no/such/python: No such file or directory"

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from drafter_train.train import train
+from drafter_train.recipes.train import train
 from tests.conftest import REPO
 from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, save_tiny
 from tests.test_train import train_cfg
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 @pytest.fixture(scope="module")
 def e3_run(tmp_path_factory):
     """A target vLLM's CPU kernels accept (head_dim 32), its drafter-datagen data, and an EAGLE-3 run on it."""
-    from drafter_train.data.datagen import run_datagen
+    from drafter_train.recipes.datagen import run_datagen
 
     root = tmp_path_factory.mktemp("vllm")
     torch.manual_seed(0)

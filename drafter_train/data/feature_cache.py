@@ -34,7 +34,8 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from drafter_train.data.batches import Batch, collate
-from drafter_train.data.store import _quiet_datasets, _write_atomic
+from drafter_train.data.store import quiet_datasets
+from drafter_train.io import write_atomic
 from drafter_train.errors import ConfigError
 
 MANIFEST = "features.json"
@@ -140,7 +141,7 @@ def build_cache(
 def _write_shard(root: Path, shard: int, rows: list[dict]) -> None:
     tmp = root / "shards" / f".{_shard_name(shard)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    with _quiet_datasets():
+    with quiet_datasets():
         datasets.Dataset.from_list(rows, features=_COLUMNS).save_to_disk(str(tmp))
     os.rename(tmp, root / "shards" / _shard_name(shard))
 
@@ -155,7 +156,7 @@ def finish_cache(root: Path, spec: CacheSpec, num_records: int) -> dict:
         shutil.rmtree(stale, ignore_errors=True)
     size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
     manifest = dict(spec.as_dict(), records=num_records, shards=len(shards), bytes=size)
-    _write_atomic(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    write_atomic(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 

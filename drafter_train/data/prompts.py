@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import datasets
 
+from drafter_train.config import PROMPTS_DIR
 from drafter_train.errors import ConfigError
 
 # Short and varied on purpose: acceptance rates differ between free-form stories, factual answers and code, and an
@@ -99,8 +100,21 @@ def read_prompt_table(path: str, section: str, suffixes: Sequence[str] = tuple(B
     return _read(file, section)
 
 
+def shipped_prompts(path: str) -> Optional[Path]:
+    """The package's own prompt set `path` names (`heldout-mix`, `heldout-mix.jsonl` or `prompts/heldout-mix.jsonl`)
+    when no such local file exists; None otherwise. Shipped sets travel inside the package (package data), so a
+    command names them the same way from a checkout, a wheel or any working directory."""
+    if Path(path).expanduser().exists():
+        return None
+    name = Path(path).name
+    for candidate in (PROMPTS_DIR / name, PROMPTS_DIR / f"{name}.jsonl"):
+        if candidate.is_file() and (Path(path).parent in (Path("."), Path("prompts"))):
+            return candidate
+    return None
+
+
 def _check_file(path: str, section: str, suffixes: Sequence[str]) -> Path:
-    file = Path(path).expanduser()
+    file = shipped_prompts(path) or Path(path).expanduser()
     if not file.is_file():
         reason = "not a file" if file.exists() else "no such file"
         raise ConfigError(f"{section}.prompts: {reason}: {path}")

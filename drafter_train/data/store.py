@@ -24,6 +24,7 @@ from typing import Iterator, Optional, Sequence
 
 import datasets
 
+from drafter_train.io import write_atomic
 from drafter_train.errors import ConfigError
 
 MANIFEST = "datagen.json"
@@ -96,7 +97,7 @@ class DatagenStore:
         for stale in (self.root / SHARDS).glob(".shard-*.tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
         lines = "".join(json.dumps({"prompt": text}, ensure_ascii=False) + "\n" for text in eval_prompts)
-        _write_atomic(self.root / EVAL_PROMPTS, lines)
+        write_atomic(self.root / EVAL_PROMPTS, lines)
         self.manifest = dict(_plain(manifest), shards=[_shard_entry(p) for p in self._shard_paths()])
         self._save()
 
@@ -108,7 +109,7 @@ class DatagenStore:
         name = shard_name(index)
         tmp = self.root / SHARDS / f".{name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
-        with _quiet_datasets():  # its "Saving the dataset" bar would break up datagen's own progress bar
+        with quiet_datasets():  # its "Saving the dataset" bar would break up datagen's own progress bar
             datasets.Dataset.from_list(records, features=features(store_topk)).save_to_disk(str(tmp))
         os.rename(tmp, self.root / SHARDS / name)
         self.manifest["shards"].append(_shard_entry(self.root / SHARDS / name))
@@ -126,7 +127,7 @@ class DatagenStore:
 
     def _save(self) -> None:
         self.manifest["shards"].sort(key=lambda entry: entry["name"])
-        _write_atomic(self.root / MANIFEST, json.dumps(self.manifest, indent=2, ensure_ascii=False) + "\n")
+        write_atomic(self.root / MANIFEST, json.dumps(self.manifest, indent=2, ensure_ascii=False) + "\n")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -206,7 +207,7 @@ def _differences(old: dict, new: dict) -> list[str]:
 
 
 @contextmanager
-def _quiet_datasets() -> Iterator[None]:
+def quiet_datasets() -> Iterator[None]:
     enabled = datasets.is_progress_bar_enabled()
     datasets.disable_progress_bars()
     try:
@@ -230,7 +231,3 @@ def _read_json(path: Path) -> Optional[dict]:
         raise ConfigError(f"datagen.output_dir: cannot read {path}: {err}") from None
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -1,0 +1,1 @@
+"""Drafter kinds, one folder each; drafters/registry.py finds them."""

@@ -1,6 +1,9 @@
-"""Drafter kinds. Each kind is ONE module (drafters/ar.py, nar.py, eagle3.py, dflash.py ...) that gives the same functions:
-build/load, the training module and its loss on a batch, the decoder-side drafter and its export formats. The
-trainer, the evaluator and the exporter call these and never ask "which kind am I?".
+"""Drafter kinds. Each kind is ONE folder, drafters/<kind>/ (ar, nar, eagle3, dflash, layerskip, ngram ...), whose
+package registers a `DrafterKind` on import: its typed config, build/load, the training module and its loss on a
+batch, the decoder-side drafter and its export formats. The trainer, the evaluator and the exporter call these and
+never ask "which kind am I?". The kinds are found by looking: every sub-package of drafters/ except common/ is
+imported once, on first use; no list of names is kept anywhere. A kind defined outside the package (a plugin, a
+test) calls `register` itself (docs/add-a-drafter.md).
 
 A saved drafter folder says its kind through config.json's `model_type` (a kind's own model class), and any other
 causal LM is an AR drafter.
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import pkgutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
@@ -18,7 +22,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from drafter_train.config import DRAFTER_KINDS, DrafterConfig
+from drafter_train.config import DrafterConfig
 from drafter_train.cpu_kernels import use_onednn_linears
 from drafter_train.errors import ConfigError
 
@@ -91,28 +95,64 @@ class DrafterKind:
     fit: Optional[Callable[["TrainJobConfig"], dict]] = None
 
 
-# kind name -> module defining `KIND` (imported on first use: a kind's model code loads only when it is used)
-_MODULES = {"ar": "drafter_train.drafters.ar", "nar": "drafter_train.drafters.nar",
-            "eagle3": "drafter_train.drafters.eagle3", "ngram": "drafter_train.drafters.ngram",
-            "dflash": "drafter_train.drafters.dflash", "layerskip": "drafter_train.drafters.layerskip"}
 # drafter.path values that name a way to build a drafter rather than a saved one.
 BUILT_PATHS = ("scratch", "new", "lookup", "skips")
-assert tuple(_MODULES) == DRAFTER_KINDS, "config.DRAFTER_KINDS and the registry must list the same kinds"
+# Sub-packages of drafters/ that are not kinds.
+NOT_KINDS = ("common",)
+
+
+class _Registry:
+    """The registered kinds by name, filled by `register` (each kind's package on import, or a plugin)."""
+
+    def __init__(self) -> None:
+        self.kinds: dict[str, DrafterKind] = {}
+        self.modules: dict[str, str] = {}
+        self.discovered = False
+
+    def discover(self) -> None:
+        """Import every kind folder of drafters/ once (each registers itself on import)."""
+        if self.discovered:
+            return
+        self.discovered = True
+        package = importlib.import_module("drafter_train.drafters")
+        for info in pkgutil.iter_modules(package.__path__):
+            if info.ispkg and info.name not in NOT_KINDS:
+                importlib.import_module(f"{package.__name__}.{info.name}")
+
+
+_REGISTRY = _Registry()
+
+
+def register(kind: DrafterKind, module: Optional[str] = None) -> DrafterKind:
+    """Make `kind` known to every command (drafter.kind=<name>); returns it, so a module can write
+    `KIND = register(DrafterKind(...))`. Registering a name again replaces the earlier kind (reloading a module).
+    `module`: the module that defines the kind, imported again where a saved folder is loaded in another process
+    (default: the module of `kind.load`)."""
+    _REGISTRY.kinds[kind.name] = kind
+    _REGISTRY.modules[kind.name] = module or kind.load.__module__
+    return kind
 
 
 def module_name(kind: DrafterKind) -> str:
     """The module that defines a kind (importing it registers its model classes with transformers)."""
-    return _MODULES[kind.name]
+    return _REGISTRY.modules[kind.name]
+
+
+def kind_names() -> list[str]:
+    _REGISTRY.discover()
+    return list(_REGISTRY.kinds)
 
 
 def get_kind(name: str) -> DrafterKind:
-    if name not in _MODULES:
-        raise ConfigError(f"drafter.kind: unknown kind {name!r} (known: {', '.join(_MODULES)})")
-    return importlib.import_module(_MODULES[name]).KIND
+    _REGISTRY.discover()
+    if name not in _REGISTRY.kinds:
+        raise ConfigError(f"drafter.kind: unknown kind {name!r} (known: {', '.join(_REGISTRY.kinds)}, or auto)")
+    return _REGISTRY.kinds[name]
 
 
 def all_kinds() -> list[DrafterKind]:
-    return [get_kind(name) for name in _MODULES]
+    _REGISTRY.discover()
+    return list(_REGISTRY.kinds.values())
 
 
 def folder_kind(path: str) -> Optional[DrafterKind]:

@@ -1,0 +1,3 @@
+"""The ar drafter kind: importing the package registers it (drafters/registry.py)."""
+
+from drafter_train.drafters.ar import model  # noqa: F401  (registers the kind)

@@ -1,0 +1,1 @@
+"""What several drafter kinds share (target-feature models, cut models, block distillation, loading)."""

@@ -1,0 +1,99 @@
+"""EAGLE-3 drafters in the formats serving engines load.
+
+- `vllm`: vLLM's speculators format (`speculators_model_type: eagle3`): config.json with the layer's architecture as
+  `transformer_layer_config`, weights `fc`, `fc_norm.*`, `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d` (no
+  `embed_tokens` when the embeddings were frozen copies of the target's: the engine shares the target's).
+- `sglang`: SGLang's `LlamaForCausalLMEagle3` (the original EAGLE-3 release format, which vLLM loads too): a Llama
+  config plus `draft_vocab_size` and `eagle_config`, the layer's weights under `midlayer.*`.
+
+Layer ids: vLLM and SGLang capture the INPUT of their layer i (the residual stream before it), this project the
+OUTPUT of layer i (features.py), so an exported id is ours + 1. vLLM's speculators reader defaults
+`norm_before_residual` to true when the key is absent, so it is always written. SGLang's loader knows no `fc_norm`
+and a fixed 3-layer fc, and silently ignores weights it does not know: such drafters are refused for it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from safetensors.torch import save_file
+
+from drafter_train.drafters.common.export import drafter_weights
+from drafter_train.errors import ConfigError
+
+# Llama-architecture fields the engines read from the layer config (the rest of the target's config is dropped).
+_LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
+               "vocab_size", "hidden_act", "attention_bias", "mlp_bias", "bos_token_id", "eos_token_id",
+               "pad_token_id", "initializer_range", "pretraining_tp")
+SUPPORTED_ARCHITECTURES = ("llama",)
+
+
+def engine_layer_ids(layer_ids: list[int]) -> list[int]:
+    """Our 'output of layer i' ids -> the engines' 'input of layer i' ids."""
+    return [i + 1 for i in layer_ids]
+
+
+def _layer_config(config: dict) -> dict:
+    backbone = config["backbone"]
+    if backbone.get("model_type") not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"export.format: EAGLE-3 export supports {SUPPORTED_ARCHITECTURES} targets, this drafter's "
+                          f"target is {backbone.get('model_type')!r}")
+    layer = {k: backbone[k] for k in _LAYER_KEYS if backbone.get(k) is not None}
+    layer.update(num_hidden_layers=1, tie_word_embeddings=False, vocab_size=config["vocab_size"],
+                 architectures=["LlamaForCausalLM"])
+    return layer
+
+
+def write_speculators(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep_embeddings: bool) -> None:
+    """vLLM's speculators-format folder (config.json + model.safetensors) for the saved drafter in `drafter_dir`."""
+    config = json.loads((drafter_dir / "config.json").read_text())
+    spec = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "transformer_layer_config": _layer_config(config),
+        "draft_vocab_size": config["draft_vocab_size"],
+        "target_hidden_size": config["target_hidden_size"],
+        "eagle_aux_hidden_state_layer_ids": engine_layer_ids(config["target_layers"]),
+        "norm_before_residual": False,
+        "norm_before_fc": False,
+        "fc_norm": bool(config["fc_norm"]),
+        "norm_output": False,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": draft_len,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier, "architectures": config["backbone"].get("architectures")},
+        },
+        "dtype": config.get("dtype") or config.get("torch_dtype") or "float32",
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(spec, indent=2) + "\n")
+    save_file(drafter_weights(drafter_dir, keep_embeddings), str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep_embeddings: bool) -> None:
+    """SGLang's LlamaForCausalLMEagle3 folder for the saved drafter in `drafter_dir`."""
+    config = json.loads((drafter_dir / "config.json").read_text())
+    if config["fc_norm"]:
+        raise ConfigError("export.format=sglang: SGLang's LlamaForCausalLMEagle3 has no fc_norm (it would ignore "
+                          "those weights and draft garbage); train with drafter.fc_norm=false, or export "
+                          "export.format=vllm")
+    if len(config["target_layers"]) != 3:
+        raise ConfigError(f"export.format=sglang: SGLang's EAGLE-3 fuses exactly 3 target layers, this drafter "
+                          f"fuses {len(config['target_layers'])}")
+    layer = _layer_config(config)
+    sglang = dict(layer, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=config["draft_vocab_size"],
+                  target_hidden_size=config["target_hidden_size"], num_speculative_tokens=draft_len,
+                  eagle_config={"eagle_aux_hidden_state_layer_ids": engine_layer_ids(config["target_layers"]),
+                                "use_aux_hidden_state": True},
+                  dtype=config.get("dtype") or config.get("torch_dtype") or "float32")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(sglang, indent=2) + "\n")
+    weights = drafter_weights(drafter_dir, keep_embeddings)
+    weights = {k.replace("layers.0.", "midlayer.", 1): v for k, v in weights.items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+FORMATS = {"vllm": write_speculators, "sglang": write_sglang}

@@ -1,0 +1,3 @@
+"""The layerskip drafter kind: importing the package registers it (drafters/registry.py)."""
+
+from drafter_train.drafters.layerskip import model  # noqa: F401  (registers the kind)

@@ -1,0 +1,3 @@
+"""The nar drafter kind: importing the package registers it (drafters/registry.py)."""
+
+from drafter_train.drafters.nar import model  # noqa: F401  (registers the kind)

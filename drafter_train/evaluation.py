@@ -1,0 +1,271 @@
+"""Plain and speculative decoding of the same prompts, side by side in one process: the one implementation of the
+headline numbers (tau, acceptance, per-position acceptance, speedup). `drafter-eval` (recipes/evaluate.py), every
+training checkpoint and layer-skip's search call `evaluate_decoding`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Optional, Sequence
+
+import torch
+from rich.console import Console
+from rich.table import Table
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from drafter_train.config import EvalConfig
+from drafter_train.decoding.autoregressive import DecodeResult, generate_autoregressive
+from drafter_train.decoding.draft_exit import DraftExit, supports_draft_exit
+from drafter_train.decoding.drafter import Drafter
+from drafter_train.decoding.sampling import SamplingParams
+from drafter_train.decoding.speculative import generate_speculative, generate_tree_speculative, lookup_len, tree_stats
+from drafter_train.decoding.stats import DecodeStats
+from drafter_train.decoding.tree import TreeSpec
+from drafter_train.decoding.verify import make_tree_verifier, make_verifier
+from drafter_train.decoding.lookup import lookup_first
+from drafter_train.errors import ConfigError
+
+
+def sampling_params(cfg: EvalConfig) -> SamplingParams:
+    """verify=sample and spectr sample at the configured temperature; greedy and specdec decode greedily."""
+    if cfg.samples:
+        return SamplingParams(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    return SamplingParams()
+
+
+def tree_spec(cfg: EvalConfig) -> Optional[TreeSpec]:
+    """eval.tree as the decoder's TreeSpec (None: a chain)."""
+    if not cfg.tree.enabled:
+        return None
+    return TreeSpec(cfg.tree.top_k, cfg.tree_depth, cfg.tree.total_tokens, cfg.tree.branching)
+
+
+def tree_record(cfg: EvalConfig) -> Optional[dict]:
+    """What metrics.json records of the tree (total_tokens resolved: the draft nodes of a full-depth tree)."""
+    spec = tree_spec(cfg)
+    if spec is None:
+        return None
+    return {"top_k": spec.top_k, "depth": spec.depth, "total_tokens": spec.nodes(), "branching": spec.branching}
+
+
+def speculative_runner(target: PreTrainedModel, drafter: Drafter, cfg: EvalConfig, eos_token_ids: Sequence[int]):
+    """(run(prompt, seed, draft exit) -> DecodeResult, new empty DecodeStats of the same shape) for eval's chain or
+    tree."""
+    params, spec = sampling_params(cfg), tree_spec(cfg)
+    if spec is None:
+        verifier = make_verifier(cfg.verify, params, cfg.specdec_top_beta, cfg.specdec_tolerance)
+
+        def run(prompt, seed, exit: Optional[DraftExit] = None):
+            gen = torch.Generator(device=target.device).manual_seed(seed)
+            return generate_speculative(target, drafter, prompt, cfg.draft_len, verifier, cfg.max_new_tokens, params,
+                                        eos_token_ids, gen, exit)
+
+        return run, lambda: DecodeStats(draft_len=cfg.draft_len)
+    tree_verifier = make_tree_verifier(cfg.verify, params)
+
+    def run_tree(prompt, seed, exit: Optional[DraftExit] = None):  # draft exit is for chains (config checks it)
+        gen = torch.Generator(device=target.device).manual_seed(seed)
+        return generate_tree_speculative(target, drafter, prompt, spec, tree_verifier, cfg.max_new_tokens, params,
+                                         eos_token_ids, gen)
+
+    return run_tree, lambda: tree_stats(spec, lookup_len(drafter, spec))
+
+
+def _timed(fn, device: torch.device) -> tuple[DecodeResult, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return result, time.perf_counter() - start
+
+
+@torch.inference_mode()
+def divergence_margin(target: PreTrainedModel, prompt: Sequence[int], ar: list[int], spec: list[int]) -> float:
+    """Target's top-1 minus top-2 logit at the first position where the two greedy outputs differ.
+
+    Lossless greedy verification can only disagree with AR decoding where the target's own logits differ between a
+    1-token and a (k+1)-token forward (rounding, mostly in bfloat16) and that difference flips a near-tie; a margin
+    at the level of the dtype's rounding error shows that is what happened.
+    """
+    first = next((i for i, (a, b) in enumerate(zip(ar, spec)) if a != b), min(len(ar), len(spec)))
+    ids = torch.tensor([list(prompt) + ar[:first]], device=target.device)
+    top2 = target(input_ids=ids, logits_to_keep=1).logits[0, -1].float().topk(2).values
+    return float(top2[0] - top2[1])
+
+
+@torch.inference_mode()
+def target_logprob_sum(target: PreTrainedModel, prompt: Sequence[int], tokens: list[int]) -> float:
+    """Sum of the target's log-probabilities (float32) of `tokens` after `prompt`: how likely it finds the output."""
+    ids = torch.tensor([list(prompt) + tokens], device=target.device)
+    logits = target(input_ids=ids, logits_to_keep=len(tokens) + 1).logits[0, :-1].float()
+    return float(logits.log_softmax(-1).gather(-1, ids[0, -len(tokens):, None]).sum())
+
+
+def make_draft_exit(cfg: EvalConfig, drafter: Drafter) -> Optional[DraftExit]:
+    """eval.draft_exit's threshold state, or None when off; refused in one line for one-pass drafters."""
+    if not cfg.draft_exit:
+        return None
+    if not supports_draft_exit(drafter):
+        raise ConfigError(
+            f"eval.draft_exit: {type(drafter).__name__} does not draft token by token; draft exit applies to "
+            "autoregressive drafters (ar, eagle3, layerskip)"
+        )
+    return DraftExit(cfg.draft_exit, adapt=cfg.draft_exit_adapt, target=cfg.draft_exit_target)
+
+
+def evaluate_decoding(
+    target: PreTrainedModel,
+    drafter: Drafter,
+    prompt_ids: Sequence[Sequence[int]],
+    cfg: EvalConfig,
+    eos_token_ids: Sequence[int],
+    progress: bool = True,
+    categories: Optional[Sequence[Optional[str]]] = None,
+) -> dict:
+    """Decode every prompt with the AR baseline and speculatively (interleaved, so load changes hit both alike).
+
+    Returns the metrics defined in the README: tau, acceptance_rate, per_position_acceptance, speedup, ... and,
+    when prompts have task categories, the same headline numbers per category.
+    """
+    params = sampling_params(cfg)
+    drafter = lookup_first(drafter, cfg.lookup)
+
+    def run_ar(prompt, seed):
+        gen = torch.Generator(device=target.device).manual_seed(seed)
+        # The baseline decodes with the same params: AR greedy for greedy/specdec, AR sampling for sample/spectr.
+        return generate_autoregressive(target, prompt, cfg.max_new_tokens, params, eos_token_ids, gen)
+
+    run_spec, new_stats = speculative_runner(target, drafter, cfg, eos_token_ids)
+    for _ in range(cfg.warmup):  # untimed: first calls pay allocator and kernel-selection costs
+        run_ar(prompt_ids[0], cfg.seed), run_spec(prompt_ids[0], cfg.seed, make_draft_exit(cfg, drafter))
+    # One adaptive threshold for the whole run (as a server would keep it), fresh after the warm-up.
+    draft_exit = make_draft_exit(cfg, drafter)
+    spec_stats, ar_stats = new_stats(), DecodeStats()
+    spec_time = ar_time = 0.0
+    by_category: dict[str, list] = {}  # category -> [spec stats, ar stats, spec seconds, ar seconds]
+    matches, margins = 0, []
+    # Drafters with a reduced draft vocabulary (EAGLE-3) can never propose a token outside it: count those tokens.
+    draft_vocab, outside = getattr(drafter, "draft_vocab", None), 0
+    logprob = {"spec": 0.0, "ar": 0.0}  # verify=specdec: how far the relaxed output moves from AR greedy
+    shape = tree_spec(cfg).describe() if cfg.tree.enabled else f"draft_len={cfg.draft_len}"
+    bar = tqdm(prompt_ids, desc=f"eval {shape} {cfg.verify}", disable=not progress, unit="prompt")
+    for i, prompt in enumerate(bar):
+        ar, t_ar = _timed(lambda: run_ar(prompt, cfg.seed + i), target.device)
+        spec, t_spec = _timed(lambda: run_spec(prompt, cfg.seed + i, draft_exit), target.device)
+        ar_stats.merge(ar.stats)
+        spec_stats.merge(spec.stats)
+        ar_time, spec_time = ar_time + t_ar, spec_time + t_spec
+        if categories is not None and categories[i] is not None:
+            group = by_category.setdefault(categories[i], [new_stats(), DecodeStats(), 0.0, 0.0])
+            group[0].merge(spec.stats), group[1].merge(ar.stats)
+            group[2], group[3] = group[2] + t_spec, group[3] + t_ar
+        matches += spec.tokens == ar.tokens
+        if draft_vocab is not None:
+            outside += int((~draft_vocab[torch.tensor(ar.tokens, device=draft_vocab.device)]).sum())
+        if spec.tokens != ar.tokens and cfg.verify == "greedy":
+            margins.append(divergence_margin(target, prompt, ar.tokens, spec.tokens))
+        if cfg.verify == "specdec":
+            logprob["spec"] += target_logprob_sum(target, prompt, spec.tokens)
+            logprob["ar"] += target_logprob_sum(target, prompt, ar.tokens)
+        bar.set_postfix(tau=f"{spec_stats.tau:.2f}", speedup=f"{(ar_time / spec_time):.2f}")
+    spec_tps = spec_stats.tokens_generated / spec_time
+    ar_tps = ar_stats.tokens_generated / ar_time
+    return {
+        **spec_stats.summary(),
+        # Chains: the draft length; trees: their depth (the most drafts one pass can accept).
+        "draft_len": cfg.tree_depth if cfg.tree.enabled else cfg.draft_len,
+        # The tree's shape (top_k, depth, total_tokens: draft nodes per pass, branching); None for a chain.
+        "tree": tree_record(cfg),
+        "verify": cfg.verify,
+        # Adaptive draft exit: the threshold γ at the start and at the end of the run (None: off). Without
+        # eval.draft_exit a drafter may carry its own fixed γ (a searched layerskip folder).
+        "draft_exit": cfg.draft_exit or getattr(drafter, "exit_below", 0.0) or None,
+        "draft_exit_final": None if draft_exit is None else draft_exit.threshold,
+        "num_prompts": len(prompt_ids),
+        "ar_tokens_generated": ar_stats.tokens_generated,
+        "spec_time_s": spec_time,
+        "ar_time_s": ar_time,
+        "spec_tokens_per_s": spec_tps,
+        "ar_tokens_per_s": ar_tps,
+        "speedup": spec_tps / ar_tps,
+        # Share of prompts whose speculative output is token-identical to the AR baseline's: must be 1.0 for
+        # greedy (lossless); for specdec it measures how far the relaxation moves the output; not defined when
+        # sampling (two independent samples).
+        "greedy_match": None if cfg.samples else matches / len(prompt_ids),
+        # For each greedy mismatch: the target's top-1 minus top-2 logit where the outputs part (near 0 = a tie
+        # broken differently by rounding; see divergence_margin).
+        "greedy_mismatch_margins": margins,
+        # Share of the AR output's tokens outside the drafter's draft vocabulary (None: it drafts the full vocabulary).
+        "out_of_draft_vocab": None if draft_vocab is None else outside / ar_stats.tokens_generated,
+        # The headline numbers per task category of the prompts (empty when they have none).
+        "per_category": {name: _headline(*group) for name, group in sorted(by_category.items())},
+        # verify=specdec only: the target's mean log-likelihood per generated token of the speculative output and of
+        # the AR greedy output (the relaxation accepts tokens the target ranks lower: the first falls below the second).
+        "spec_target_logprob": logprob["spec"] / spec_stats.tokens_generated if cfg.verify == "specdec" else None,
+        "ar_target_logprob": logprob["ar"] / ar_stats.tokens_generated if cfg.verify == "specdec" else None,
+    }
+
+
+def _headline(spec: DecodeStats, ar: DecodeStats, spec_time: float, ar_time: float) -> dict:
+    speedup = (spec.tokens_generated / spec_time) / (ar.tokens_generated / ar_time)
+    return {"tau": spec.tau, "acceptance_rate": spec.acceptance_rate, "speedup": speedup,
+            "tokens_generated": spec.tokens_generated}
+
+
+def print_table(metrics: dict, console: Optional[Console] = None) -> None:
+    table = Table(title="drafter-eval")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("tau", "acceptance_rate", "speedup", "spec_tokens_per_s", "ar_tokens_per_s", "greedy_match",
+                "spec_target_logprob", "ar_target_logprob"):
+        value = metrics.get(key)
+        table.add_row(key, "-" if value is None else f"{value:.3f}")
+    table.add_row("per_position_acceptance", " ".join(f"{a:.2f}" for a in metrics["per_position_acceptance"]))
+    table.add_row("tokens / target passes", f"{metrics['tokens_generated']} / {metrics['target_forward_passes']}")
+    if metrics.get("out_of_draft_vocab") is not None:
+        table.add_row("out_of_draft_vocab", f"{metrics['out_of_draft_vocab']:.3f}")
+    for name, numbers in metrics.get("per_category", {}).items():
+        table.add_row(f"[{name}] tau / speedup", f"{numbers['tau']:.3f} / {numbers['speedup']:.3f}")
+    machine = metrics.get("machine")
+    if machine:  # what the speedup was measured on: it depends on the CPU and the kernels chosen for it
+        table.add_row("machine", f"{machine['cpu']}, {machine['torch_threads']} threads")
+        table.add_row("target kernels by rows", machine["target_kernels_by_rows"] or machine["cpu_kernels"])
+    (console or Console(stderr=True)).print(table)
+
+
+def calibration_decoder(target, drafter: Drafter, prompts, eos: Sequence[int], base: EvalConfig):
+    """decode(eval config) -> DecodeStats over the calibration prompts (the first call pays an untimed warm-up)."""
+    warm = []
+
+    def decode(cfg: EvalConfig) -> DecodeStats:
+        run, new_stats = speculative_runner(target, drafter, replace(
+            cfg, max_new_tokens=base.calibration.max_new_tokens or base.max_new_tokens), eos)
+        if not warm:
+            warm.append(run(prompts[0], base.seed))
+        stats = new_stats()
+        for i, prompt in enumerate(prompts):
+            stats.merge(run(prompt, base.seed + i).stats)
+        return stats
+
+    return decode
+
+
+def print_calibration(record: dict, console: Optional[Console] = None, rows: int = 10) -> None:
+    """The best predicted settings, then the pick's predicted and measured speedup side by side."""
+    table = Table(title=f"calibration on {record['machine']['cpu']} ({record['machine']['device']}, "
+                        f"{record['machine']['torch_threads']} threads)")
+    for column in ("setting", "predicted tau", "drafter ms", "verify ms", "predicted speedup"):
+        table.add_column(column, justify="left" if column == "setting" else "right")
+    for c in record["candidates"][:rows]:
+        table.add_row(c["name"], f"{c['predicted_tau']:.2f}", f"{c['draft_ms']:.1f}", f"{c['verify_ms']:.1f}",
+                      f"{c['predicted_speedup']:.3f}")
+    pick = record["pick"]
+    console = console or Console(stderr=True)
+    console.print(table)
+    console.print(f"pick: {pick['name']}: predicted speedup {pick['predicted_speedup']:.3f}, measured "
+                  f"{pick['measured_speedup']:.3f} (tau predicted {pick['predicted_tau']:.2f}, measured "
+                  f"{pick['measured_tau']:.2f}; AR pass {record['ar_ms_per_token']:.1f} ms)")

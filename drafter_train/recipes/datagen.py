@@ -1,0 +1,198 @@
+"""`drafter-datagen`: the target's own continuations of training prompts, for distilling a drafter.
+
+Pipeline: prompt source (sources.py) -> eval/train split -> target generation by the chosen backend
+(``datagen.backend``: hf = generation.py in this process, vllm = vllm_backend.py in a worker process) -> resumable
+shards on disk (store.py). ``run_datagen(cfg)`` is the importable entry point; ``main`` wraps it in Hydra.
+
+    drafter-datagen target=stories260k datagen.num_prompts=16 datagen.output_dir=data/x
+
+Consumers read the result with ``load_distill_dataset(dir)`` and ``load_eval_prompts(dir)``.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Iterator, Sequence, TypeVar
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from drafter_train.config import CONF_DIR, DatagenConfig, DatagenJobConfig
+from drafter_train.recipes.cli import register_configs
+from drafter_train.recipes.cli import one_line_errors
+from drafter_train.data.generation import Continuation, HFBackend
+from drafter_train.data.sources import Selection, TrainPrompt, open_source, select_prompts, source_name
+from drafter_train.data.store import (FORMAT, DatagenStore, features, load_distill_dataset, load_eval_prompts, shard_name,
+                                      tokenizer_fingerprint)
+from drafter_train.data.vllm_backend import VllmBackend
+from drafter_train.targets import eos_token_ids, load_target, model_identity
+
+__all__ = ["run_datagen", "load_distill_dataset", "load_eval_prompts", "main"]
+T = TypeVar("T")
+
+
+class Throughput:
+    """Progress over training prompts, with generated tokens per second of generate() time as the postfix."""
+
+    def __init__(self, total: int, done: int, enabled: bool):
+        self.bar = tqdm(total=total, initial=done, desc="datagen", unit="prompt", disable=not enabled)
+        self.tokens, self.seconds = 0, 0.0
+
+    def update(self, prompts: int, tokens: int, seconds: float) -> None:
+        self.tokens, self.seconds = self.tokens + tokens, self.seconds + seconds
+        self.bar.update(prompts)
+        self.bar.set_postfix({"tok/s": f"{self.tokens_per_s:.1f}"})
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
+    """Generate (or finish generating) the dataset named by ``cfg``; returns the output folder."""
+    dg = cfg.datagen
+    store = DatagenStore.open(dg.output_dir)  # an unwritable folder fails before the target is loaded
+    settings = data_settings(cfg)
+    store.check_settings(settings)
+    pairs = open_source(dg)  # a missing or empty prompt file fails here, also before the target
+    backend = open_backend(cfg)
+    selection = select_prompts(pairs, backend.tokenizer, dg, cfg.target.chat_template)
+    settings["prompts"]["sha256"] = selection.fingerprint()
+    store.check_settings(settings)  # same source name, different content: refuse too
+    store.start(_manifest(cfg, settings, selection, backend), selection.eval_prompts)
+    with backend:
+        meter = _generate_missing_shards(backend, selection.train, dg, store, progress)
+    store.finish()
+    if progress:
+        print(_summary(store, meter), file=sys.stderr)
+    return store.root
+
+
+def open_backend(cfg: DatagenJobConfig) -> HFBackend | VllmBackend:
+    """hf: loads the target into this process. vllm: reads only its tokenizer and configs here (the engine starts
+    in a worker process when the first shard is generated, so a finished folder never starts it)."""
+    if cfg.datagen.backend == "vllm":
+        return VllmBackend(cfg)
+    model, tokenizer = load_target(cfg.target)
+    eos = eos_token_ids(model, tokenizer)
+    return HFBackend(model, tokenizer, cfg.datagen, eos, _pad_id(tokenizer, eos))
+
+
+def data_settings(cfg: DatagenJobConfig) -> dict:
+    """What the data depends on; a rerun must match these to resume (batch_size is a speed knob, not compared:
+    greedy results do not depend on it, sampled ones only through the random stream). The backend is compared:
+    its kernels part from the other's at near-ties, so one folder holds one backend's continuations."""
+    dg = cfg.datagen
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "store_topk", "generate", "backend")
+    generation = {k: getattr(dg, k) for k in names}
+    prompts = {k: getattr(dg, k) for k in ("prompt_field", "response_field", "num_eval_prompts", "num_prompts")}
+    prompts.update(source=source_name(dg), max_prompt_tokens=dg.max_prompt_tokens, shard_size=dg.shard_size)
+    target = dict(model_identity(cfg.target), chat_template=cfg.target.chat_template)
+    return {"format": FORMAT, "target": target, "generation": generation, "prompts": prompts}
+
+
+def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, backend: HFBackend | VllmBackend) -> dict:
+    num_shards = -(-len(selection.train) // cfg.datagen.shard_size)
+    counts = {"eval_prompts": len(selection.eval_prompts), "train_prompts": len(selection.train)}
+    counts.update(skipped=selection.skipped, shards_total=num_shards)
+    eos = backend.eos_token_ids
+    run = {"batch_size": backend.batch_size, "eos_token_ids": eos, "pad_token_id": _pad_id(backend.tokenizer, eos),
+           "tokenizer_sha256": tokenizer_fingerprint(backend.tokenizer)}  # checked by whoever reads the token ids
+    return dict(
+        settings,
+        counts=counts,
+        run=dict(run, **backend.run_info()),
+        columns=list(features(cfg.datagen.store_topk)),
+        complete=False,
+        config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
+    )
+
+
+def _generate_missing_shards(
+    backend: HFBackend | VllmBackend, train: list[TrainPrompt], dg: DatagenConfig, store: DatagenStore, progress: bool
+) -> Throughput:
+    shards = list(_chunks(train, dg.shard_size))
+    finished = store.finished_shards()
+    done = sum(len(shard) for index, shard in enumerate(shards) if shard_name(index) in finished)
+    meter = Throughput(len(train), done, progress)
+    for index, prompts in enumerate(shards):
+        if shard_name(index) in finished:
+            continue
+        # Seeded per shard, so a resumed run samples exactly what an uninterrupted one would have (the vLLM
+        # backend seeds each prompt instead).
+        torch.manual_seed(dg.seed + index)
+        records = generate_shard(backend, prompts, dg, meter)
+        store.write_shard(index, records, dg.store_topk)
+    meter.bar.close()
+    return meter
+
+
+def generate_shard(
+    backend: HFBackend | VllmBackend, prompts: Sequence[TrainPrompt], dg: DatagenConfig, meter: Throughput
+) -> list[dict]:
+    """Records for one shard, in prompt order; batches (backend.batch_size prompts, None = the whole shard: vLLM
+    batches on its own) are formed by prompt length to waste less on padding."""
+    if not dg.generate:  # fixed responses only (train.response=reference): no target call at all
+        return [_record(p, Continuation([]), 0) for p in prompts]
+    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i].prompt_ids))
+    continuations: list = [None] * len(prompts)
+    for batch in _chunks(by_length, backend.batch_size or len(prompts)):
+        outputs, seconds = backend.generate([prompts[i] for i in batch])
+        meter.update(len(batch), sum(len(c.response_ids) for c in outputs), seconds)
+        for i, continuation in zip(batch, outputs):
+            continuations[i] = continuation
+    return [_record(p, c, dg.store_topk) for p, c in zip(prompts, continuations)]
+
+
+def _record(prompt: TrainPrompt, continuation: Continuation, store_topk: int) -> dict:
+    record = {
+        "prompt_index": prompt.index,
+        "prompt": prompt.text,
+        "prompt_ids": prompt.prompt_ids,
+        "response_ids": continuation.response_ids,
+        "reference_ids": prompt.reference_ids,
+    }
+    if store_topk:
+        record.update(topk_ids=continuation.topk_ids, topk_logits=continuation.topk_logits)
+    return record
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> int:
+    """Any id works (padding is masked and cut away); load_tokenizer sets pad = EOS when the tokenizer has none."""
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id)
+    return eos[0] if eos else 0
+
+
+def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _summary(store: DatagenStore, meter: Throughput) -> str:
+    counts = store.manifest["counts"]
+    shards = len(store.manifest["shards"])
+    return (
+        f"drafter-datagen: {counts['train_prompts']} training prompts in {shards}/{counts['shards_total']} shards, "
+        f"{store.response_tokens()} response tokens ({meter.tokens} generated now at {meter.tokens_per_s:.1f} "
+        f"tokens/s), {counts['eval_prompts']} eval prompts held out -> {store.root}"
+    )
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="datagen")
+def _hydra_main(cfg: DictConfig) -> None:
+    with one_line_errors("drafter-datagen"):
+        run_datagen(OmegaConf.to_object(cfg))
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""`drafter-eval`: the AR baseline and the speculative decoder on the same prompts, in the same process.
+
+The evaluation itself is drafter_train/evaluation.py (`evaluate_decoding`, shared with training); this entry point
+checks the paths, loads what the config names, optionally calibrates, and writes metrics.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from drafter_train.calibrate import calibrate, calibration_record, machine_info
+from drafter_train.checkpoint import verify_drafter_folder
+from drafter_train.evaluation import calibration_decoder, evaluate_decoding, print_calibration, print_table
+from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig
+from drafter_train.recipes.cli import register_configs
+from drafter_train.cpu_kernels import row_policy
+from drafter_train.recipes.cli import one_line_errors
+from drafter_train.data.prompts import load_prompt_records
+from drafter_train.drafters.common.loading import load_drafter
+from drafter_train.decoding.lookup import check_corpus
+from drafter_train.drafters.registry import make_drafter, model_kind
+from drafter_train.errors import CheckpointDamagedError, ConfigError
+from drafter_train.io import write_atomic
+from drafter_train.targets import encode_prompt, eos_token_ids, load_target, model_identity
+
+
+def _check_writable(path: Path) -> None:
+    """Fail before the (long) evaluation rather than after it, leaving no empty file behind if it fails."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as err:
+        raise ConfigError(f"eval.output: cannot write {path}: {err.strerror}") from None
+
+
+def _check_intact(drafter_path: str) -> None:
+    """A drafter/ folder of a drafter-train checkpoint must match the checksums recorded when it was written."""
+    try:
+        verify_drafter_folder(drafter_path)
+    except CheckpointDamagedError as err:
+        raise CheckpointDamagedError(f"drafter.path: checkpoint {err}; evaluate another checkpoint") from None
+
+
+def metrics_path(cfg: EvalConfig) -> Path:
+    """eval.output, else metrics.json in the Hydra job's output folder (one per -m sweep job; cwd outside Hydra)."""
+    if cfg.output:
+        return Path(cfg.output)
+    return Path(HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else ".") / "metrics.json"
+
+
+def run_eval_job(cfg: EvalJobConfig) -> dict:
+    """Load everything named by the config, evaluate, write metrics.json and return the metrics."""
+    output = metrics_path(cfg.eval)
+    _check_writable(output)
+    _check_intact(cfg.drafter.path)
+    target, tokenizer = load_target(cfg.target)
+    check_corpus(cfg.eval.lookup.corpus, tokenizer, "eval.lookup.corpus.path")
+    model = load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype)
+    drafter = make_drafter(model, cfg.target.cpu_kernels)
+    cal = cfg.eval.calibration
+    extra = cal.num_prompts if cal.enabled else 0
+    records = load_prompt_records(cfg.eval.prompts, cfg.eval.num_prompts + extra, cfg.eval.prompt_field)
+    prompt_ids = [encode_prompt(tokenizer, text, cfg.target.chat_template) for text, _ in records]
+    eos = eos_token_ids(target, tokenizer)
+    eval_cfg, num = cfg.eval, cfg.eval.num_prompts
+    if cal.enabled:  # on the prompts after the evaluated ones when the prompt set has them
+        calibration_prompts = prompt_ids[num:] or prompt_ids[: cal.num_prompts]
+        candidates, costs = calibrate(target, calibration_prompts, cfg.eval,
+                                      calibration_decoder(target, drafter, calibration_prompts, eos, cfg.eval))
+        eval_cfg = candidates[0].apply(cfg.eval)
+    metrics = evaluate_decoding(target, drafter, prompt_ids[:num], eval_cfg, eos,
+                                categories=[c for _, c in records[:num]])
+    policy = row_policy(target)
+    metrics.update(target=model_identity(cfg.target), drafter=cfg.drafter.path, drafter_kind=model_kind(model).name,
+                   torch_threads=torch.get_num_threads(),
+                   machine={**machine_info(target.device, cfg.target.dtype), "cpu_kernels": cfg.target.cpu_kernels,
+                            "target_kernels_by_rows": policy.describe() if policy else None})
+    metrics["config"] = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    if cal.enabled:
+        info = {"machine": machine_info(target.device, cfg.target.dtype), "target": model_identity(cfg.target),
+                "drafter": str(Path(cfg.drafter.path).resolve()) if Path(cfg.drafter.path).exists() else
+                cfg.drafter.path, "drafter_kind": model_kind(model).name, "verify": cfg.eval.verify,
+                "calibration_prompts": "disjoint" if len(prompt_ids) > num else "the evaluated ones"}
+        record = calibration_record(candidates, costs, {**metrics, "max_new_tokens": eval_cfg.max_new_tokens}, info)
+        path = Path(cal.output) if cal.output else output.parent / "calibration.json"
+        path.write_text(json.dumps(record, indent=2))
+        metrics["calibration"] = {**record["pick"], "file": str(path.resolve())}
+        print_calibration(record)
+    write_atomic(output, json.dumps(metrics, indent=2))  # a kill mid-write leaves the old file or none
+    return metrics
+
+
+def to_job_config(cfg: DictConfig) -> EvalJobConfig:
+    """Composed Hydra config -> dataclasses (runs every field check)."""
+    return OmegaConf.to_object(cfg)
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="eval")
+def _hydra_main(cfg: DictConfig) -> None:
+    with one_line_errors("drafter-eval"):
+        metrics = run_eval_job(to_job_config(cfg))
+    print_table(metrics)
+    print(f"metrics written to {metrics_path(cfg.eval).resolve()}", file=sys.stderr)
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

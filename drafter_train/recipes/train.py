@@ -1,0 +1,258 @@
+"""`drafter-train`: distil a drafter from the target's outputs, evaluating real speculative decoding at every
+checkpoint. `train(cfg)` is the whole recipe, top to bottom; `@hydra.main` only wraps it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import hydra
+import torch
+from accelerate.utils import set_seed
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+from transformers import get_scheduler
+
+from drafter_train.checkpoint import (
+    TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune, rng_state,
+    partial_checkpoint, resume_checkpoint, save_checkpoint, save_run_config, set_rng_state, start_checkpoint,
+)
+from drafter_train.config import CONF_DIR, TrainJobConfig
+from drafter_train.recipes.cli import on_main_process, one_line_errors, register_configs
+from drafter_train.data.batches import BatchStream, collate, token_counts
+from drafter_train.data.training_data import eval_prompt_ids, load_training_data
+from drafter_train.distributed import (
+    full_drafter, load_sharded_state, make_accelerator, optimizer_state, save_sharded_state,
+)
+from drafter_train.drafters.common.loading import load_drafter
+from drafter_train.decoding.lookup import check_corpus
+from drafter_train.drafters.registry import DrafterKind, kind_config, make_drafter, resolve_kind
+from drafter_train.errors import DrafterTrainError
+from drafter_train.evaluation import evaluate_decoding
+from drafter_train.targets import eos_token_ids, load_target, model_vocab_size
+from drafter_train.tracking import RunLogger, log_with
+
+
+class TrainingDivergedError(DrafterTrainError):
+    """The loss became NaN or infinite."""
+
+
+def every_n_steps(step: int, n: int, last: int) -> bool:
+    return step % n == 0 or step == last
+
+
+def next_micro_batches(data, stream: BatchStream, response_key: str, cfg: TrainJobConfig, pad_id: int, device,
+                       kind: DrafterKind):
+    """The grad_accum micro-batches of one optimizer step, as the drafter kind reads them, on `device`."""
+    topk = cfg.loss.uses_stored_logits
+    micro = []
+    for _ in range(cfg.train.grad_accum):
+        records = list(data.select(stream.next_indices()))
+        batch = collate(records, response_key, cfg.train.max_seq_len, pad_id, topk)
+        micro.append(kind.prepare_batch(batch, records, cfg).to(device))
+    return micro
+
+
+def evaluate_checkpoint(cfg, target, model, prompts, eos) -> dict:
+    """Real speculative decoding with the current drafter (full weights, see full_drafter) on the held-out prompts
+    ((ids, categories); main process only)."""
+    model.eval()
+    drafter = make_drafter(model, cfg.target.cpu_kernels)
+    metrics = evaluate_decoding(target, drafter, prompts[0], cfg.eval, eos, progress=False, categories=prompts[1])
+    model.train()
+    return metrics
+
+
+def restore(saved: dict, optimizer, scheduler, stream: BatchStream, state: TrainState) -> None:
+    """Put back everything a checkpoint holds besides the weights: the run continues exactly. (Under DeepSpeed the
+    optimizer state is partitioned and comes back after prepare: load_sharded_state.)"""
+    if saved["optimizer"] is not None:
+        optimizer.load_state_dict(saved["optimizer"])
+    scheduler.load_state_dict(saved["scheduler"])
+    stream.load_state_dict(saved["data"])
+    state.load_state_dict(saved["train_state"])
+    set_rng_state(saved["rng"])
+
+
+def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJobConfig, kind: DrafterKind,
+                         step: int) -> tuple[float, int]:
+    """Forward/backward over the step's micro-batches, then clip. Returns (mean loss per token, tokens).
+
+    Each micro-batch's loss sum is divided by the step's total response tokens over all micro-batches and ranks,
+    so accumulation is exact. accelerator.backward divides by grad_accum and DDP / DeepSpeed average gradients over
+    ranks, hence both factors. `accumulate` skips the gradient all-reduce (and DeepSpeed's optimizer step) until
+    the step's last micro-batch.
+    """
+    local = torch.tensor(float(sum(b.num_tokens for b in micro)), device=accelerator.device)
+    total_tokens = int(accelerator.reduce(local, "sum"))
+    scale = len(micro) * accelerator.num_processes / max(total_tokens, 1)
+    loss_sum = torch.zeros((), device=accelerator.device)
+    for batch in micro:
+        with accelerator.accumulate(drafter):
+            out = kind.loss(drafter, target, batch, cfg)
+            if not torch.isfinite(out.loss_sum):
+                raise TrainingDivergedError(
+                    f"loss is {out.loss_sum.item()} at step {step}; lower train.lr, keep train.max_grad_norm > 0 "
+                    "or use train.mixed_precision=no (the last checkpoint is intact: rerun to resume from it)"
+                )
+            accelerator.backward(out.loss_sum * scale)
+            loss_sum += out.loss_sum.detach()
+    if cfg.train.max_grad_norm > 0:
+        accelerator.clip_grad_norm_(drafter.parameters(), cfg.train.max_grad_norm)
+    return float(accelerator.reduce(loss_sum, "sum")) / max(total_tokens, 1), total_tokens
+
+
+def train(cfg: TrainJobConfig) -> dict:
+    """Train a drafter as configured; returns the last checkpoint's metrics (evaluated on the main process: other ranks
+    may get {})."""
+    fit = resolve_kind(cfg.drafter).fit
+    if fit is not None:  # a kind trained otherwise than by gradient descent (layerskip: a search)
+        return fit(cfg)
+    tcfg = cfg.train
+    run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
+    config = OmegaConf.to_container(OmegaConf.structured(cfg))  # plain dict: saved, compared, tracked
+    if tcfg.resume == "auto":
+        check_same_run(run_dir, config)
+    accelerator = make_accelerator(tcfg, log_with(cfg.tracker), run_dir)
+    set_seed(tcfg.seed)
+    target, tokenizer = load_target(cfg.target)  # never prepared: no-grad, full weights on every rank
+    target.to(accelerator.device)
+    data, response_key = load_training_data(cfg, tokenizer)
+    check_corpus(cfg.eval.lookup.corpus, tokenizer, "eval.lookup.corpus.path")
+    prompts, eos = eval_prompt_ids(cfg, tokenizer), eos_token_ids(target, tokenizer)
+    kind = resolve_kind(cfg.drafter)
+    cfg = dataclasses.replace(cfg, drafter=kind_config(cfg.drafter, kind))  # drafter=path: the kind's own fields
+    data = kind.prepare_data(cfg, data, response_key, target, tokenizer, accelerator)
+
+    # ---- model, optimizer, schedule; resume restores all of it plus RNG and data position ----
+    state = TrainState()
+    resume_from = resume_checkpoint(run_dir, accelerator.is_main_process) if tcfg.resume == "auto" else None
+    drafter_cfg = cfg.drafter
+    if resume_from is not None:
+        drafter_cfg = dataclasses.replace(cfg.drafter, path=str(resume_from / "drafter"))
+    counts = lambda: token_counts(data, response_key, model_vocab_size(target))  # noqa: E731  (a new EAGLE-3 head)
+    drafter = kind.training_module(load_drafter(drafter_cfg, target, tokenizer, cfg.target.dtype, for_training=True,
+                                                token_counts=counts))
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+    scheduler = get_scheduler(tcfg.lr_schedule, optimizer, tcfg.warmup_steps, tcfg.max_steps)
+    stream = BatchStream(len(data), tcfg.batch_size, tcfg.seed, accelerator.process_index, accelerator.num_processes)
+    saved = load_training_state(resume_from) if resume_from is not None else None
+    if saved is not None:
+        restore(saved, optimizer, scheduler, stream, state)
+    drafter, optimizer = accelerator.prepare(drafter, optimizer)
+    if saved is not None:
+        load_sharded_state(accelerator, resume_from, saved)
+
+    run_name = tcfg.run_name
+    if accelerator.is_main_process:  # the resolved config, whatever launched the run (CLI, -m sweep, a test)
+        save_run_config(run_dir, config)
+    tags = [f"draft_len={cfg.drafter.draft_len}", f"loss={cfg.loss.name}", f"drafter={cfg.drafter.kind}:{cfg.drafter.path}"]
+    logger = RunLogger(accelerator, run_dir, cfg.tracker, run_name, tags, config)
+    eval_history: list[dict] = []
+
+    logger.log({"launch/num_processes": accelerator.num_processes,
+                "launch/distributed_type": accelerator.distributed_type.value}, state.step)
+
+    def checkpoint_eval(step: int, model) -> dict:
+        metrics = evaluate_checkpoint(cfg, target, model, prompts, eos)
+        row = {"step": step, **{k: metrics[k] for k in ("tau", "acceptance_rate", "speedup")}}
+        eval_history.append(row)
+        logger.log({f"eval/{k}": v for k, v in metrics.items() if k not in ("per_position_acceptance", "per_category")},
+                   step)
+        logger.log_eval_table(eval_history, step)
+        return metrics
+
+    if state.step == 0 and tcfg.eval_at_start:  # the untrained drafter: the baseline the run must beat
+        model = full_drafter(accelerator, drafter, kind.hf_model)  # all ranks: a collective under ZeRO-3
+        if accelerator.is_main_process:
+            checkpoint_eval(0, model)
+        accelerator.wait_for_everyone()
+
+    # ---- the loop ----
+    bar = tqdm(total=tcfg.max_steps, initial=state.step, desc=f"train {run_name}", disable=not accelerator.is_main_process)
+    last = None
+    window_start, window_tokens = time.perf_counter(), 0
+    while state.step < tcfg.max_steps:
+        micro = next_micro_batches(data, stream, response_key, cfg, tokenizer.pad_token_id, accelerator.device, kind)
+        loss_value, step_tokens = accumulate_gradients(accelerator, drafter, target, micro, cfg, kind, state.step + 1)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        state.tokens_seen += step_tokens
+        window_tokens += step_tokens
+        bar.update(1)
+        if every_n_steps(state.step, tcfg.log_every, tcfg.max_steps):
+            elapsed = time.perf_counter() - window_start
+            logger.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
+                        "train/tokens_per_s": window_tokens / elapsed, "train/tokens_seen": state.tokens_seen},
+                       state.step)
+            bar.set_postfix(loss=f"{loss_value:.4f}")
+            window_start, window_tokens = time.perf_counter(), 0
+        if every_n_steps(state.step, tcfg.save_every, tcfg.max_steps):
+            last = save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optimizer, scheduler,
+                                     stream, state, checkpoint_eval)
+            window_start = time.perf_counter()  # evaluation time is not training time
+    bar.close()
+    logger.finish()
+    if last is None and latest_checkpoint(run_dir) is not None:  # resumed a finished run: report its last eval
+        last = json.loads((latest_checkpoint(run_dir) / "metrics.json").read_text())
+    return last or {}
+
+
+def save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optimizer, scheduler, stream, state,
+                      evaluate):
+    """Evaluate the current drafter, write step-<N> (atomically), move `latest`/`best`, prune old steps.
+
+    Every rank calls this: gathering ZeRO-3 weights and writing DeepSpeed's optimizer partitions are collective;
+    evaluation, the HF drafter folder, links and pruning happen on the main process only.
+    """
+    model = full_drafter(accelerator, drafter, kind.hf_model)
+    if accelerator.is_main_process:
+        start_checkpoint(run_dir, state.step)
+    accelerator.wait_for_everyone()
+    save_sharded_state(accelerator, partial_checkpoint(run_dir, state.step))
+    accelerator.wait_for_everyone()
+    metrics = {}
+    if accelerator.is_main_process:
+        metrics = evaluate(state.step, model)
+        if metrics["tau"] > state.best_tau:
+            state.best_tau, state.best_step = metrics["tau"], state.step
+        training_state = {
+            "optimizer": optimizer_state(accelerator, optimizer), "scheduler": scheduler.state_dict(),
+            "data": stream.state_dict(), "train_state": state.state_dict(), "rng": rng_state(),
+        }
+        step_dir = save_checkpoint(run_dir, model, tokenizer, training_state, metrics, state.step, started=True)
+        if state.best_step == state.step:
+            mark_best(run_dir, step_dir)
+        prune(run_dir, cfg.train.keep_last)
+    accelerator.wait_for_everyone()
+    return metrics
+
+
+def to_job_config(cfg: DictConfig) -> TrainJobConfig:
+    return OmegaConf.to_object(cfg)
+
+
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
+def _hydra_main(cfg: DictConfig) -> float:
+    with one_line_errors("drafter-train"):
+        metrics = train(to_job_config(cfg))
+    tau = metrics.get("tau", math.nan)
+    if on_main_process():  # the only process that evaluates: other ranks hold no metrics
+        print(f"final checkpoint: tau={tau:.3f} acceptance={metrics.get('acceptance_rate', math.nan):.3f} "
+              f"speedup={metrics.get('speedup', math.nan):.3f}", file=sys.stderr)
+    return tau
+
+
+def main() -> None:
+    register_configs()
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()
