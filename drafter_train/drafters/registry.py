@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import json
 import pkgutil
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
@@ -126,10 +127,10 @@ _REGISTRY = _Registry()
 def register(kind: DrafterKind, module: Optional[str] = None) -> DrafterKind:
     """Make `kind` known to every command (drafter.kind=<name>); returns it, so a module can write
     `KIND = register(DrafterKind(...))`. Registering a name again replaces the earlier kind (reloading a module).
-    `module`: the module that defines the kind, imported again where a saved folder is loaded in another process
-    (default: the module of `kind.load`)."""
+    `module`: the module that defines the kind, which a saved folder's loading snippet imports first (default: the
+    module that calls register)."""
     _REGISTRY.kinds[kind.name] = kind
-    _REGISTRY.modules[kind.name] = module or kind.load.__module__
+    _REGISTRY.modules[kind.name] = module or sys._getframe(1).f_globals["__name__"]
     return kind
 
 
