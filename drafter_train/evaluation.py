@@ -26,6 +26,13 @@ from drafter_train.decoding.tree import TreeSpec
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier
 from drafter_train.decoding.lookup import lookup_first
 from drafter_train.errors import ConfigError
+from drafter_train.targets import check_full_cache
+
+
+def check_decoder(target: PreTrainedModel, cfg: EvalConfig) -> None:
+    """What the configured decoder needs of the target, refused in one line before any decoding."""
+    if cfg.tree.enabled:
+        check_full_cache(target, "eval.tree (draft trees)")
 
 
 def sampling_params(cfg: EvalConfig) -> SamplingParams:

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from drafter_train.config import TargetConfig
 from drafter_train.cpu_kernels import use_grouped_attention, use_onednn_linears
-from drafter_train.errors import ModelNotFoundError, VocabMismatchError
+from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
 
 EMBEDDED_PREFIX = "embedded:"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -262,6 +262,31 @@ def _check_folder(folder: Path, path: str, gguf_file: Optional[str]) -> None:
         if (folder / "drafter" / "config.json").is_file():  # a training checkpoint (step-N, best, latest)
             hint = f"; it is a drafter-train checkpoint: its drafter is {Path(path) / 'drafter'}"
         raise ModelNotFoundError(f"{path}: folder has no config.json, so it is not a HF model folder{hint}")
+
+
+def check_model_path(path: str, gguf_file: Optional[str] = None) -> None:
+    """The checks `load_causal_lm` makes on a local path, without loading anything: a mistyped folder, a folder that
+    is not a model folder, a missing GGUF file (hub ids and embedded targets pass)."""
+    if not path.startswith(EMBEDDED_PREFIX):
+        _locate(path, gguf_file)
+
+
+def has_sliding_window(config) -> bool:
+    """Whether some attention layer of a model with this config keeps only a window of the KV cache (Gemma 2/3,
+    Mistral, gpt-oss ...): such caches cannot be cropped back to an arbitrary position."""
+    layer_types = getattr(config, "layer_types", None) or []
+    if layer_types:
+        return any(kind != "full_attention" for kind in layer_types)
+    return bool(getattr(config, "sliding_window", None)) and getattr(config, "use_sliding_window", True) is not False
+
+
+def check_full_cache(model, feature: str) -> None:
+    """Refuse, in one line and before any decoding, a feature that crops or reorders the target's KV cache on a
+    target with sliding-window layers."""
+    config = getattr(model, "config", model)
+    if has_sliding_window(config):
+        raise ConfigError(f"{feature} needs a full KV cache, and this {config.model_type} target has sliding-window "
+                          "attention layers; use chains (no eval.tree) or another drafter kind")
 
 
 def _looks_local(path: str) -> bool:

@@ -113,6 +113,11 @@ def shipped_prompts(path: str) -> Optional[Path]:
     return None
 
 
+def check_prompt_file(path: str, section: str) -> None:
+    """The checks reading `path` as a prompt file makes, without reading it (one line naming `section`.prompts)."""
+    _check_file(path, section, tuple(BUILDERS))
+
+
 def _check_file(path: str, section: str, suffixes: Sequence[str]) -> Path:
     file = shipped_prompts(path) or Path(path).expanduser()
     if not file.is_file():

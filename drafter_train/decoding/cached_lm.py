@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 from transformers import DynamicCache, PreTrainedModel
 
-
+from drafter_train.errors import ConfigError
 class CachedLM:
     """Wraps an HF causal LM for incremental decoding of ONE sequence (batch size 1)."""
 
@@ -56,7 +56,7 @@ class CachedLM:
         moved = positions[in_place:]
         for layer in self.cache.layers:
             if getattr(layer, "is_sliding", False):
-                raise ValueError("tree decoding needs a full KV cache; this model has sliding-window layers")
+                raise ConfigError("eval.tree (draft trees) needs a full KV cache; this model has sliding-window layers")
             if moved.numel() and getattr(layer, "is_initialized", False) and layer.keys.numel():
                 layer.keys[..., in_place:n, :] = layer.keys.index_select(-2, moved)
                 layer.values[..., in_place:n, :] = layer.values.index_select(-2, moved)

@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 
 from drafter_train.config import CONF_DIR, DatagenConfig, DatagenJobConfig
 from drafter_train.recipes.cli import register_configs
-from drafter_train.recipes.cli import one_line_errors
+from drafter_train.recipes.cli import check_inputs, one_line_errors
 from drafter_train.data.generation import Continuation, HFBackend
 from drafter_train.data.sources import Selection, TrainPrompt, open_source, select_prompts, source_name
 from drafter_train.data.store import (FORMAT, DatagenStore, features, load_distill_dataset, load_eval_prompts, shard_name,
@@ -55,6 +55,7 @@ class Throughput:
 def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     """Generate (or finish generating) the dataset named by ``cfg``; returns the output folder."""
     dg = cfg.datagen
+    check_inputs(cfg)
     store = DatagenStore.open(dg.output_dir)  # an unwritable folder fails before the target is loaded
     settings = data_settings(cfg)
     store.check_settings(settings)

@@ -17,11 +17,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from drafter_train.calibrate import calibrate, calibration_record, machine_info
 from drafter_train.checkpoint import verify_drafter_folder
-from drafter_train.evaluation import calibration_decoder, evaluate_decoding, print_calibration, print_table
+from drafter_train.evaluation import calibration_decoder, check_decoder, evaluate_decoding, print_calibration, print_table
 from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig
 from drafter_train.recipes.cli import register_configs
 from drafter_train.cpu_kernels import row_policy
-from drafter_train.recipes.cli import one_line_errors
+from drafter_train.recipes.cli import check_inputs, one_line_errors
 from drafter_train.data.prompts import load_prompt_records
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
@@ -64,7 +64,9 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     output = metrics_path(cfg.eval)
     _check_writable(output)
     _check_intact(cfg.drafter.path)
+    check_inputs(cfg)
     target, tokenizer = load_target(cfg.target)
+    check_decoder(target, cfg.eval)
     check_corpus(cfg.eval.lookup.corpus, tokenizer, "eval.lookup.corpus.path")
     model = load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype)
     drafter = make_drafter(model, cfg.target.cpu_kernels)

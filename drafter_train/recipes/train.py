@@ -21,7 +21,7 @@ from drafter_train.checkpoint import (
     partial_checkpoint, resume_checkpoint, save_checkpoint, save_run_config, set_rng_state, start_checkpoint,
 )
 from drafter_train.config import CONF_DIR, TrainJobConfig
-from drafter_train.recipes.cli import on_main_process, one_line_errors, register_configs
+from drafter_train.recipes.cli import check_inputs, on_main_process, one_line_errors, register_configs
 from drafter_train.data.batches import BatchStream, collate, token_counts
 from drafter_train.data.training_data import eval_prompt_ids, load_training_data
 from drafter_train.distributed import (
@@ -31,7 +31,7 @@ from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
 from drafter_train.drafters.registry import DrafterKind, kind_config, make_drafter, resolve_kind
 from drafter_train.errors import DrafterTrainError
-from drafter_train.evaluation import evaluate_decoding
+from drafter_train.evaluation import check_decoder, evaluate_decoding
 from drafter_train.targets import eos_token_ids, load_target, model_vocab_size
 from drafter_train.tracking import RunLogger, log_with
 
@@ -108,6 +108,7 @@ def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJo
 def train(cfg: TrainJobConfig) -> dict:
     """Train a drafter as configured; returns the last checkpoint's metrics (evaluated on the main process: other ranks
     may get {})."""
+    check_inputs(cfg)
     fit = resolve_kind(cfg.drafter).fit
     if fit is not None:  # a kind trained otherwise than by gradient descent (layerskip: a search)
         return fit(cfg)
@@ -120,6 +121,7 @@ def train(cfg: TrainJobConfig) -> dict:
     set_seed(tcfg.seed)
     target, tokenizer = load_target(cfg.target)  # never prepared: no-grad, full weights on every rank
     target.to(accelerator.device)
+    check_decoder(target, cfg.eval)
     data, response_key = load_training_data(cfg, tokenizer)
     check_corpus(cfg.eval.lookup.corpus, tokenizer, "eval.lookup.corpus.path")
     prompts, eos = eval_prompt_ids(cfg, tokenizer), eos_token_ids(target, tokenizer)

@@ -35,6 +35,7 @@ from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.drafters.registry import BuildContext, DrafterKind, register
 from drafter_train.drafters.common.weightless import WeightlessModel
 from drafter_train.errors import ConfigError, ModelNotFoundError
+from drafter_train.targets import check_full_cache
 
 MODEL_TYPE = "layerskip_drafter"
 # What a target's shape is made of (load-time keys such as _name_or_path or dtype are left out of the hash).
@@ -98,7 +99,7 @@ def keep_first(cache: DynamicCache, length: int) -> None:
     different lengths: skipped attention layers added nothing)."""
     for layer in cache.layers:
         if getattr(layer, "is_sliding", False):
-            raise ValueError("layer skipping needs a full KV cache; this model has sliding-window layers")
+            raise ConfigError("drafter=layerskip needs a full KV cache; this model has sliding-window layers")
         if layer.get_seq_length() > length:
             layer.keys, layer.values = layer.keys[..., :length, :], layer.values[..., :length, :]
 
@@ -275,6 +276,7 @@ class LayerSkipDrafter(ARDrafter):
 
 
 def build(cfg: DrafterConfig, ctx: BuildContext) -> LayerSkipModel:
+    check_full_cache(ctx.target, "drafter=layerskip (drafting on the target's own KV cache)")
     if cfg.path != "skips":
         model = load(cfg.path, ctx.dtype)
         check_target(model.config, ctx.target)

@@ -52,7 +52,7 @@ from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
 from drafter_train.evaluation import evaluate_decoding
 from drafter_train.data.training_data import eval_prompt_ids, load_training_data
-from drafter_train.targets import eos_token_ids, load_target, model_identity
+from drafter_train.targets import check_full_cache, eos_token_ids, load_target, model_identity
 from drafter_train.tracking import RunLogger, log_with
 
 JOURNAL = "search.journal"
@@ -200,6 +200,7 @@ def search(cfg: TrainJobConfig) -> dict:
     accelerator = make_accelerator(tcfg, log_with(cfg.tracker), run_dir)
     set_seed(tcfg.seed)
     target, tokenizer = load_target(cfg.target)
+    check_full_cache(target, "drafter=layerskip (drafting on the target's own KV cache)")
     target.to(accelerator.device)
     num_layers = len(decoder_layers(target))
     layers, configured = skippable(num_layers), SkipSet(tuple(sorted(dcfg.skip_attn)), tuple(sorted(dcfg.skip_mlp)))
