@@ -95,3 +95,19 @@ def test_make_results_leaves_a_readme_without_markers_alone(tmp_path):
                        "--readme", str(readme)])
     assert readme.read_text() == "# Project\nno markers\n"
     assert "| product | 1.125 |" in (tmp_path / "results.md").read_text()
+
+
+def test_engine_check_serves_every_kind_with_a_vllm_export_and_refuses_the_others_in_one_line():
+    from benchmarks.engine_check import vllm_method
+    from drafter_train.drafters.registry import all_kinds, get_kind
+
+    assert {k: vllm_method(get_kind(k)) for k in ("eagle3", "dflash", "ar")} == {
+        "eagle3": "eagle3", "dflash": "dflash", "ar": "draft_model"}
+    for kind in all_kinds():
+        if kind.name in ("eagle3", "dflash", "ar"):
+            continue
+        with pytest.raises(SystemExit) as refused:
+            vllm_method(kind)
+        message = str(refused.value)
+        assert "\n" not in message and f"drafter kind {kind.name}" in message, message
+        assert "has no vLLM export format; kinds with one: " in message and "eagle3" in message
