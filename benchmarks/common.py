@@ -49,6 +49,12 @@ def split_name(prompts: Optional[str], num_prompts: int) -> str:
     return f"{name}, first {num_prompts} prompts" + (" (dev)" if name == HELDOUT else "")
 
 
+def evaluation_split(metrics: dict, num_prompts: int = 16) -> str:
+    """The split a drafter-eval JSON ran on (its own config's eval.prompts and eval.num_prompts)."""
+    eval_cfg = metrics.get("config", {}).get("eval", {})
+    return split_name(eval_cfg.get("prompts", HELDOUT), eval_cfg.get("num_prompts", num_prompts))
+
+
 def command_line(name: str, argv: Optional[Sequence[str]] = None) -> str:
     """The command that reproduces this run of `python -m benchmarks.<name>`."""
     args = list(sys.argv[1:] if argv is None else argv)

@@ -17,8 +17,8 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.common import (DEV_NOTE, OUR_BASELINE, RESULTS_DIR, load_average, markdown_table, median,
-                               read_jsonl, split_name, write_result)
+from benchmarks.common import (DEV_NOTE, OUR_BASELINE, RESULTS_DIR, evaluation_split, load_average, markdown_table,
+                               median, read_jsonl, write_result)
 
 PRODUCT = "lookups, then EAGLE-3 (the product)"
 # the quickstart's evaluations after training: file name -> label
@@ -59,20 +59,16 @@ def summarize(args) -> None:
     rows = summary_rows(run)
     print(summary_text(rows, args.draft_len))
     last = json.loads((run / "corpus-lookup.json").read_text())  # evaluated last, with the job's eval settings
-    eval_cfg = last.get("config", {}).get("eval", {})
-    kernels = last.get("config", {}).get("target", {}).get("cpu_kernels", "auto")
+    config = last.get("config", {})
+    new_tokens = config.get("eval", {}).get("max_new_tokens", 48)
     write_result(
-        "main_job", results_dir=Path(args.results_dir),
+        "main_job", results_dir=Path(args.results_dir), command=args.command, columns=SUMMARY_COLUMNS, rows=rows,
         title="The main job: EAGLE-3 behind prompt and corpus lookup on SmolLM2-135M",
         question="How much faster than plain decoding does the quickstart's product decode, and where does the gain "
-                 "come from?",
-        command=args.command,
-        split=split_name(eval_cfg.get("prompts", "heldout-mix"), eval_cfg.get("num_prompts", args.num_prompts)),
-        baseline=OUR_BASELINE.format(kernels=kernels), columns=SUMMARY_COLUMNS, rows=rows,
-        machine=last.get("machine"),
-        notes=f"Greedy, {args.draft_len} drafts per verify pass (the drafter's as siblings), "
-              f"{eval_cfg.get('max_new_tokens', 48)} new tokens per prompt; one evaluation each, not repeated. "
-              + DEV_NOTE)
+                 "come from?", split=evaluation_split(last, args.num_prompts), machine=last.get("machine"),
+        baseline=OUR_BASELINE.format(kernels=config.get("target", {}).get("cpu_kernels", "auto")),
+        notes=f"Greedy, {args.draft_len} drafts per verify pass (the drafter's as siblings), {new_tokens} new tokens "
+              "per prompt; one evaluation each, not repeated. " + DEV_NOTE)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -108,14 +104,11 @@ def repeats(args) -> None:
     print(f"load average at the end: {load_average():.2f}")
     print(markdown_table(REPEATS_COLUMNS, rows))
     first = json.loads(next(out.glob(f"{args.tags[0]}-[0-9]*.json")).read_text())
-    eval_cfg = first.get("config", {}).get("eval", {})
     write_result(
-        "main_job_repeats", results_dir=Path(args.results_dir),
+        "main_job_repeats", results_dir=Path(args.results_dir), command=args.command, split=evaluation_split(first),
         title="The main job's decoders, repeated",
         question="How do the main job's drafter and lookups compare, each alone and combined, over repeated "
                  "interleaved evaluations?",
-        command=args.command,
-        split=split_name(eval_cfg.get("prompts", "heldout-mix"), eval_cfg.get("num_prompts", 16)),
         baseline=OUR_BASELINE.format(kernels="of each row's setting") + "; 'over plain on default kernels': plain "
                  "decoding on PyTorch's stock kernels (target.cpu_kernels=default)",
         columns=REPEATS_COLUMNS, rows=rows, machine=first.get("machine"),

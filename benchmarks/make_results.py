@@ -58,8 +58,7 @@ def section(name: str, result: dict) -> str:
 
 
 def results_page(results: dict[str, dict]) -> str:
-    body = [section(name, result) for name, result in results.items()] or ["No result files yet.\n"]
-    return HEADER + "\n" + "\n".join(body)
+    return HEADER + "\n" + "\n".join(section(name, result) for name, result in results.items())
 
 
 def readme_block(results: dict[str, dict]) -> str:
@@ -84,7 +83,7 @@ def with_block(text: str, block: str) -> str:
 def generated(results_dir: Path, docs: Path, readme: Path) -> dict[Path, str]:
     """Each file this command writes -> the text it should have."""
     results = load_results(results_dir)
-    files = {docs: results_page(results)}
+    files = {docs: results_page(results)} if results else {}  # no result files yet: no page to keep up to date
     if readme.is_file():
         files[readme] = with_block(readme.read_text(), readme_block(results))
     return files
