@@ -1,4 +1,4 @@
-"""Exported drafters served by real vLLM (scripts/vllm_check.py): vLLM's acceptance agrees with our evaluator's on the
+"""Exported drafters served by real vLLM (benchmarks/engine_check.py): vLLM's acceptance agrees with our evaluator's on the
 same prompts (EAGLE-3 as method eagle3, a stand-alone AR drafter as draft_model), and a broken EAGLE-3 export
 (shuffled d2t, layer ids without the engines' +1 offset) is caught.
 
@@ -21,7 +21,6 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafter_train.recipes.train import train
-from tests.conftest import REPO
 from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, save_tiny
 from tests.test_train import train_cfg
 from tests.test_vllm_backend import needs_vllm, vllm_python
@@ -56,13 +55,10 @@ def e3_run(tmp_path_factory):
 
 
 def check(root: Path, run: Path, out: Path, *extra: str) -> tuple[int, dict]:
-    """scripts/vllm_check.py on `run`'s latest checkpoint: its exit status and its JSON."""
-    import importlib.util
+    """benchmarks/engine_check.py on `run`'s latest checkpoint: its exit status and its JSON."""
+    from benchmarks import engine_check
 
-    spec = importlib.util.spec_from_file_location("vllm_check", REPO / "scripts" / "vllm_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    status = module.main(["--run", str(run), "--which", "latest", "--vllm-python", str(vllm_python()),
+    status = engine_check.main(["--run", str(run), "--which", "latest", "--vllm-python", str(vllm_python()),
                           "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "6", "--max-new-tokens", "32",
                           "--no-baseline", "--output", str(out), *extra])
     return status, json.loads((out / "vllm_check.json").read_text())

@@ -13,11 +13,11 @@ second invocation with `--verify sample` evaluates the same drafters at temperat
 `--kinds` also takes the DFlash configurations dflash-b{8,16}-l{1,2,3} (block size, depth; fkl on offline features),
 each evaluated at the draft lengths its block holds (<= block - 1):
 
-    python scripts/bench_drafters.py --data data/ref1k --budget-min 10 --kinds eagle3 nar dflash-b8-l1 dflash-b16-l1 \
+    python -m benchmarks.drafters --data data/ref1k --budget-min 10 --kinds eagle3 nar dflash-b8-l1 dflash-b16-l1 \
         dflash-b16-l2 dflash-b16-l3 --draft-lens 3 4 7 15
 
-    python scripts/bench_drafters.py --data data/ref1k --budget-min 20 --draft-lens 2 3 4 6 8 \
-        --prompts prompts/heldout-mix.jsonl --num-prompts 16 --max-new-tokens 64 --repeats 3
+    python -m benchmarks.drafters --data data/ref1k --budget-min 20 --draft-lens 2 3 4 6 8 \
+        --prompts heldout-mix --num-prompts 16 --max-new-tokens 64 --repeats 3
 """
 
 from __future__ import annotations
@@ -31,15 +31,15 @@ import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-from drafter_train.recipes.cli import compose_config  # noqa: E402
+from benchmarks.common import OUR_BASELINE, add_prompt_args, command_line, markdown_table, split_name, write_result
+from drafter_train.recipes.cli import compose_config
 from drafter_train.drafters.ngram.config import NgramDrafterConfig
-from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
-from drafter_train.drafters.registry import make_drafter  # noqa: E402
-from drafter_train.recipes.evaluate import evaluate_decoding  # noqa: E402
-from drafter_train.targets import eos_token_ids, load_target  # noqa: E402
-from drafter_train.recipes.train import eval_prompt_ids, train  # noqa: E402
+from drafter_train.drafters.common.loading import load_drafter
+from drafter_train.drafters.registry import make_drafter
+from drafter_train.evaluation import evaluate_decoding
+from drafter_train.targets import eos_token_ids, load_target
+from drafter_train.data.training_data import eval_prompt_ids
+from drafter_train.recipes.train import train
 
 KINDS = {
     # the main job's recipe (1 TTT step, 4096-token head), and the same with 3 TTT steps for longer chains
@@ -56,6 +56,8 @@ DFLASH_MAX_DRAFT = {f"dflash-b{block}-l{depth}": block - 1 for block in (8, 16) 
 KINDS.update({name: ["drafter=dflash", "drafter.path=new", f"drafter.block_size={limit + 1}",
                      f"drafter.num_layers={name[-1]}", f"drafter.draft_len={limit}", "drafter.features=offline",
                      "loss=fkl"] for name, limit in DFLASH_MAX_DRAFT.items()})
+COLUMNS = ["draft_len", "drafter", "tau", "acceptance", "per-position acceptance", "drafter ms / proposal",
+           "verify ms / step", "speedup", "greedy_match"]
 METRICS = ("tau", "acceptance_rate", "speedup", "drafter_ms_per_proposal", "verify_ms_per_step", "spec_tokens_per_s",
            "ar_tokens_per_s")
 
@@ -118,9 +120,7 @@ def main():
     parser.add_argument("--verify", default="greedy", choices=["greedy", "sample"],
                         help="eval.verify of the evaluations (sample: temperature --temperature)")
     parser.add_argument("--temperature", type=float, default=1.0)
-    parser.add_argument("--prompts", default="prompts/heldout-mix.jsonl")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    add_prompt_args(parser, max_new_tokens=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output-root", default="checkpoints/drafter-bench")
     parser.add_argument("--overrides", nargs="*", default=[], help="drafter-train overrides for every run")
@@ -175,15 +175,19 @@ def main():
         (out / f"results-{args.verify}.json").write_text(json.dumps(
             {"args": vars(args), "load_avg_end": os.getloadavg(), "training": training, "rows": rows}, indent=2))
     print(f"\nmedians of {args.repeats} runs; load average at the end {os.getloadavg()[0]:.2f}")
-    print("| draft_len | drafter | tau | acceptance | per-position acceptance | drafter ms / proposal | "
-          "verify ms / step | speedup | greedy_match |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        positions = " ".join(f"{a:.2f}" for a in r["per_position_acceptance"])
-        print(f"| {r['draft_len']} | {r['drafter']} | {r['tau']:.2f} | {r['acceptance_rate']:.3f} | {positions} | "
-              f"{r['drafter_ms_per_proposal']:.1f} | {r['verify_ms_per_step']:.1f} | {r['speedup']:.2f} | "
-              f"{'-' if r['greedy_match'] is None else format(r['greedy_match'], '.2f')} |")
-
+    table = [[r["draft_len"], r["drafter"], r["tau"], r["acceptance_rate"],
+              " ".join(f"{a:.2f}" for a in r["per_position_acceptance"]), r["drafter_ms_per_proposal"],
+              r["verify_ms_per_step"], r["speedup"], r["greedy_match"]] for r in rows]
+    print(markdown_table(COLUMNS, table))
+    budget = "feature cache outside the budget" if args.one_off_outside_budget else "feature cache charged"
+    write_result(
+        f"drafters-{args.verify}", title=f"Drafter kinds trained for the same wall clock ({args.verify} verification)",
+        question=f"Trained for {args.budget_min:g} minutes each on the same data, which drafter kind decodes "
+                 "fastest, at which draft length?",
+        command=command_line("drafters"), split=split_name(args.prompts, args.num_prompts),
+        baseline=OUR_BASELINE.format(kernels=cfg.target.cpu_kernels), columns=COLUMNS, rows=table,
+        notes=f"Medians of {args.repeats} interleaved repeats; {args.max_new_tokens} new tokens per prompt; training "
+              f"data {args.data} ({args.response} answers), {budget}; ngram is untrained prompt lookup.")
 
 if __name__ == "__main__":
     main()

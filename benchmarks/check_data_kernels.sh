@@ -5,8 +5,8 @@
 # cache and of the trained drafter's weights, and the row policies "auto" timed. Since passes that make training
 # data run on PyTorch's own kernel (cpu_kernels.stock_kernels), all three are equal across settings.
 #
-#   bash scripts/check_data_kernels.sh                      # OUT=/tmp/data-kernels, settings default auto onednn
-#   OUT=/tmp/dk SETTINGS="auto auto" bash scripts/check_data_kernels.sh   # two runs on auto
+#   bash benchmarks/check_data_kernels.sh                      # OUT=/tmp/data-kernels, settings default auto onednn
+#   OUT=/tmp/dk SETTINGS="auto auto" bash benchmarks/check_data_kernels.sh   # two runs on auto
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}

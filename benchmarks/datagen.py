@@ -1,7 +1,7 @@
 """Benchmark: drafter-datagen's vLLM backend against its HF backend on the same prompts.
 
-    python scripts/bench_datagen.py throughput --vllm-python .venv-vllm/bin/python   # tokens/s and agreement
-    python scripts/bench_datagen.py tau --vllm-python .venv-vllm/bin/python          # drafters trained on each
+    python -m benchmarks.datagen throughput --vllm-python .venv-vllm/bin/python   # tokens/s and agreement
+    python -m benchmarks.datagen tau --vllm-python .venv-vllm/bin/python          # drafters trained on each
 
 throughput: the same training prompts are continued greedily by both backends, `--in-flight` prompts at a time (HF:
 datagen.batch_size; vLLM: datagen.vllm.max_num_seqs, the whole prompt set sent at once), interleaved HF / vLLM
@@ -29,22 +29,22 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+from drafter_train.recipes.cli import compose_config
 
-from drafter_train.recipes.cli import compose_config  # noqa: E402
-
-from drafter_train.data.generation import HFBackend  # noqa: E402
-from drafter_train.data.sources import open_source, select_prompts  # noqa: E402
-from drafter_train.data.vllm_backend import VllmBackend  # noqa: E402
-from drafter_train.drafters.registry import make_drafter  # noqa: E402
-from drafter_train.decoding.speculative import generate_speculative  # noqa: E402
-from drafter_train.decoding.stats import DecodeStats  # noqa: E402
-from drafter_train.decoding.verify import verify_greedy  # noqa: E402
-from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
-from drafter_train.evaluation import divergence_margin  # noqa: E402
-from drafter_train.recipes.evaluate import eos_token_ids  # noqa: E402
-from drafter_train.targets import load_target  # noqa: E402
-from drafter_train.recipes.train import eval_prompt_ids, train  # noqa: E402
+from drafter_train.data.generation import HFBackend
+from drafter_train.data.sources import open_source, select_prompts
+from drafter_train.data.vllm_backend import VllmBackend
+from drafter_train.drafters.registry import make_drafter
+from drafter_train.decoding.speculative import generate_speculative
+from drafter_train.decoding.stats import DecodeStats
+from drafter_train.decoding.verify import verify_greedy
+from drafter_train.drafters.common.loading import load_drafter
+from drafter_train.evaluation import divergence_margin
+from drafter_train.data.store import load_distill_dataset
+from drafter_train.recipes.datagen import Throughput, _pad_id, generate_shard, run_datagen
+from drafter_train.targets import eos_token_ids, load_target
+from drafter_train.data.training_data import eval_prompt_ids
+from drafter_train.recipes.train import train
 
 
 def agreement(target, prompts: list[list[int]], reference: list[list[int]], other: list[list[int]]) -> dict:

@@ -3,12 +3,12 @@
 The verify pass over n tokens costs ~1.5x a 1-token pass at n = 5 on PyTorch's default MKL path, ~1.4x on the
 oneDNN kernel `target.cpu_kernels=auto` picks there (docs/benchmarks.md, "CPU kernels chosen by measurement"). Two
 more kernels, each timed as one SmolLM2 forward over n new tokens after a cached 256-token prefix
-(bench_kernels.forward_ms), interleaved with the default path, medians over repeats:
+(benchmarks.common.forward_ms), interleaved with the default path, medians over repeats:
 - "mkl-packed": MKL's packed GEMM (torch.ops.mkl._mkl_linear) on weights packed once for exactly n rows: the
   weight layout MKL would otherwise repack at every call;
 - "split": the rows cut into MKL calls of at most 3 (the row counts whose kernel streams the weights once).
 
-    python scripts/bench_row_kernels.py --sizes 1 3 4 5 8 9 --repeats 5
+    python -m benchmarks.row_kernels --sizes 1 3 4 5 8 9 --repeats 5
 """
 
 from __future__ import annotations
@@ -17,16 +17,13 @@ import argparse
 import os
 import statistics
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from bench_kernels import forward_ms  # noqa: E402
-from drafter_train.calibrate import machine_info  # noqa: E402
-from drafter_train.config import TargetConfig  # noqa: E402
-from drafter_train.cpu_kernels import use_grouped_attention  # noqa: E402
-from drafter_train.targets import load_target  # noqa: E402
+from benchmarks.common import describe_machine, forward_ms
+from drafter_train.config import TargetConfig
+from drafter_train.cpu_kernels import use_grouped_attention
+from drafter_train.targets import load_target
 
 STOCK = torch.nn.Linear.forward
 
@@ -62,9 +59,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    print(machine_info(torch.device("cpu"), "float32"))
+    print(describe_machine())
     target, _ = load_target(TargetConfig(cpu_kernels="default"))
-    use_grouped_attention(target, "onednn")  # as every setting of bench_kernels.py but `default`
+    use_grouped_attention(target, "onednn")  # as every setting of benchmarks/kernels.py but `default`
     linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
     ms: dict[tuple[str, int], list[float]] = {}
     for n in args.sizes:

@@ -11,7 +11,7 @@ the training prompts. Kinds of about one decoder layer each:
 Prints a markdown table (final train loss, tau, per-position acceptance) and writes <output-root>/results.json.
 tau only: on a 260K-parameter target, wall-clock speedup is meaningless.
 
-    python scripts/bench_stories_eagle3.py --steps 80 300 --output-root /tmp/stories-e3
+    python -m benchmarks.stories_eagle3 --steps 80 300 --output-root /tmp/stories-e3
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import os
 import shutil
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-from drafter_train.recipes.cli import compose_config  # noqa: E402
-from drafter_train.recipes.datagen import run_datagen  # noqa: E402
-from drafter_train.recipes.train import train  # noqa: E402
+from benchmarks.common import read_jsonl
+from drafter_train.recipes.cli import compose_config
+from drafter_train.recipes.datagen import run_datagen
+from drafter_train.recipes.train import train
 
 STEMS = ("Once upon a time", "The little dog", "Lily saw")
 HELD_OUT = ("Tom had a big red ball", "One day, a bird flew", "The sun was hot and", "Sara and Ben went to",
@@ -65,8 +64,7 @@ def run(args, root: Path, data: Path, held_out: Path, kind: str, steps: int) -> 
         "train.batch_size=4", "train.log_every=10", f"train.lr={args.lr}", "train.eval_at_start=false",
         f"loss={args.loss}", f"eval.prompts={held_out}", f"eval.num_prompts={len(HELD_OUT)}",
         "eval.max_new_tokens=32", "eval.draft_len=4", *KINDS[kind]]))
-    rows = [json.loads(line) for line in (root / name / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["train/loss"] for r in rows if "train/loss" in r]
+    losses = [r["train/loss"] for r in read_jsonl(root / name / "metrics.jsonl") if "train/loss" in r]
     return {"kind": kind, "steps": steps, "train_loss": losses[-1], "tau": metrics["tau"],
             "per_position_acceptance": metrics["per_position_acceptance"]}
 

@@ -4,13 +4,13 @@
    search's proxy reads) plus `--confirm-prompts` held-out prompts for the search's confirmation runs.
 2. drafter-train drafter=layerskip: `--trials` TPE trials on SWIFT's proxy, the best `--confirm` decoded for real
    (adaptive draft exit); wall-clock timed.
-3. drafter-eval of the chosen skip set on `--prompts` (default prompts/heldout-mix.jsonl, which neither step saw)
+3. drafter-eval of the chosen skip set on `--prompts` (default heldout-mix, which neither step saw)
    with draft exit adapting gamma from the searched folder's, against plain decoding in the same process.
 
 Prints tau, drafter ms per drafted token, speedup, the search's wall-clock and the chosen skip set, with the load
 average, and writes them to <output-root>/results.json:
 
-    OMP_NUM_THREADS=1 nice -n 10 python scripts/bench_layerskip.py --trials 40 --output-root checkpoints/bench-layerskip
+    OMP_NUM_THREADS=1 nice -n 10 python -m benchmarks.layerskip --trials 40 --output-root checkpoints/bench-layerskip
 """
 
 from __future__ import annotations
@@ -21,12 +21,10 @@ import os
 import time
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-from drafter_train.recipes.cli import compose_config  # noqa: E402
-from drafter_train.recipes.datagen import run_datagen  # noqa: E402
-from drafter_train.recipes.evaluate import run_eval_job  # noqa: E402
-from drafter_train.recipes.train import train  # noqa: E402
+from drafter_train.recipes.cli import compose_config
+from drafter_train.recipes.datagen import run_datagen
+from drafter_train.recipes.evaluate import run_eval_job
+from drafter_train.recipes.train import train
 
 
 def main() -> None:
@@ -38,7 +36,7 @@ def main() -> None:
     parser.add_argument("--draft-len", type=int, default=6)
     parser.add_argument("--search-prompts", type=int, default=8)
     parser.add_argument("--confirm-prompts", type=int, default=3)
-    parser.add_argument("--prompts", default="prompts/heldout-mix.jsonl")
+    parser.add_argument("--prompts", default="heldout-mix")
     parser.add_argument("--num-prompts", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=float, default=0.6, help="draft exit's starting gamma in the search")
@@ -68,7 +66,7 @@ def main() -> None:
         "eval.draft_exit_adapt=true", f"eval.output={root / 'heldout-metrics.json'}"]))
     draft_ms_per_token = metrics["drafter_ms_per_proposal"] / max(metrics["draft_tokens_per_step"], 1e-9)
     results = {
-        "command": f"python scripts/bench_layerskip.py --trials {args.trials} --confirm {args.confirm} --draft-len "
+        "command": f"python -m benchmarks.layerskip --trials {args.trials} --confirm {args.confirm} --draft-len "
                    f"{args.draft_len} --num-prompts {args.num_prompts} --max-new-tokens {args.max_new_tokens}",
         "load_average_end": os.getloadavg(), "torch_threads": metrics["torch_threads"],
         "search_wall_clock_s": search_s, "trials": args.trials,

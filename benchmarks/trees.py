@@ -7,9 +7,9 @@ SpecTr tree under sampling, the calibrated pick), interleaved prompt by prompt s
 For the AR kind, transformers' assisted generation (chains only) runs in the same loop as the reference.
 Per setting: tau, acceptance, speedup over AR (tokens/s ratio on the same prompts), verify ms and drafter ms per step.
 
-    python scripts/bench_trees.py --drafter ar=checkpoints/bench/ar-ce-ref/best/drafter \\
+    python -m benchmarks.trees --drafter ar=checkpoints/bench/ar-ce-ref/best/drafter \\
         --drafter nar=checkpoints/bench/nar-ce-ref/best/drafter --drafter eagle3=/path/to/eagle3/drafter \\
-        --output docs/bench_trees.json --markdown docs/bench_trees.md
+        --output checkpoints/bench/trees.json --markdown checkpoints/bench/trees.md
 """
 
 from __future__ import annotations
@@ -22,22 +22,16 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
 
-import torch  # noqa: E402
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode import ForwardCounter, hf_assisted  # noqa: E402
-
-from drafter_train.calibrate import calibrate  # noqa: E402
-from drafter_train.config import CalibrationConfig, DrafterConfig, EvalConfig, TargetConfig, TreeConfig  # noqa: E402
-from drafter_train.data.prompts import load_prompt_records  # noqa: E402
-from drafter_train.decoding.autoregressive import generate_autoregressive  # noqa: E402
-from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
-from drafter_train.drafters.registry import make_drafter, model_kind  # noqa: E402
-from drafter_train.recipes.evaluate import calibration_decoder  # noqa: E402
-from drafter_train.evaluation import sampling_params, speculative_runner  # noqa: E402
-from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # noqa: E402
+from benchmarks.common import (ForwardCounter, add_prompt_args, command_line, hf_assisted, load_target_and_prompts,
+                               split_name, write_result)
+from drafter_train.calibrate import calibrate
+from drafter_train.config import CalibrationConfig, DrafterConfig, EvalConfig, TargetConfig, TreeConfig
+from drafter_train.decoding.autoregressive import generate_autoregressive
+from drafter_train.drafters.common.loading import load_drafter
+from drafter_train.drafters.registry import make_drafter, model_kind
+from drafter_train.evaluation import calibration_decoder, sampling_params, speculative_runner
 
 
 def settings(args, mode: str, max_depth: int) -> dict[str, EvalConfig]:
@@ -155,15 +149,24 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+TABLE_COLUMNS = ["drafter", "kind", "verify", "setting", "tau", "acceptance", "draft tokens / step", "verify ms",
+                 "drafter ms", "speedup", "identical to AR", "calibrated pick"]
+
+
+def table_rows(report: dict) -> list[list]:
+    """One row per drafter, verification mode and setting (the result file's table)."""
+    return [[e["drafter"], e["kind"], e["mode"], name, *(r.get(k) for k in (
+        "tau", "acceptance_rate", "draft_tokens_per_step", "verify_ms", "drafter_ms", "speedup", "identical_to_ar")),
+        "yes" if name == e["pick"] else ""] for e in report["results"] for name, r in e["rows"].items()]
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--drafter", action="append", required=True, help="name=folder (repeatable)")
     parser.add_argument("--target", default=TargetConfig.path, help="target.path (default: embedded SmolLM2-135M)")
     parser.add_argument("--no-chat-template", action="store_true")
-    parser.add_argument("--prompts", default="prompts/heldout-mix.jsonl")
-    parser.add_argument("--num-prompts", type=int, default=8)
-    parser.add_argument("--calibration-prompts", type=int, default=4)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    add_prompt_args(parser, num_prompts=8)
+    parser.add_argument("--calibration-prompts", type=int, default=4, help="taken after the evaluated prompts")
     parser.add_argument("--modes", nargs="+", default=["greedy", "sample"], choices=["greedy", "sample"])
     parser.add_argument("--chains", nargs="+", type=int, default=[1, 2, 3, 4, 5])
     parser.add_argument("--trees", nargs="+", default=["2x4x8", "4x4x16", "4x6x24", "8x4x32"],
@@ -179,12 +182,10 @@ def main():
     args = parser.parse_args()
     load_before = os.getloadavg()
     target_cfg = TargetConfig(path=args.target, chat_template=not args.no_chat_template)
-    target, tokenizer = load_target(target_cfg)
-    eos = eos_token_ids(target, tokenizer)
-    records = load_prompt_records(args.prompts, args.num_prompts + args.calibration_prompts)
-    ids = [encode_prompt(tokenizer, text, target_cfg.chat_template) for text, _ in records]
+    target, tokenizer, eos, ids, categories = load_target_and_prompts(target_cfg, args.prompts,
+                                                                      args.num_prompts + args.calibration_prompts)
     prompts, cal_prompts = ids[: args.num_prompts], ids[args.num_prompts:]
-    report = {"args": vars(args), "categories": sorted({c for _, c in records[: args.num_prompts] if c}),
+    report = {"args": vars(args), "categories": sorted({c for c in categories[: args.num_prompts] if c}),
               "torch_threads": torch.get_num_threads(), "results": []}
     for spec in args.drafter:
         name, path = spec.split("=", 1)
@@ -220,6 +221,15 @@ def main():
     if args.markdown:
         Path(args.markdown).write_text(text)
     print(text)
+    write_result(
+        "trees", title="Draft chains against draft trees, and the calibrated pick",
+        question="For each drafter kind, do draft trees beat chains, and how close does calibration's pick come to the "
+                 "best measured setting?",
+        command=command_line("trees"), split=split_name(args.prompts, args.num_prompts) + (
+            f"; calibration on the {args.calibration_prompts} prompts after them"),
+        baseline="plain decoding in this project's decoder, interleaved prompt by prompt in the same process",
+        columns=TABLE_COLUMNS, rows=table_rows(report),
+        notes=f"{args.max_new_tokens} new tokens per prompt; sample mode: temperature 1, seed {args.seed}.")
 
 
 if __name__ == "__main__":

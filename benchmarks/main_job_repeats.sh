@@ -4,23 +4,28 @@
 # answers) first (what the job reports), with prompt lookup only first, alone, and the lookups without a drafter
 # (prompt lookup at the job's min_ngram 2, and 1, drafter=ngram's default; with the corpus), on the job's held-out
 # prompts, interleaved REPEATS times; each evaluation runs plain decoding beside it in the same process. Prints the
-# median and range of tau and speedup per decoder, with the load average.
+# median and range of tau and speedup per decoder, with the load average, and writes
+# benchmarks/results/main_job_repeats.json (python -m benchmarks.main_job repeats).
 #
-#   bash scripts/bench_main_job.sh                       # checkpoints/quickstart-smollm2, 3 repeats
-#   RUN=checkpoints/my-run DATA=data/my-data REPEATS=5 NAMES="lookup-alone lookup-alone-n1" bash scripts/bench_main_job.sh
-#   EXTRA="drafter.corpus.min_count=1" OUT=... NAMES=lookups-alone bash scripts/bench_main_job.sh  # overrides for all
-#   NAMES="lookups-alone lookups-then-eagle3-tree" TREE_K=3 TREE_NODES=3 bash scripts/bench_main_job.sh  # trees
-#   KERNELS="default onednn auto" bash scripts/bench_main_job.sh   # each decoder under each target.cpu_kernels,
+#   bash benchmarks/main_job_repeats.sh                       # checkpoints/quickstart-smollm2, 3 repeats
+#   RUN=checkpoints/my-run DATA=data/my-data REPEATS=5 NAMES="lookup-alone lookup-alone-n1" bash benchmarks/main_job_repeats.sh
+#   EXTRA="drafter.corpus.min_count=1" OUT=... NAMES=lookups-alone bash benchmarks/main_job_repeats.sh  # overrides for all
+#   NAMES="lookups-alone lookups-then-eagle3-tree" TREE_K=3 TREE_NODES=3 bash benchmarks/main_job_repeats.sh  # trees
+#   KERNELS="default onednn auto" bash benchmarks/main_job_repeats.sh   # each decoder under each target.cpu_kernels,
 #       interleaved; the table adds each setting's plain-decoding tokens/s and the speculative tokens/s over plain
 #       decoding on PyTorch's default kernels (the stock baseline a user compares with)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+COMMAND="bash benchmarks/main_job_repeats.sh"  # the settings given: what reproduces the table
+for var in KERNELS TREE_NODES TREE_DEPTH TREE_K EXTRA NAMES DRAFT_LEN EVAL_PROMPTS REPEATS DATA RUN; do
+  if [[ -n ${!var:-} ]]; then COMMAND="$var=$(printf %q "${!var}") $COMMAND"; fi
+done
 RUN=${RUN:-checkpoints/quickstart-smollm2}
 DATA=${DATA:-data/quickstart-smollm2}  # the corpus of corpus lookup: the job's training data
 REPEATS=${REPEATS:-3}
 OUT=${OUT:-$RUN/bench-main-job}
-COMMON=(eval.prompts=prompts/heldout-mix.jsonl eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48
+COMMON=(eval.prompts=heldout-mix eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48
         eval.draft_len=${DRAFT_LEN:-2})  # the main job's
 EXIT=(eval.draft_exit=0.5 eval.draft_exit_adapt=true)
 # the *-tree decoders: an EAGLE-2 topk tree (TREE_K children per expanded node, TREE_DEPTH levels, TREE_NODES
@@ -55,27 +60,4 @@ for repeat in $(seq 1 "$REPEATS"); do
     done
   done
 done
-python3 - "$OUT" "${TAGS[@]}" <<'PY'
-import json, os, pathlib, statistics, sys
-out = pathlib.Path(sys.argv[1])
-print(f"load average at the end: {os.getloadavg()}")
-runs = {tag: [json.loads(p.read_text()) for p in sorted(out.glob(f"{tag}-[0-9]*.json"))] for tag in sys.argv[2:]}
-# plain decoding on PyTorch's default kernels, per repeat: the baseline a user has without this project
-stock = {}
-for tag, rs in runs.items():
-    if tag.endswith("@default"):
-        for i, m in enumerate(rs):
-            stock.setdefault(i, []).append(m["ar_tokens_per_s"])
-print("| decoder | tau | speedup (median) | speedup (min-max) | plain tok/s | spec tok/s | over plain on default "
-      "kernels | proposals (lookup's) |")
-print("|---|---|---|---|---|---|---|---|")
-for tag, rs in runs.items():
-    speed = [m["speedup"] for m in rs]
-    over = [m["spec_tokens_per_s"] / statistics.median(stock[i]) for i, m in enumerate(rs) if i in stock]
-    m = rs[0]  # greedy: tau and the proposals are the same in every repeat
-    over = f"{statistics.median(over):.3f}" if over else "-"
-    print(f"| {tag} | {m['tau']:.3f} | {statistics.median(speed):.3f} | {min(speed):.3f}-{max(speed):.3f} | "
-          f"{statistics.median(r['ar_tokens_per_s'] for r in rs):.1f} | "
-          f"{statistics.median(r['spec_tokens_per_s'] for r in rs):.1f} | {over} | "
-          f"{m['proposals']} ({m['lookup_proposals']}) |")
-PY
+python3 -m benchmarks.main_job repeats --out "$OUT" --command "$COMMAND" "${TAGS[@]}"

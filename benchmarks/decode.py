@@ -7,7 +7,7 @@ For each (target, drafter, dtype): every repeat decodes the same prompts with
 interleaved per prompt, and reports medians over repeats of tokens/s, ratios, tau (tokens per target forward,
 counted with a forward hook for HF too) and whether all three outputs are token-identical.
 
-    python scripts/bench_decode.py --targets smollm2 stories260k --dtypes float32 bfloat16 --repeats 3
+    python -m benchmarks.decode --targets smollm2 stories260k --dtypes float32 bfloat16 --repeats 3
 """
 
 from __future__ import annotations
@@ -16,22 +16,19 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
-import time
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
 
-import torch  # noqa: E402
-
-from drafter_train.config import DrafterConfig, TargetConfig  # noqa: E402
-from drafter_train.data.prompts import load_prompts  # noqa: E402
-from drafter_train.decoding.autoregressive import generate_autoregressive  # noqa: E402
-from drafter_train.decoding.drafter import ARDrafter  # noqa: E402
-from drafter_train.decoding.speculative import generate_speculative  # noqa: E402
-from drafter_train.decoding.verify import verify_greedy  # noqa: E402
-from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
-from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # noqa: E402
+from benchmarks.common import ForwardCounter, command_line, hf_assisted, markdown_table, median, timed, write_result
+from drafter_train.config import DrafterConfig, TargetConfig
+from drafter_train.data.prompts import load_prompts
+from drafter_train.decoding.autoregressive import generate_autoregressive
+from drafter_train.decoding.drafter import ARDrafter
+from drafter_train.decoding.speculative import generate_speculative
+from drafter_train.decoding.verify import verify_greedy
+from drafter_train.drafters.common.loading import load_drafter
+from drafter_train.targets import encode_prompt, eos_token_ids, load_target
 
 STORIES = os.environ.get("DRAFTER_TRAIN_STORIES260K", str(Path(__file__).resolve().parents[2] / "shared/models/stories260K"))
 TARGETS = {
@@ -39,38 +36,6 @@ TARGETS = {
     "stories260k": (TargetConfig(path=STORIES, chat_template=False), "truncated:4", "stories"),
 }
 STORY_PROMPTS = ["Once upon a time", "The little dog", "Lily wanted to play", "Tom saw a big", "One day, a girl"]
-
-
-class ForwardCounter:
-    """Counts forward calls of a module (one per target pass, HF's loop included)."""
-
-    def __init__(self, module: torch.nn.Module):
-        self.calls = 0
-        self.handle = module.register_forward_hook(self._hook)
-
-    def _hook(self, *_):
-        self.calls += 1
-
-
-def hf_assisted(target, drafter, prompt, draft_len, max_new_tokens, eos, temperature=0.0):
-    # Same work as ours: a constant draft length and no confidence-based early stop of the drafter.
-    drafter.generation_config.num_assistant_tokens = draft_len
-    drafter.generation_config.num_assistant_tokens_schedule = "constant"
-    drafter.generation_config.assistant_confidence_threshold = 0.0
-    ids = torch.tensor([prompt], device=target.device)
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature else \
-        {"do_sample": False}
-    out = target.generate(
-        ids, attention_mask=torch.ones_like(ids), assistant_model=drafter, max_new_tokens=max_new_tokens,
-        eos_token_id=eos, pad_token_id=eos[0], **sampling,
-    )
-    return out[0, len(prompt):].tolist()
-
-
-def timed(fn):
-    start = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - start
 
 
 def run_repeat(target, drafter, prompts, draft_len, max_new_tokens, eos):
@@ -113,27 +78,20 @@ def bench(target_name, dtype, args):
     with torch.inference_mode():
         run_repeat(target, drafter, prompts[:1], args.draft_len, 8, eos)  # warm-up, untimed
         rows = [run_repeat(target, drafter, prompts, args.draft_len, args.max_new_tokens, eos) for _ in range(args.repeats)]
-    med = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+    med = {key: median(r[key] for r in rows) for key in rows[0]}
     med.update(
         target=target_name, drafter=drafter_path, dtype=dtype, draft_len=args.draft_len,
-        ours_vs_ar=statistics.median(r["ours_tok_s"] / r["ar_tok_s"] for r in rows),
-        hf_vs_ar=statistics.median(r["hf_tok_s"] / r["ar_tok_s"] for r in rows),
-        ours_vs_hf=statistics.median(r["ours_tok_s"] / r["hf_tok_s"] for r in rows),
+        ours_vs_ar=median(r["ours_tok_s"] / r["ar_tok_s"] for r in rows),
+        hf_vs_ar=median(r["hf_tok_s"] / r["ar_tok_s"] for r in rows),
+        ours_vs_hf=median(r["ours_tok_s"] / r["hf_tok_s"] for r in rows),
     )
     return med
 
 
-def markdown(rows):
-    head = ("| target | drafter | dtype | k | AR tok/s | HF assisted tok/s | ours tok/s | ours/AR | HF/AR | ours/HF "
-            "| tau ours | tau HF | identical |")
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
-    for r in rows:
-        lines.append(
-            f"| {r['target']} | {r['drafter']} | {r['dtype']} | {r['draft_len']} | {r['ar_tok_s']:.1f} "
-            f"| {r['hf_tok_s']:.1f} | {r['ours_tok_s']:.1f} | {r['ours_vs_ar']:.2f} | {r['hf_vs_ar']:.2f} "
-            f"| {r['ours_vs_hf']:.2f} | {r['ours_tau']:.2f} | {r['hf_tau']:.2f} | {r['identical']:.2f} |"
-        )
-    return "\n".join(lines)
+COLUMNS = ["target", "drafter", "dtype", "draft_len", "AR tok/s", "HF assisted tok/s", "ours tok/s", "ours/AR",
+           "HF/AR", "ours/HF", "tau ours", "tau HF", "identical"]
+KEYS = ["target", "drafter", "dtype", "draft_len", "ar_tok_s", "hf_tok_s", "ours_tok_s", "ours_vs_ar", "hf_vs_ar",
+        "ours_vs_hf", "ours_tau", "hf_tau", "identical"]
 
 
 def main():
@@ -150,9 +108,18 @@ def main():
     load_before = os.getloadavg()
     rows = [bench(t, d, args) for t in args.targets for d in args.dtypes]
     Path(args.output).write_text(json.dumps({"rows": rows, "args": vars(args)}, indent=2))
-    print(markdown(rows))
+    table = [[r[key] for key in KEYS] for r in rows]
+    print(markdown_table(COLUMNS, table))
     print(f"\nload average before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}; "
           f"torch threads: {torch.get_num_threads()}")
+    write_result(
+        "decode", title="Our speculative decoder against transformers' assisted generation",
+        question="Given the same target and drafter, how fast is this project's decoder against HF assisted "
+                 "generation and plain decoding?",
+        command=command_line("decode"),
+        split=f"{args.num_prompts} built-in prompts (smollm2), story openings (stories260k)",
+        baseline="plain KV-cached decoding in this project's decoder (AR), same process", columns=COLUMNS,
+        rows=table, notes=f"Greedy; medians of {args.repeats} interleaved repeats; {args.max_new_tokens} new tokens.")
 
 
 if __name__ == "__main__":

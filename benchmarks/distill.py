@@ -4,7 +4,7 @@ Trains one drafter per variant with `drafter-train` (in-process, same data, same
 untrained drafter and every variant's `best` checkpoint on the same held-out prompts with the same evaluator, and
 prints a markdown table: tau, acceptance, speedup, greedy_match, training tokens/s.
 
-    python scripts/distill_experiment.py --data data/smollm2-sharegpt --steps 150 --variants all
+    python -m benchmarks.distill --data data/smollm2-sharegpt --steps 150 --variants all
 
 Variants (all on the same cut drafter, draft_len and verification):
   untrained      the cut drafter as is
@@ -19,17 +19,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-from drafter_train.recipes.cli import compose_config  # noqa: E402
-from drafter_train.decoding.drafter import ARDrafter  # noqa: E402
-from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
-from drafter_train.recipes.evaluate import evaluate_decoding  # noqa: E402
-from drafter_train.targets import eos_token_ids, load_target  # noqa: E402
-from drafter_train.recipes.train import eval_prompt_ids, train  # noqa: E402
+from benchmarks.common import median, read_jsonl
+from drafter_train.recipes.cli import compose_config
+from drafter_train.decoding.drafter import ARDrafter
+from drafter_train.drafters.common.loading import load_drafter
+from drafter_train.evaluation import evaluate_decoding
+from drafter_train.targets import eos_token_ids, load_target
+from drafter_train.data.training_data import eval_prompt_ids
+from drafter_train.recipes.train import train
 
 VARIANTS = {
     "ce-reference": ["loss=ce", "train.response=reference"],
@@ -42,9 +41,8 @@ VARIANTS = {
 
 
 def training_tokens_per_s(run_dir: Path) -> float:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rates = [r["train/tokens_per_s"] for r in rows if "train/tokens_per_s" in r]
-    return sorted(rates)[len(rates) // 2] if rates else float("nan")
+    rates = [r["train/tokens_per_s"] for r in read_jsonl(run_dir / "metrics.jsonl") if "train/tokens_per_s" in r]
+    return median(rates) if rates else float("nan")
 
 
 def main():

@@ -1,7 +1,10 @@
 """Serve an exported drafter in vLLM and compare its acceptance with this project's evaluator on the same prompts.
 
-    python scripts/vllm_check.py --run checkpoints/<run> [--which best] [--vllm-python VENV/bin/python]
-    python scripts/vllm_check.py --checkpoint checkpoints/<run>/step-100 --exported exports/my-drafter
+    python -m benchmarks.engine_check --run checkpoints/<run> [--which best] [--vllm-python VENV/bin/python]
+    python -m benchmarks.engine_check --checkpoint checkpoints/<run>/step-100 --exported exports/my-drafter
+
+One tool for every drafter kind with a vLLM export format (EAGLE-3, DFlash, stand-alone AR drafters); any other kind
+is refused in one line before anything runs.
 
 1. Export: `drafter-export export.format=vllm` of the checkpoint (or --exported: a folder exported before). The
    drafter kind decides the format and vLLM's method (DrafterKind.engine_methods["vllm"]): EAGLE-3 -> the
@@ -22,7 +25,8 @@
    token budget: in a request's last step we draft only what fits, vLLM drafts num_speculative_tokens and counts
    drafts accepted past max_tokens (short outputs at high acceptance show it most).
 
-Results: <output>/vllm_check.json (and printed); exit status 1 when they disagree or the speculators check fails.
+Results: <output>/vllm_check.json (and printed; with --result also benchmarks/results/engine_check.json); exit status
+1 when they disagree or the speculators check fails.
 The vLLM environment: scripts/setup_vllm.sh (default $DRAFTER_TRAIN_VLLM_VENV, else .venv-vllm in the repo).
 """
 
@@ -37,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+# Only the standard library at the top: vLLM's interpreter runs this file as a script (--worker), without
+# drafter_train or this package on its path.
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_TOLERANCE = 0.1
 
@@ -180,6 +186,20 @@ def run_vllm(vllm_python: str, request: dict, folder: Path, name: str) -> dict:
     return json.loads((folder / f"{name}_raw.json").read_text())
 
 
+def vllm_method(kind) -> str:
+    """vLLM's speculative method for a drafter kind; exits with one line for a kind vLLM cannot serve from an export
+    (no export.format=vllm: the kind neither writes one nor is a plain causal LM transformers can drive)."""
+    from drafter_train.drafters.registry import all_kinds
+
+    def servable(k) -> bool:
+        return "vllm" in k.engine_methods and (k.hf_assistant or "vllm" in k.export_formats)
+
+    if not servable(kind):
+        sys.exit(f"engine_check: {kind.description} (drafter kind {kind.name}) has no vLLM export format; kinds "
+                 f"with one: {', '.join(k.name for k in all_kinds() if servable(k))}")
+    return kind.engine_methods["vllm"]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
@@ -197,6 +217,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     parser.add_argument("--no-baseline", action="store_true", help="skip vLLM without the drafter (tokens/s)")
     parser.add_argument("--output", default=None, help="folder for the export and results (default: <run>/vllm)")
+    parser.add_argument("--result", action="store_true", help="also write benchmarks/results/engine_check.json")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker)
@@ -207,17 +228,18 @@ def main(argv=None) -> int:
     from drafter_train.data.prompts import load_prompt_records
     from drafter_train.drafters.common.loading import load_drafter
     from drafter_train.drafters.registry import make_drafter
-    from drafter_train.recipes.evaluate import evaluate_decoding
+    from drafter_train.evaluation import evaluate_decoding
     from drafter_train.recipes.export import ExportConfig, export, resolve_checkpoint
     from drafter_train.model_card import read_run_info
     from drafter_train.targets import embedded_folder, encode_prompt, eos_token_ids, load_target
 
-    if not Path(args.vllm_python).is_file():
-        sys.exit(f"vllm_check: no vLLM interpreter at {args.vllm_python} (build one with scripts/setup_vllm.sh, "
-                 "or pass --vllm-python)")
     export_cfg = ExportConfig(run_dir=args.run, checkpoint=args.checkpoint, which=args.which, format="vllm")
     step_dir = resolve_checkpoint(export_cfg)
     info = read_run_info(step_dir)
+    method = vllm_method(info.kind)
+    if not Path(args.vllm_python).is_file():
+        sys.exit(f"engine_check: no vLLM interpreter at {args.vllm_python} (build one with scripts/setup_vllm.sh, "
+                 "or pass --vllm-python)")
     out = Path(args.output or step_dir.parent / "vllm").absolute()
     out.mkdir(parents=True, exist_ok=True)
     drafter_dir = Path(args.exported).absolute() if args.exported else out / "drafter"
@@ -225,7 +247,6 @@ def main(argv=None) -> int:
         export_cfg.output_dir, export_cfg.overwrite = str(drafter_dir), True
         export(export_cfg)
     draft_len = args.draft_len or info.draft_len
-    method = info.kind.engine_methods["vllm"]
     exported_config = json.loads((drafter_dir / "config.json").read_text())
 
     fields = {f.name for f in dataclasses.fields(TargetConfig)}
@@ -279,12 +300,36 @@ def main(argv=None) -> int:
     (out / "vllm_check.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
     ok = result["comparison"]["agree"] and (result["speculators"] is None or result["speculators"]["ok"])
-    print(f"vllm_check: {'AGREE' if ok else 'DISAGREE'}: acceptance length implied by per-position acceptance: "
+    if args.result:
+        write_engine_result(result, args)
+    print(f"engine_check: {'AGREE' if ok else 'DISAGREE'}: acceptance length implied by per-position acceptance: "
           f"ours {ours_acceptance['implied_acceptance_length']:.3f}, vLLM "
           f"{vllm_acceptance['implied_acceptance_length']:.3f} (tolerance {args.tolerance}); measured mean "
           f"acceptance length ours {ours_acceptance['mean_acceptance_length']:.3f}, vLLM "
           f"{vllm_acceptance['mean_acceptance_length']:.3f}")
     return 0 if ok else 1
+
+
+def write_engine_result(result: dict, args) -> None:
+    """benchmarks/results/engine_check.json: our evaluator's acceptance beside vLLM's, and vLLM's own speedup."""
+    from benchmarks.common import command_line, split_name, write_result
+
+    ours, vllm = result["ours"], result["vllm"]
+    rows = [["this project's decoder", ours["implied_acceptance_length"], ours["mean_acceptance_length"],
+             " ".join(f"{a:.2f}" for a in ours["per_position_acceptance"]), ours["speedup"], None],
+            ["vLLM", vllm["implied_acceptance_length"], vllm["mean_acceptance_length"],
+             " ".join(f"{a:.2f}" for a in vllm["per_position_acceptance"]), vllm.get("speedup_sequential"),
+             vllm.get("speedup_batched")]]
+    write_result(
+        "engine_check", title=f"The exported {result['kind']} drafter served by vLLM",
+        question="Does a real serving engine accept the exported drafter's drafts as often as our evaluator does?",
+        command=command_line("engine_check"), split=split_name(args.prompts, result["num_prompts"]),
+        baseline="each decoder's own plain decoding (ours: this project's decoder; vLLM: the engine without the "
+                 "drafter, one prompt at a time and batched)",
+        columns=["decoder", "acceptance length (implied)", "mean acceptance length", "per-position acceptance",
+                 "speedup (one prompt at a time)", "speedup (batched)"], rows=rows,
+        notes=f"vLLM method {result['method']}, draft_len {result['draft_len']}, greedy, {result['max_new_tokens']} "
+              f"new tokens per prompt; agree within {args.tolerance}: {result['comparison']['agree']}.")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ of two sibling drafts (top 2), without the decoder's timing or the lookups. Thre
 - held-out mix: the evaluation prompts (8 task categories), answered greedily, also per category.
 Prints a markdown table and writes --output (JSON).
 
-    python scripts/bench_drafter_fit.py --drafter checkpoints/quickstart-smollm2/latest/drafter \
+    python -m benchmarks.drafter_fit --drafter checkpoints/quickstart-smollm2/latest/drafter \
         --data data/quickstart-smollm2
 """
 
@@ -17,22 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import datasets
+import torch
 
-import datasets  # noqa: E402
-import torch  # noqa: E402
-
-from drafter_train import draft_vocab  # noqa: E402
-from drafter_train.config import TargetConfig  # noqa: E402
-from drafter_train.data.prompts import load_prompt_records  # noqa: E402
-from drafter_train.decoding.autoregressive import generate_autoregressive  # noqa: E402
-from drafter_train.drafters.eagle3 import model as eagle3  # noqa: E402
-from drafter_train.features import FeatureTap  # noqa: E402
-from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # noqa: E402
+from drafter_train import draft_vocab
+from drafter_train.config import TargetConfig
+from drafter_train.data.prompts import load_prompt_records
+from drafter_train.decoding.autoregressive import generate_autoregressive
+from drafter_train.drafters.eagle3 import model as eagle3
+from drafter_train.features import FeatureTap
+from drafter_train.targets import encode_prompt, eos_token_ids, load_target
 
 
 @torch.no_grad()
@@ -63,7 +60,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--drafter", required=True, help="an EAGLE-3 drafter folder")
     parser.add_argument("--data", required=True, help="its drafter-datagen folder (shards/, eval_prompts.jsonl)")
-    parser.add_argument("--prompts", default="prompts/heldout-mix.jsonl")
+    parser.add_argument("--prompts", default="heldout-mix")
     parser.add_argument("--mix-prompts", type=int, default=16)
     parser.add_argument("--train-rows", type=int, default=16)
     parser.add_argument("--train-tokens", type=int, default=96, help="response tokens scored per training row")

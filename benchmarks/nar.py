@@ -6,7 +6,7 @@ both are evaluated with the same evaluator on the same held-out prompts, interle
 acceptance, drafter milliseconds per proposal and speedup over plain AR decoding measured in the same run; medians
 are printed as a markdown table and stored in <output-root>/results.json.
 
-    python scripts/bench_nar.py --data data/smollm2-sharegpt --steps 180 --draft-lens 2 4 8
+    python -m benchmarks.nar --data data/smollm2-sharegpt --steps 180 --draft-lens 2 4 8
 """
 
 from __future__ import annotations
@@ -19,14 +19,13 @@ import statistics
 import time
 from pathlib import Path
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-from drafter_train.recipes.cli import compose_config  # noqa: E402
-from drafter_train.drafters.registry import make_drafter  # noqa: E402
-from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
-from drafter_train.recipes.evaluate import evaluate_decoding  # noqa: E402
-from drafter_train.targets import eos_token_ids, load_target  # noqa: E402
-from drafter_train.recipes.train import eval_prompt_ids, train  # noqa: E402
+from drafter_train.recipes.cli import compose_config
+from drafter_train.drafters.registry import make_drafter
+from drafter_train.drafters.common.loading import load_drafter
+from drafter_train.evaluation import evaluate_decoding
+from drafter_train.targets import eos_token_ids, load_target
+from drafter_train.data.training_data import eval_prompt_ids
+from drafter_train.recipes.train import train
 
 
 def parameter_count(model) -> int:

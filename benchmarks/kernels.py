@@ -11,7 +11,7 @@ target.cpu_kernels=auto, the default).
 3. With --profile N...: where a forward over N new tokens spends its time (torch.profiler, self CPU time per op):
    Linear layers, attention, and everything else, per setting.
 
-    python scripts/bench_kernels.py --drafters ngram checkpoints/RUN/best/drafter --repeats 3
+    python -m benchmarks.kernels --drafters ngram checkpoints/RUN/best/drafter --repeats 3
 """
 
 from __future__ import annotations
@@ -20,22 +20,19 @@ import argparse
 import json
 import os
 import statistics
-import time
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
 
-import torch  # noqa: E402
-from transformers import DynamicCache  # noqa: E402
-
-from drafter_train.calibrate import machine_info  # noqa: E402
-from drafter_train.config import DrafterConfig, EvalConfig, TargetConfig  # noqa: E402
+from benchmarks.common import add_prompt_args, command_line, forward_ms, split_name, write_result
+from drafter_train.calibrate import machine_info
+from drafter_train.config import DrafterConfig, EvalConfig, TargetConfig
+from drafter_train.cpu_kernels import row_policy, use_grouped_attention
+from drafter_train.data.prompts import load_prompt_records
+from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.drafters.ngram.config import NgramDrafterConfig
-from drafter_train.cpu_kernels import row_policy, use_grouped_attention  # noqa: E402
-from drafter_train.data.prompts import load_prompt_records  # noqa: E402
-from drafter_train.drafters.common.loading import load_drafter  # noqa: E402
-from drafter_train.drafters.registry import make_drafter  # noqa: E402
-from drafter_train.recipes.evaluate import evaluate_decoding  # noqa: E402
-from drafter_train.targets import encode_prompt, eos_token_ids, load_target  # noqa: E402
+from drafter_train.drafters.registry import make_drafter
+from drafter_train.evaluation import evaluate_decoding
+from drafter_train.targets import encode_prompt, eos_token_ids, load_target
 
 SIZES = (1, 2, 3, 5, 9, 17)
 # setting -> (target.cpu_kernels, grouped attention)
@@ -46,26 +43,6 @@ SETTINGS = {"default": ("default", False), "onednn-linears": ("onednn", False), 
 # profiler op names -> the part of a forward they belong to (self time; anything else is "other")
 OP_PARTS = {"linear": ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::bmm"),
             "attention": ("scaled_dot_product", "flash_attention")}
-
-
-@torch.inference_mode()
-def forward_ms(target, n: int, prefix: int = 256, seed: int = 0, profiler=None) -> float:
-    """One forward over n new tokens after a cached prefix of random tokens, milliseconds (only that forward runs
-    inside `profiler`, a torch.profiler.profile, when given)."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = target.get_input_embeddings().num_embeddings
-    cache = DynamicCache(config=target.config)
-    target(input_ids=torch.randint(0, vocab, (1, prefix), generator=gen), past_key_values=cache, use_cache=True,
-           logits_to_keep=1)
-    ids = torch.randint(0, vocab, (1, n), generator=gen)
-    if profiler is not None:
-        profiler.start()
-    start = time.perf_counter()
-    target(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=n)
-    elapsed = (time.perf_counter() - start) * 1000
-    if profiler is not None:
-        profiler.stop()
-    return elapsed
 
 
 def time_split(target, n: int, passes: int = 5) -> dict:
@@ -95,9 +72,7 @@ def main():
     parser.add_argument("--drafters", nargs="*", default=["ngram"], help='"ngram" or a saved drafter folder')
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--curve-repeats", type=int, default=15, help="forwards per size and repeat")
-    parser.add_argument("--prompts", default="prompts/heldout-mix.jsonl")
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    add_prompt_args(parser)
     parser.add_argument("--draft-len", type=int, default=4)
     parser.add_argument("--eval", nargs="*", default=[], help="EvalConfig fields as key=value (e.g. draft_exit=0.5)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
@@ -162,6 +137,26 @@ def main():
     result["load_avg_end"] = os.getloadavg()
     with open(args.output, "w") as f:
         json.dump(result, f, indent=2)
+    write_result(
+        "kernels", title="CPU kernels: PyTorch's defaults against target.cpu_kernels",
+        question="How much do the project's CPU kernel choices flatten the verify-cost curve and speed decoding up?",
+        command=command_line("kernels"), split=split_name(args.prompts, args.num_prompts),
+        baseline="plain decoding in this project's decoder with the SAME kernels, same process; 'verify n / 1': a "
+                 "forward over n new tokens after a cached 256-token prefix against a 1-token one",
+        columns=KERNEL_COLUMNS, rows=kernel_rows(result), machine={**result["machine"], "load_average":
+                                                                   [round(x, 2) for x in result["load_avg_end"]]},
+        notes=f"Medians of {args.repeats} interleaved repeats; draft_len {args.draft_len}, "
+              f"{args.max_new_tokens} new tokens per prompt.")
+
+
+KERNEL_COLUMNS = ["drafter", "kernels", "tau", "speedup", "plain tok/s", "verify 3 / 1", "verify 5 / 1",
+                  "verify 9 / 1"]
+
+
+def kernel_rows(result: dict) -> list[list]:
+    """Per drafter and setting: tau, speedup and plain tokens/s, with the setting's verify-cost ratios."""
+    return [[row["drafter"], row["kernels"], row["tau"], row["speedup"], row["ar_tokens_per_s"],
+             *(result["curve"][row["kernels"]][f"x{n}"] for n in (3, 5, 9))] for row in result["decoding"]]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,137 @@
+"""The main job's figures (scripts/quickstart.sh), as a table and as result files.
+
+    python -m benchmarks.main_job summarize --run checkpoints/quickstart-smollm2 --draft-len 2
+    python -m benchmarks.main_job repeats --out checkpoints/quickstart-smollm2/bench-main-job TAG...
+
+summarize: the quickstart's final table: each checkpoint evaluation of the run (metrics.jsonl: lookups first, then
+the EAGLE-3 drafter's siblings) and the three evaluations the quickstart runs after training (drafter-alone.json,
+prompt-lookup.json, corpus-lookup.json: where the gain comes from); writes benchmarks/results/main_job.json.
+repeats: the table of benchmarks/main_job_repeats.sh (the same decoders evaluated several times, interleaved:
+medians and ranges); writes benchmarks/results/main_job_repeats.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Optional, Sequence
+
+from benchmarks.common import (DEV_NOTE, OUR_BASELINE, RESULTS_DIR, evaluation_split, load_average, markdown_table,
+                               median, read_jsonl, write_result)
+
+PRODUCT = "lookups, then EAGLE-3 (the product)"
+# the quickstart's evaluations after training: file name -> label
+BASELINES = (("drafter-alone", "EAGLE-3 alone (final checkpoint)"),
+             ("prompt-lookup", "prompt lookup alone (no training)"),
+             ("corpus-lookup", "prompt + corpus lookup (no drafter)"))
+SUMMARY_COLUMNS = ["decoder", "step", "tau", "acceptance", "speedup"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# summarize: the quickstart's table
+
+
+def summary_rows(run: Path) -> list[list]:
+    """[decoder, step, tau, acceptance, speedup] per checkpoint evaluation, then per evaluation after training."""
+    rows = [[PRODUCT, r["step"], r["eval/tau"], r["eval/acceptance_rate"], r["eval/speedup"]]
+            for r in read_jsonl(run / "metrics.jsonl") if "eval/tau" in r]
+    for name, label in BASELINES:
+        m = json.loads((run / f"{name}.json").read_text())
+        rows.append([label, None, m["tau"], m["acceptance_rate"], m["speedup"]])
+    return rows
+
+
+def summary_text(rows: list[list], draft_len: int) -> str:
+    """The table the quickstart prints at its end (its columns and spacing are what users have seen since)."""
+    lines = [f"\nheld-out prompts (8 task categories), greedy, {draft_len} drafts per pass (the drafter's as siblings)",
+             "                                         step   tau    acceptance  speedup"]
+    for label, step, tau, acceptance, speedup in rows:
+        if step is not None:
+            lines.append(f"{label:<41}{step:>4}  {tau:.3f}  {acceptance:.3f}       {speedup:.3f}")
+        else:
+            lines.append(f"{label:<40}        {tau:.3f}  {acceptance:.3f}       {speedup:.3f}")
+    return "\n".join(lines)
+
+
+def summarize(args) -> None:
+    run = Path(args.run)
+    rows = summary_rows(run)
+    print(summary_text(rows, args.draft_len))
+    last = json.loads((run / "corpus-lookup.json").read_text())  # evaluated last, with the job's eval settings
+    config = last.get("config", {})
+    new_tokens = config.get("eval", {}).get("max_new_tokens", 48)
+    write_result(
+        "main_job", results_dir=Path(args.results_dir), command=args.command, columns=SUMMARY_COLUMNS, rows=rows,
+        title="The main job: EAGLE-3 behind prompt and corpus lookup on SmolLM2-135M",
+        question="How much faster than plain decoding does the quickstart's product decode, and where does the gain "
+                 "come from?", split=evaluation_split(last, args.num_prompts), machine=last.get("machine"),
+        baseline=OUR_BASELINE.format(kernels=config.get("target", {}).get("cpu_kernels", "auto")),
+        notes=f"Greedy, {args.draft_len} drafts per verify pass (the drafter's as siblings), {new_tokens} new tokens "
+              "per prompt; one evaluation each, not repeated. " + DEV_NOTE)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# repeats: benchmarks/main_job_repeats.sh's table
+
+REPEATS_COLUMNS = ["decoder", "tau", "speedup (median)", "speedup (min)", "speedup (max)", "plain tok/s",
+                   "spec tok/s", "over plain on default kernels", "proposals", "lookup's proposals"]
+
+
+def repeats_rows(out: Path, tags: Sequence[str]) -> list[list]:
+    """Per decoder tag, over its repeated evaluations <out>/<tag>-<repeat>.json: medians and ranges."""
+    runs = {tag: [json.loads(p.read_text()) for p in sorted(out.glob(f"{tag}-[0-9]*.json"))] for tag in tags}
+    # plain decoding on PyTorch's default kernels, per repeat: the baseline a user has without this project
+    stock: dict[int, list[float]] = {}
+    for tag, rs in runs.items():
+        if tag.endswith("@default"):
+            for i, m in enumerate(rs):
+                stock.setdefault(i, []).append(m["ar_tokens_per_s"])
+    rows = []
+    for tag, rs in runs.items():
+        speed = [m["speedup"] for m in rs]
+        over = [m["spec_tokens_per_s"] / median(stock[i]) for i, m in enumerate(rs) if i in stock]
+        m = rs[0]  # greedy: tau and the proposals are the same in every repeat
+        rows.append([tag, m["tau"], median(speed), min(speed), max(speed),
+                     median(r["ar_tokens_per_s"] for r in rs), median(r["spec_tokens_per_s"] for r in rs),
+                     median(over) if over else None, m["proposals"], m["lookup_proposals"]])
+    return rows
+
+
+def repeats(args) -> None:
+    out = Path(args.out)
+    rows = repeats_rows(out, args.tags)
+    print(f"load average at the end: {load_average():.2f}")
+    print(markdown_table(REPEATS_COLUMNS, rows))
+    first = json.loads(next(out.glob(f"{args.tags[0]}-[0-9]*.json")).read_text())
+    write_result(
+        "main_job_repeats", results_dir=Path(args.results_dir), command=args.command, split=evaluation_split(first),
+        title="The main job's decoders, repeated",
+        question="How do the main job's drafter and lookups compare, each alone and combined, over repeated "
+                 "interleaved evaluations?",
+        baseline=OUR_BASELINE.format(kernels="of each row's setting") + "; 'over plain on default kernels': plain "
+                 "decoding on PyTorch's stock kernels (target.cpu_kernels=default)",
+        columns=REPEATS_COLUMNS, rows=rows, machine=first.get("machine"),
+        notes=f"{len(list(out.glob(f'{args.tags[0]}-[0-9]*.json')))} repeats per decoder. " + DEV_NOTE)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    one = sub.add_parser("summarize", help="the quickstart's final table (and benchmarks/results/main_job.json)")
+    one.add_argument("--run", required=True, help="the run folder, checkpoints/<run>")
+    one.add_argument("--draft-len", type=int, default=2, help="the job's eval.draft_len (for the heading)")
+    one.add_argument("--num-prompts", type=int, default=16, help="the job's eval.num_prompts, if the JSONs lack it")
+    one.add_argument("--command", default="bash scripts/quickstart.sh", help="the command that made the run")
+    many = sub.add_parser("repeats", help="benchmarks/main_job_repeats.sh's table")
+    many.add_argument("--out", required=True, help="the folder of <tag>-<repeat>.json evaluations")
+    many.add_argument("--command", default="bash benchmarks/main_job_repeats.sh")
+    many.add_argument("tags", nargs="+")
+    for p in (one, many):
+        p.add_argument("--results-dir", default=str(RESULTS_DIR), help="where the result file goes")
+    args = parser.parse_args(argv)
+    (summarize if args.mode == "summarize" else repeats)(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""benchmarks/: the main job's summary (the quickstart's final table and its result file) and the generation of
+docs/results.md and README.md's results block from result files. Made-up numbers, no model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import main_job, make_results
+from benchmarks.common import write_result
+
+MACHINE = {"cpu": "Test CPU", "torch_threads": 2, "load_average": [1.5, 1.0, 0.5]}
+
+
+def fake_run(root):
+    """A run folder as the quickstart leaves it: two checkpoint evaluations and the three evaluations after."""
+    run = root / "checkpoints" / "quick"
+    run.mkdir(parents=True)
+    rows = [{"step": 10, "train/loss": 3.0},
+            {"step": 300, "eval/tau": 1.25, "eval/acceptance_rate": 0.125, "eval/speedup": 1.0625},
+            {"step": 600, "eval/tau": 1.5, "eval/acceptance_rate": 0.25, "eval/speedup": 1.125}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    config = {"eval": {"prompts": "heldout-mix", "num_prompts": 16, "max_new_tokens": 48},
+              "target": {"cpu_kernels": "auto"}}
+    for name, tau in (("drafter-alone", 1.1), ("prompt-lookup", 1.2), ("corpus-lookup", 1.3)):
+        (run / f"{name}.json").write_text(json.dumps({"tau": tau, "acceptance_rate": tau - 1, "speedup": tau - 0.05,
+                                                      "machine": MACHINE, "config": config}))
+    return run
+
+
+def test_main_job_summary_prints_the_quickstart_table_and_writes_its_result_file(tmp_path, capsys):
+    run = fake_run(tmp_path)
+    main_job.main(["summarize", "--run", str(run), "--draft-len", "2", "--results-dir", str(tmp_path / "results")])
+    assert capsys.readouterr().out == (
+        "\nheld-out prompts (8 task categories), greedy, 2 drafts per pass (the drafter's as siblings)\n"
+        "                                         step   tau    acceptance  speedup\n"
+        "lookups, then EAGLE-3 (the product)       300  1.250  0.125       1.062\n"
+        "lookups, then EAGLE-3 (the product)       600  1.500  0.250       1.125\n"
+        "EAGLE-3 alone (final checkpoint)                1.100  0.100       1.050\n"
+        "prompt lookup alone (no training)               1.200  0.200       1.150\n"
+        "prompt + corpus lookup (no drafter)             1.300  0.300       1.250\n")
+    result = json.loads((tmp_path / "results" / "main_job.json").read_text())
+    assert result["columns"] == ["decoder", "step", "tau", "acceptance", "speedup"]
+    assert result["rows"][1] == ["lookups, then EAGLE-3 (the product)", 600, 1.5, 0.25, 1.125]
+    assert result["rows"][2] == ["EAGLE-3 alone (final checkpoint)", None, 1.1, pytest.approx(0.1), pytest.approx(1.05)]
+    assert len(result["rows"]) == 5
+    assert result["split"].startswith("heldout-mix, first 16 prompts (dev)")
+    assert "plain decoding" in result["baseline"] and "cpu_kernels=auto" in result["baseline"]
+    assert "choose" in result["notes"]  # says that the dev prompts also chose the recipes
+    assert result["command"] == "bash scripts/quickstart.sh" and result["machine"] == MACHINE
+    assert result["title"] and result["question"] and result["date"]
+
+
+def fake_result(results, name, title, rows):
+    write_result(name, title=title, question=f"What does {name} show?", command=f"python -m benchmarks.{name}",
+                 split="heldout-mix, first 4 prompts (dev)", baseline="plain decoding", columns=["decoder", "speedup"],
+                 rows=rows, machine=MACHINE, results_dir=results)
+
+
+def test_make_results_writes_every_table_and_replaces_only_the_readme_block(tmp_path, capsys):
+    results, docs, readme = tmp_path / "results", tmp_path / "docs" / "results.md", tmp_path / "README.md"
+    fake_result(results, "kernels", "Kernels", [["default", 1.0], ["auto", 1.25]])
+    fake_result(results, "main_job", "The main job", [["product", 1.125]])
+    readme.write_text("# Project\nintro\n<!-- results:start -->\nold table\n<!-- results:end -->\nafter\n")
+    args = ["--results-dir", str(results), "--docs", str(docs), "--readme", str(readme)]
+
+    assert make_results.main([*args, "--check"]) == 1  # nothing generated yet
+    assert not docs.exists()
+    assert make_results.main(args) == 0
+    assert make_results.main([*args, "--check"]) == 0
+
+    page = docs.read_text()
+    assert "do not edit by hand" in page and "lab-notes/benchmarks.md" in page
+    assert page.index("## The main job") < page.index("## Kernels")  # the headline first
+    assert "| decoder | speedup |\n|---|---|\n| default | 1.000 |\n| auto | 1.250 |" in page
+    assert "| product | 1.125 |" in page
+    assert "`python -m benchmarks.kernels`" in page and "Test CPU, 2 torch threads" in page
+    text = readme.read_text()
+    assert text.startswith("# Project\nintro\n<!-- results:start -->\n") and text.endswith(
+        "<!-- results:end -->\nafter\n")
+    assert "old table" not in text and "| product | 1.125 |" in text and "| auto |" not in text
+    assert "heldout-mix, first 4 prompts (dev)" in text
+
+    fake_result(results, "main_job", "The main job", [["product", 1.5]])
+    assert make_results.main([*args, "--check"]) == 1  # a new result: both files are stale
+    assert "README.md is out of date" in capsys.readouterr().out
+
+
+def test_make_results_leaves_a_readme_without_markers_alone(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# Project\nno markers\n")
+    fake_result(tmp_path / "results", "main_job", "The main job", [["product", 1.125]])
+    make_results.main(["--results-dir", str(tmp_path / "results"), "--docs", str(tmp_path / "results.md"),
+                       "--readme", str(readme)])
+    assert readme.read_text() == "# Project\nno markers\n"
+    assert "| product | 1.125 |" in (tmp_path / "results.md").read_text()
+
+
+def test_engine_check_serves_every_kind_with_a_vllm_export_and_refuses_the_others_in_one_line():
+    from benchmarks.engine_check import vllm_method
+    from drafter_train.drafters.registry import all_kinds, get_kind
+
+    assert {k: vllm_method(get_kind(k)) for k in ("eagle3", "dflash", "ar")} == {
+        "eagle3": "eagle3", "dflash": "dflash", "ar": "draft_model"}
+    for kind in all_kinds():
+        if kind.name in ("eagle3", "dflash", "ar"):
+            continue
+        with pytest.raises(SystemExit) as refused:
+            vllm_method(kind)
+        message = str(refused.value)
+        assert "\n" not in message and f"drafter kind {kind.name}" in message, message
+        assert "has no vLLM export format; kinds with one: " in message and "eagle3" in message
