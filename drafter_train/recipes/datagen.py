@@ -55,11 +55,11 @@ class Throughput:
 def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     """Generate (or finish generating) the dataset named by ``cfg``; returns the output folder."""
     dg = cfg.datagen
-    check_inputs(cfg)
     store = DatagenStore.open(dg.output_dir)  # an unwritable folder fails before the target is loaded
     settings = data_settings(cfg)
     store.check_settings(settings)
     pairs = open_source(dg)  # a missing or empty prompt file fails here, also before the target
+    check_inputs(cfg)  # the target's path, before it loads
     backend = open_backend(cfg)
     selection = select_prompts(pairs, backend.tokenizer, dg, cfg.target.chat_template)
     settings["prompts"]["sha256"] = selection.fingerprint()
