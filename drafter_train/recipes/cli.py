@@ -6,8 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -15,10 +14,8 @@ from omegaconf import OmegaConf
 
 from drafter_train.config import (CONF_DIR, DatagenJobConfig, DrafterConfig, EvalJobConfig, ExportJobConfig,
                                   ReportJobConfig, TrainJobConfig)
-from drafter_train.data.prompts import check_prompt_file
-from drafter_train.drafters.registry import all_kinds, is_saved_drafter
-from drafter_train.errors import ConfigError, DrafterTrainError, ModelNotFoundError
-from drafter_train.targets import check_model_path
+from drafter_train.drafters.registry import all_kinds
+from drafter_train.errors import DrafterTrainError
 
 
 @contextlib.contextmanager
@@ -43,43 +40,6 @@ def on_main_process() -> bool:
 def main_process_only(value, elsewhere=None):
     """Hydra resolver `${main_process_only:VALUE[,ELSEWHERE]}`: VALUE on the main process, ELSEWHERE on other ranks."""
     return value if on_main_process() else elsewhere
-
-
-def check_inputs(cfg) -> None:
-    """Every path a job config names, and what can be checked of it without a model, before anything loads: a
-    mistyped path is one line at once, not after minutes of loading the target and timing its kernels."""
-    target, drafter = getattr(cfg, "target", None), getattr(cfg, "drafter", None)
-    if target is not None:
-        _named("target.path", lambda: check_model_path(target.path, target.gguf_file))
-    if drafter is not None and is_saved_drafter(drafter.path):
-        _named("drafter.path", lambda: check_model_path(drafter.path))
-    for option, folder in _data_folders(cfg):
-        if folder and not Path(folder).expanduser().is_dir():
-            raise ConfigError(f"{option}: {folder}: no such folder")
-    for option, prompts in (("eval", getattr(getattr(cfg, "eval", None), "prompts", None)),
-                            ("datagen", getattr(getattr(cfg, "datagen", None), "prompts", None))):
-        if prompts and (Path(prompts).suffix or Path(prompts).expanduser().is_absolute()):  # a file, not a hub id
-            check_prompt_file(prompts, option)
-
-
-def _named(option: str, check) -> None:
-    """Run `check`, naming the option in its one-line error."""
-    try:
-        check()
-    except ModelNotFoundError as err:
-        raise ModelNotFoundError(f"{option}: {err}") from None
-
-
-def _data_folders(cfg) -> list[tuple[str, Optional[str]]]:
-    folders = []
-    if hasattr(cfg, "train"):
-        folders.append(("train.data_dir", cfg.train.data_dir))
-    if hasattr(cfg, "eval"):
-        folders.append(("eval.lookup.corpus.path", cfg.eval.lookup.corpus.path))
-    corpus = getattr(getattr(cfg, "drafter", None), "corpus", None)
-    if corpus is not None:
-        folders.append(("drafter.corpus.path", corpus.path))
-    return folders
 
 
 def register_configs() -> None:

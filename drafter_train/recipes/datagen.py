@@ -23,7 +23,8 @@ from transformers import PreTrainedTokenizerBase
 
 from drafter_train.config import CONF_DIR, DatagenConfig, DatagenJobConfig
 from drafter_train.recipes.cli import register_configs
-from drafter_train.recipes.cli import check_inputs, one_line_errors
+from drafter_train.preflight import check_inputs
+from drafter_train.recipes.cli import one_line_errors
 from drafter_train.data.generation import Continuation, HFBackend
 from drafter_train.data.sources import Selection, TrainPrompt, open_source, select_prompts, source_name
 from drafter_train.data.store import (FORMAT, DatagenStore, features, load_distill_dataset, load_eval_prompts, shard_name,

@@ -21,7 +21,8 @@ from drafter_train.evaluation import calibration_decoder, check_decoder, evaluat
 from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig
 from drafter_train.recipes.cli import register_configs
 from drafter_train.cpu_kernels import row_policy
-from drafter_train.recipes.cli import check_inputs, one_line_errors
+from drafter_train.preflight import check_inputs
+from drafter_train.recipes.cli import one_line_errors
 from drafter_train.data.prompts import load_prompt_records
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus

@@ -21,7 +21,8 @@ from drafter_train.checkpoint import (
     partial_checkpoint, resume_checkpoint, save_checkpoint, save_run_config, set_rng_state, start_checkpoint,
 )
 from drafter_train.config import CONF_DIR, TrainJobConfig
-from drafter_train.recipes.cli import check_inputs, on_main_process, one_line_errors, register_configs
+from drafter_train.preflight import check_inputs
+from drafter_train.recipes.cli import on_main_process, one_line_errors, register_configs
 from drafter_train.data.batches import BatchStream, collate, token_counts
 from drafter_train.data.training_data import eval_prompt_ids, load_training_data
 from drafter_train.distributed import (
@@ -108,10 +109,10 @@ def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJo
 def train(cfg: TrainJobConfig) -> dict:
     """Train a drafter as configured; returns the last checkpoint's metrics (evaluated on the main process: other ranks
     may get {})."""
-    check_inputs(cfg)
     fit = resolve_kind(cfg.drafter).fit
     if fit is not None:  # a kind trained otherwise than by gradient descent (layerskip: a search)
         return fit(cfg)
+    check_inputs(cfg)
     tcfg = cfg.train
     run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
     config = OmegaConf.to_container(OmegaConf.structured(cfg))  # plain dict: saved, compared, tracked

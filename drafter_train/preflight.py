@@ -1,0 +1,50 @@
+"""Checks of a job config that need no model: every path it names, before anything loads, so a mistyped path is one
+line at once, not after minutes of loading the target and timing its kernels. The entry points call `check_inputs`
+first; a kind with its own training procedure (layer-skip's search) calls it after checking its own settings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from drafter_train.data.prompts import check_prompt_file
+from drafter_train.drafters.registry import is_saved_drafter
+from drafter_train.errors import ConfigError, ModelNotFoundError
+from drafter_train.targets import check_model_path
+
+
+def check_inputs(cfg) -> None:
+    """Every path a job config names, and what can be checked of it without a model, before anything loads: a
+    mistyped path is one line at once, not after minutes of loading the target and timing its kernels."""
+    target, drafter = getattr(cfg, "target", None), getattr(cfg, "drafter", None)
+    if target is not None:
+        _named("target.path", lambda: check_model_path(target.path, target.gguf_file))
+    if drafter is not None and is_saved_drafter(drafter.path):
+        _named("drafter.path", lambda: check_model_path(drafter.path))
+    for option, folder in _data_folders(cfg):
+        if folder and not Path(folder).expanduser().is_dir():
+            raise ConfigError(f"{option}: {folder}: no such folder")
+    for option, prompts in (("eval", getattr(getattr(cfg, "eval", None), "prompts", None)),
+                            ("datagen", getattr(getattr(cfg, "datagen", None), "prompts", None))):
+        if prompts and (Path(prompts).suffix or Path(prompts).expanduser().is_absolute()):  # a file, not a hub id
+            check_prompt_file(prompts, option)
+
+
+def _named(option: str, check) -> None:
+    """Run `check`, naming the option in its one-line error."""
+    try:
+        check()
+    except ModelNotFoundError as err:
+        raise ModelNotFoundError(f"{option}: {err}") from None
+
+
+def _data_folders(cfg) -> list[tuple[str, Optional[str]]]:
+    folders = []
+    if hasattr(cfg, "train"):
+        folders.append(("train.data_dir", cfg.train.data_dir))
+    if hasattr(cfg, "eval"):
+        folders.append(("eval.lookup.corpus.path", cfg.eval.lookup.corpus.path))
+    corpus = getattr(getattr(cfg, "drafter", None), "corpus", None)
+    if corpus is not None:
+        folders.append(("drafter.corpus.path", corpus.path))
+    return folders
