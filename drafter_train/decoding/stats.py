@@ -99,6 +99,10 @@ class DecodeStats:
             "tau": self.tau,
             "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance": self.per_position_acceptance,
+            # per_position_acceptance's denominators: verify steps that tested draft position i (0: never tested,
+            # and the acceptance there reads 0.0), and the deepest position any step tested.
+            "per_position_tested": list(self.reached),
+            "deepest_tested_position": max((i + 1 for i, r in enumerate(self.reached) if r), default=0),
             "target_forward_passes": self.target_forward_passes,
             "tokens_generated": self.tokens_generated,
             "proposed_draft_tokens": self.proposed,
