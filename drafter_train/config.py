@@ -243,7 +243,8 @@ class EvalConfig:
     # Prompt lookup first, the drafter where nothing matches (chains, and topk trees: there the lookup proposes a
     # chain of up to eval.tree.total_tokens drafts).
     lookup: LookupConfig = field(default_factory=LookupConfig)
-    # Sampling temperature for verify=sample (applied identically to target and drafter).
+    # Sampling temperature for verify=sample (applied identically to target and drafter). Any value > 0, down to the
+    # smallest float (5e-324): a tiny one samples the argmax (sampling.logits_to_probs keeps it finite).
     temperature: float = 1.0
     # Keep only the top_k most likely tokens before sampling (0 = off); verify=sample.
     top_k: int = 0

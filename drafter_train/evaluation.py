@@ -187,7 +187,8 @@ def evaluate_decoding(
     states = kernel_states(target, kernels, baseline_settings(target, cfg, kernels))
     settings = tuple(states)
 
-    def run_ar(prompt, seed, setting: str):
+    # ready_*: switch the target to the decoder's kernels (untimed), return the decode to time
+    def ready_ar(prompt, seed, setting: str):
         apply_kernel_state(target, states[setting])
         gen = torch.Generator(device=target.device).manual_seed(seed)
         # The baseline decodes with the same params: AR greedy for greedy/specdec, AR sampling for sample/spectr.
@@ -195,7 +196,7 @@ def evaluate_decoding(
 
     spec_runner, new_stats = speculative_runner(target, drafter, cfg, eos_token_ids)
 
-    def run_spec(prompt, seed, exit: Optional[DraftExit]):
+    def ready_spec(prompt, seed, exit: Optional[DraftExit]):
         apply_kernel_state(target, states[kernels])
         return lambda: spec_runner(prompt, seed, exit)
 
@@ -204,18 +205,18 @@ def evaluate_decoding(
         prompt, and the plain-decoding settings take turns going first. Kernels are switched outside the timing."""
         seed, order = cfg.seed + i, settings[i % len(settings):] + settings[:i % len(settings)]
         if i % 2:
-            spec = _timed(run_spec(prompt, seed, exit), target.device)
-        ar = {k: _timed(run_ar(prompt, seed, k), target.device) for k in order}
+            spec = _timed(ready_spec(prompt, seed, exit), target.device)
+        ar = {k: _timed(ready_ar(prompt, seed, k), target.device) for k in order}
         if not i % 2:
-            spec = _timed(run_spec(prompt, seed, exit), target.device)
+            spec = _timed(ready_spec(prompt, seed, exit), target.device)
         apply_kernel_state(target, states[kernels])  # what follows (margins, log-likelihoods) is on the own kernels
         return spec, ar
 
     try:
         for _ in range(cfg.warmup):  # untimed, every decoder: first calls pay allocator and kernel-selection costs
             for setting in settings:
-                run_ar(prompt_ids[0], cfg.seed, setting)()
-            run_spec(prompt_ids[0], cfg.seed, make_draft_exit(cfg, drafter))()
+                ready_ar(prompt_ids[0], cfg.seed, setting)()
+            ready_spec(prompt_ids[0], cfg.seed, make_draft_exit(cfg, drafter))()
         # One adaptive threshold for the whole run (as a server would keep it), fresh after the warm-up.
         draft_exit = make_draft_exit(cfg, drafter)
         total = _Tally(new_stats())

@@ -1,8 +1,12 @@
-"""Counters behind the headline numbers; the README defines each, and this is the only place they are computed.
+"""Counters behind the headline numbers; docs/evaluate.md ("Definitions") defines each, and this is the only place
+they are computed.
 
 tau                      = tokens_generated / target_forward_passes   (every target forward counts, prefill included)
 acceptance_rate          = accepted draft tokens / proposed draft tokens
-per_position_acceptance  = [P(draft i accepted | drafts 1..i-1 accepted)] for i = 1..draft_len
+per_position_acceptance  = [P(draft i accepted | drafts 1..i-1 accepted)] for i = 1..draft_len (0.0 where never tested)
+per_position_tested[i]   = verify steps that tested draft i (its denominator)
+draft_len                = the most drafts one verify pass can accept along a path (a chain's length, a tree's depth,
+                           or the longest lookup chain ahead of a tree)
 accepted_length_histogram[m] = verify steps that accepted exactly m drafts
 
 Draft trees: "proposed" counts every node the target verified (a tree of total_tokens nodes proposes total_tokens
