@@ -18,6 +18,9 @@ from drafter_train.errors import ConfigError
 
 VERIFY_MODES = ("greedy", "sample", "specdec", "spectr")
 TREE_BRANCHING = ("topk", "iid")
+# eval.baseline_kernels: plain decoding on every CPU kernel setting (the fastest is the baseline), or on the speculative
+# run's own only.
+BASELINE_KERNELS = ("all", "same")
 DATAGEN_BACKENDS = ("hf", "vllm")
 _EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
 EXPORT_FORMATS = ("hf", "vllm", "sglang")
@@ -240,7 +243,8 @@ class EvalConfig:
     # Prompt lookup first, the drafter where nothing matches (chains, and topk trees: there the lookup proposes a
     # chain of up to eval.tree.total_tokens drafts).
     lookup: LookupConfig = field(default_factory=LookupConfig)
-    # Sampling temperature for verify=sample (applied identically to target and drafter).
+    # Sampling temperature for verify=sample (applied identically to target and drafter). Any value > 0, down to the
+    # smallest float (5e-324): a tiny one samples the argmax (sampling.logits_to_probs keeps it finite).
     temperature: float = 1.0
     # Keep only the top_k most likely tokens before sampling (0 = off); verify=sample.
     top_k: int = 0
@@ -263,8 +267,14 @@ class EvalConfig:
     output: Optional[str] = None
     # Seed for sampling and for the order of anything random.
     seed: int = 0
-    # Untimed warm-up generations before timing (first calls pay one-off allocation costs).
+    # Untimed warm-up generations before timing (first calls pay one-off allocation costs), for every decoder timed.
     warmup: int = 1
+    # What the speedup divides by. all: plain decoding timed on every CPU kernel setting (target.cpu_kernels: auto,
+    # onednn, default), interleaved prompt by prompt with the speculative run, which keeps its own setting; the
+    # fastest is the baseline (metrics.json: baseline.kernels). same: plain decoding on the speculative run's setting
+    # only: one plain run per prompt instead of three (a quick checkpoint evaluation), but then not against the
+    # fastest plain decoding. Off the CPU there is one setting either way.
+    baseline_kernels: str = "all"
     # Adaptive draft exit (Draft & Verify): an AR drafter stops its proposal before the first draft whose top-1
     # draft probability is below this threshold γ, proposing nothing when the first is (a plain target step).
     # 0 = off. Lossless: it reads only the drafter's own distribution.
@@ -286,6 +296,8 @@ class EvalConfig:
         check_field(self.max_new_tokens >= 1, "eval.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         check_field(self.num_prompts >= 1, "eval.num_prompts", f"must be >= 1, got {self.num_prompts}")
         check_field(self.warmup >= 0, "eval.warmup", f"must be >= 0, got {self.warmup}")
+        check_field(self.baseline_kernels in BASELINE_KERNELS, "eval.baseline_kernels",
+                    f"must be one of {BASELINE_KERNELS}, got {self.baseline_kernels!r}")
         self.tree.check_size(self.tree_depth)
         if self.tree.enabled:
             check_field(self.verify != "specdec", "eval.verify", "specdec verifies chains only: unset eval.tree.top_k, or "

@@ -179,6 +179,60 @@ def row_policy(model: nn.Module) -> Optional[RowPolicy]:
     return next((m.row_policy for m in model.modules() if type(m) is OneDNNLinear), None)
 
 
+@dataclass(frozen=True)
+class KernelState:
+    """Which kernel each Linear layer of one model runs (its class, and its row policy when patched) and which
+    attention it uses: what `apply_kernel_state` puts back exactly, an `auto` policy included, without timing again."""
+
+    linears: tuple[tuple[nn.Module, Optional[RowPolicy]], ...]
+    attention: str
+
+
+def kernel_state(model: nn.Module) -> KernelState:
+    linears = tuple((m, m.row_policy if type(m) is OneDNNLinear else None) for m in model.modules()
+                    if type(m) in (nn.Linear, OneDNNLinear))
+    return KernelState(linears, model.config._attn_implementation)
+
+
+def apply_kernel_state(model: nn.Module, state: KernelState) -> None:
+    """Put `model` back on the kernels `state` recorded (~0.1 ms: cheap enough between two timed decodes)."""
+    for layer, policy in state.linears:
+        if policy is None and type(layer) is OneDNNLinear:
+            layer.__class__ = nn.Linear
+            layer.__dict__.pop("row_policy", None)
+        elif policy is not None:
+            layer.__class__ = OneDNNLinear
+            layer.row_policy = policy
+    if model.config._attn_implementation != state.attention:
+        model.set_attn_implementation(state.attention)
+
+
+def kernels_in_use(model: nn.Module) -> str:
+    """The CPU_KERNELS name of the state `model` is in: "default" when no layer is patched and attention is
+    transformers' own; "onednn" when every patched layer always runs oneDNN; "auto" otherwise (also for a model whose
+    layers are all too small to patch but whose attention is grouped: auto and onednn are the same on it)."""
+    state = kernel_state(model)
+    policies = {policy for _, policy in state.linears if policy is not None}
+    if not policies:
+        return "auto" if state.attention == GROUPED_ATTENTION else "default"
+    return "onednn" if policies == {ALWAYS_ONEDNN} else "auto"
+
+
+def kernel_states(model: nn.Module, current: str, settings: tuple[str, ...]) -> dict[str, KernelState]:
+    """The state each of `settings` (CPU_KERNELS names) puts `model` in, `current` being the one it is on now (kept
+    as it is: its `auto` policy is not timed again); the model is left on `current`'s state."""
+    states = {current: kernel_state(model)}
+    try:
+        for kernels in settings:
+            if kernels not in states:
+                use_onednn_linears(model, kernels)
+                use_grouped_attention(model, kernels)
+                states[kernels] = kernel_state(model)
+    finally:
+        apply_kernel_state(model, states[current])
+    return states
+
+
 @torch.inference_mode()
 def calibrate_rows(layers: list[nn.Linear], rows: tuple[int, ...] = CALIBRATION_ROWS, repeats: int = 5,
                    margin: float = 0.05) -> RowPolicy:

@@ -6,7 +6,7 @@ training checkpoint and layer-skip's search call `evaluate_decoding`.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence
 
 import torch
@@ -25,6 +25,7 @@ from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.tree import TreeSpec
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier
 from drafter_train.decoding.lookup import lookup_first
+from drafter_train.cpu_kernels import CPU_KERNELS, apply_kernel_state, kernel_states, kernels_in_use
 from drafter_train.errors import ConfigError
 from drafter_train.targets import check_full_cache
 
@@ -124,6 +125,44 @@ def make_draft_exit(cfg: EvalConfig, drafter: Drafter) -> Optional[DraftExit]:
     return DraftExit(cfg.draft_exit, adapt=cfg.draft_exit_adapt, target=cfg.draft_exit_target)
 
 
+def baseline_settings(target: PreTrainedModel, cfg: EvalConfig, kernels: str) -> tuple[str, ...]:
+    """The CPU kernel settings plain decoding is timed on, `kernels` (the speculative run's own) first: every setting
+    with eval.baseline_kernels=all on a CPU target, else `kernels` alone (off the CPU the setting changes nothing)."""
+    if cfg.baseline_kernels == "same" or target.device.type != "cpu":
+        return (kernels,)
+    return (kernels, *(k for k in CPU_KERNELS if k != kernels))
+
+
+@dataclass
+class _Tally:
+    """Summed over prompts: the speculative run's counters and seconds, and plain decoding's per kernel setting."""
+
+    spec: DecodeStats
+    spec_time: float = 0.0
+    ar: dict = field(default_factory=dict)  # kernel setting -> DecodeStats
+    ar_time: dict = field(default_factory=dict)  # kernel setting -> seconds
+
+    def add(self, spec: tuple[DecodeResult, float], ar: dict) -> None:
+        """One prompt: (result, seconds) of the speculative run and, per kernel setting, of plain decoding."""
+        self.spec.merge(spec[0].stats)
+        self.spec_time += spec[1]
+        for kernels, (result, seconds) in ar.items():
+            self.ar.setdefault(kernels, DecodeStats()).merge(result.stats)
+            self.ar_time[kernels] = self.ar_time.get(kernels, 0.0) + seconds
+
+    @property
+    def spec_tokens_per_s(self) -> float:
+        return self.spec.tokens_generated / self.spec_time
+
+    def ar_tokens_per_s(self) -> dict[str, float]:
+        return {k: self.ar[k].tokens_generated / self.ar_time[k] for k in self.ar}
+
+    def fastest(self) -> str:
+        """The kernel setting of the fastest plain decoding (ties: the first timed, the speculative run's own)."""
+        tps = self.ar_tokens_per_s()
+        return max(tps, key=tps.get)
+
+
 def evaluate_decoding(
     target: PreTrainedModel,
     drafter: Drafter,
@@ -132,59 +171,87 @@ def evaluate_decoding(
     eos_token_ids: Sequence[int],
     progress: bool = True,
     categories: Optional[Sequence[Optional[str]]] = None,
+    kernels: Optional[str] = None,
 ) -> dict:
-    """Decode every prompt with the AR baseline and speculatively (interleaved, so load changes hit both alike).
+    """Decode every prompt with plain (AR) decoding on every CPU kernel setting (eval.baseline_kernels) and
+    speculatively on the target's own setting, interleaved, and divide by the fastest plain decoding.
 
-    Returns the metrics defined in the README: tau, acceptance_rate, per_position_acceptance, speedup, ... and,
-    when prompts have task categories, the same headline numbers per category.
+    `kernels`: the target.cpu_kernels setting the target was loaded with (None: read off the target,
+    cpu_kernels.kernels_in_use); the speculative run keeps exactly that state, and the target is left in it.
+    Returns the metrics defined in docs/evaluate.md ("Definitions"): tau, acceptance_rate, per_position_acceptance,
+    speedup, baseline, ... and, when prompts have task categories, the same headline numbers per category.
     """
     params = sampling_params(cfg)
     drafter = lookup_first(drafter, cfg.lookup)
+    kernels = kernels or kernels_in_use(target)
+    states = kernel_states(target, kernels, baseline_settings(target, cfg, kernels))
+    settings = tuple(states)
 
-    def run_ar(prompt, seed):
+    # ready_*: switch the target to the decoder's kernels (untimed), return the decode to time
+    def ready_ar(prompt, seed, setting: str):
+        apply_kernel_state(target, states[setting])
         gen = torch.Generator(device=target.device).manual_seed(seed)
         # The baseline decodes with the same params: AR greedy for greedy/specdec, AR sampling for sample/spectr.
-        return generate_autoregressive(target, prompt, cfg.max_new_tokens, params, eos_token_ids, gen)
+        return lambda: generate_autoregressive(target, prompt, cfg.max_new_tokens, params, eos_token_ids, gen)
 
-    run_spec, new_stats = speculative_runner(target, drafter, cfg, eos_token_ids)
-    for _ in range(cfg.warmup):  # untimed: first calls pay allocator and kernel-selection costs
-        run_ar(prompt_ids[0], cfg.seed), run_spec(prompt_ids[0], cfg.seed, make_draft_exit(cfg, drafter))
-    # One adaptive threshold for the whole run (as a server would keep it), fresh after the warm-up.
-    draft_exit = make_draft_exit(cfg, drafter)
-    spec_stats, ar_stats = new_stats(), DecodeStats()
-    spec_time = ar_time = 0.0
-    by_category: dict[str, list] = {}  # category -> [spec stats, ar stats, spec seconds, ar seconds]
-    matches, margins = 0, []
-    # Drafters with a reduced draft vocabulary (EAGLE-3) can never propose a token outside it: count those tokens.
-    draft_vocab, outside = getattr(drafter, "draft_vocab", None), 0
-    logprob = {"spec": 0.0, "ar": 0.0}  # verify=specdec: how far the relaxed output moves from AR greedy
-    shape = tree_spec(cfg).describe() if cfg.tree.enabled else f"draft_len={cfg.draft_len}"
-    bar = tqdm(prompt_ids, desc=f"eval {shape} {cfg.verify}", disable=not progress, unit="prompt")
-    for i, prompt in enumerate(bar):
-        ar, t_ar = _timed(lambda: run_ar(prompt, cfg.seed + i), target.device)
-        spec, t_spec = _timed(lambda: run_spec(prompt, cfg.seed + i, draft_exit), target.device)
-        ar_stats.merge(ar.stats)
-        spec_stats.merge(spec.stats)
-        ar_time, spec_time = ar_time + t_ar, spec_time + t_spec
-        if categories is not None and categories[i] is not None:
-            group = by_category.setdefault(categories[i], [new_stats(), DecodeStats(), 0.0, 0.0])
-            group[0].merge(spec.stats), group[1].merge(ar.stats)
-            group[2], group[3] = group[2] + t_spec, group[3] + t_ar
-        matches += spec.tokens == ar.tokens
-        if draft_vocab is not None:
-            outside += int((~draft_vocab[torch.tensor(ar.tokens, device=draft_vocab.device)]).sum())
-        if spec.tokens != ar.tokens and cfg.verify == "greedy":
-            margins.append(divergence_margin(target, prompt, ar.tokens, spec.tokens))
-        if cfg.verify == "specdec":
-            logprob["spec"] += target_logprob_sum(target, prompt, spec.tokens)
-            logprob["ar"] += target_logprob_sum(target, prompt, ar.tokens)
-        bar.set_postfix(tau=f"{spec_stats.tau:.2f}", speedup=f"{(ar_time / spec_time):.2f}")
-    spec_tps = spec_stats.tokens_generated / spec_time
-    ar_tps = ar_stats.tokens_generated / ar_time
+    spec_runner, new_stats = speculative_runner(target, drafter, cfg, eos_token_ids)
+
+    def ready_spec(prompt, seed, exit: Optional[DraftExit]):
+        apply_kernel_state(target, states[kernels])
+        return lambda: spec_runner(prompt, seed, exit)
+
+    def time_prompt(i: int, prompt, exit: Optional[DraftExit]) -> tuple[tuple[DecodeResult, float], dict]:
+        """Interleaved so that load changes hit every decoder alike: which decoder goes first alternates prompt by
+        prompt, and the plain-decoding settings take turns going first. Kernels are switched outside the timing."""
+        seed, order = cfg.seed + i, settings[i % len(settings):] + settings[:i % len(settings)]
+        if i % 2:
+            spec = _timed(ready_spec(prompt, seed, exit), target.device)
+        ar = {k: _timed(ready_ar(prompt, seed, k), target.device) for k in order}
+        if not i % 2:
+            spec = _timed(ready_spec(prompt, seed, exit), target.device)
+        apply_kernel_state(target, states[kernels])  # what follows (margins, log-likelihoods) is on the own kernels
+        return spec, ar
+
+    try:
+        for _ in range(cfg.warmup):  # untimed, every decoder: first calls pay allocator and kernel-selection costs
+            for setting in settings:
+                ready_ar(prompt_ids[0], cfg.seed, setting)()
+            ready_spec(prompt_ids[0], cfg.seed, make_draft_exit(cfg, drafter))()
+        # One adaptive threshold for the whole run (as a server would keep it), fresh after the warm-up.
+        draft_exit = make_draft_exit(cfg, drafter)
+        total = _Tally(new_stats())
+        by_category: dict[str, _Tally] = {}
+        matches, margins = 0, []
+        # Drafters with a reduced draft vocabulary (EAGLE-3) can never propose a token outside it: count those tokens.
+        draft_vocab, outside = getattr(drafter, "draft_vocab", None), 0
+        logprob = {"spec": 0.0, "ar": 0.0}  # verify=specdec: how far the relaxed output moves from AR greedy
+        shape = tree_spec(cfg).describe() if cfg.tree.enabled else f"draft_len={cfg.draft_len}"
+        bar = tqdm(prompt_ids, desc=f"eval {shape} {cfg.verify}", disable=not progress, unit="prompt")
+        for i, prompt in enumerate(bar):
+            (spec, t_spec), ar_runs = time_prompt(i, prompt, draft_exit)
+            total.add((spec, t_spec), ar_runs)
+            if categories is not None and categories[i] is not None:
+                by_category.setdefault(categories[i], _Tally(new_stats())).add((spec, t_spec), ar_runs)
+            ar = ar_runs[kernels][0]  # losslessness is judged against plain decoding on the same kernels
+            matches += spec.tokens == ar.tokens
+            if draft_vocab is not None:
+                outside += int((~draft_vocab[torch.tensor(ar.tokens, device=draft_vocab.device)]).sum())
+            if spec.tokens != ar.tokens and cfg.verify == "greedy":
+                margins.append(divergence_margin(target, prompt, ar.tokens, spec.tokens))
+            if cfg.verify == "specdec":
+                logprob["spec"] += target_logprob_sum(target, prompt, spec.tokens)
+                logprob["ar"] += target_logprob_sum(target, prompt, ar.tokens)
+            fastest_tps = max(total.ar_tokens_per_s().values())
+            bar.set_postfix(tau=f"{total.spec.tau:.2f}", speedup=f"{total.spec_tokens_per_s / fastest_tps:.2f}")
+    finally:
+        apply_kernel_state(target, states[kernels])
+    spec_stats, fastest, own_ar = total.spec, total.fastest(), total.ar[kernels]
+    ar_tps = total.ar_tokens_per_s()
     return {
         **spec_stats.summary(),
-        # Chains: the draft length; trees: their depth (the most drafts one pass can accept).
-        "draft_len": cfg.tree_depth if cfg.tree.enabled else cfg.draft_len,
+        # The most drafts one verify pass can accept along a path = len(per_position_acceptance): a chain's
+        # eval.draft_len; a tree's depth; with a lookup ahead, the longer of that and the lookup's chains.
+        "draft_len": spec_stats.draft_len,
         # The tree's shape (top_k, depth, total_tokens: draft nodes per pass, branching); None for a chain.
         "tree": tree_record(cfg),
         "verify": cfg.verify,
@@ -193,44 +260,58 @@ def evaluate_decoding(
         "draft_exit": cfg.draft_exit or getattr(drafter, "exit_below", 0.0) or None,
         "draft_exit_final": None if draft_exit is None else draft_exit.threshold,
         "num_prompts": len(prompt_ids),
-        "ar_tokens_generated": ar_stats.tokens_generated,
-        "spec_time_s": spec_time,
-        "ar_time_s": ar_time,
-        "spec_tokens_per_s": spec_tps,
-        "ar_tokens_per_s": ar_tps,
-        "speedup": spec_tps / ar_tps,
-        # Share of prompts whose speculative output is token-identical to the AR baseline's: must be 1.0 for
-        # greedy (lossless); for specdec it measures how far the relaxation moves the output; not defined when
-        # sampling (two independent samples).
+        # ar_*: the baseline, plain decoding on the fastest kernel setting timed.
+        "ar_tokens_generated": total.ar[fastest].tokens_generated,
+        "spec_time_s": total.spec_time,
+        "ar_time_s": total.ar_time[fastest],
+        "spec_tokens_per_s": total.spec_tokens_per_s,
+        "ar_tokens_per_s": ar_tps[fastest],
+        "speedup": total.spec_tokens_per_s / ar_tps[fastest],
+        # The speculative run's kernel setting (target.cpu_kernels), and the speedup over plain decoding on it.
+        "spec_kernels": kernels,
+        "speedup_same_kernels": total.spec_tokens_per_s / ar_tps[kernels],
+        # Which plain decoding is the divisor: the fastest kernel setting, and every setting timed.
+        "baseline": {"kernels": fastest, "tokens_per_s": ar_tps[fastest], "by_kernels": {
+            k: {"tokens_per_s": ar_tps[k], "time_s": total.ar_time[k], "tokens_generated": total.ar[k].tokens_generated}
+            for k in settings}},
+        # Share of prompts whose speculative output is token-identical to plain decoding's on the same kernels: must
+        # be 1.0 for greedy (lossless); for specdec it measures how far the relaxation moves the output; not defined
+        # when sampling (two independent samples).
         "greedy_match": None if cfg.samples else matches / len(prompt_ids),
         # For each greedy mismatch: the target's top-1 minus top-2 logit where the outputs part (near 0 = a tie
         # broken differently by rounding; see divergence_margin).
         "greedy_mismatch_margins": margins,
         # Share of the AR output's tokens outside the drafter's draft vocabulary (None: it drafts the full vocabulary).
-        "out_of_draft_vocab": None if draft_vocab is None else outside / ar_stats.tokens_generated,
-        # The headline numbers per task category of the prompts (empty when they have none).
-        "per_category": {name: _headline(*group) for name, group in sorted(by_category.items())},
+        "out_of_draft_vocab": None if draft_vocab is None else outside / own_ar.tokens_generated,
+        # The headline numbers per task category of the prompts, against the same (overall fastest) kernel setting.
+        "per_category": {name: _headline(group, fastest) for name, group in sorted(by_category.items())},
         # verify=specdec only: the target's mean log-likelihood per generated token of the speculative output and of
         # the AR greedy output (the relaxation accepts tokens the target ranks lower: the first falls below the second).
         "spec_target_logprob": logprob["spec"] / spec_stats.tokens_generated if cfg.verify == "specdec" else None,
-        "ar_target_logprob": logprob["ar"] / ar_stats.tokens_generated if cfg.verify == "specdec" else None,
+        "ar_target_logprob": logprob["ar"] / own_ar.tokens_generated if cfg.verify == "specdec" else None,
     }
 
 
-def _headline(spec: DecodeStats, ar: DecodeStats, spec_time: float, ar_time: float) -> dict:
-    speedup = (spec.tokens_generated / spec_time) / (ar.tokens_generated / ar_time)
-    return {"tau": spec.tau, "acceptance_rate": spec.acceptance_rate, "speedup": speedup,
-            "tokens_generated": spec.tokens_generated}
+def _headline(group: _Tally, baseline: str) -> dict:
+    """tau, acceptance and speedup over plain decoding on the `baseline` kernel setting, for one group of prompts."""
+    return {"tau": group.spec.tau, "acceptance_rate": group.spec.acceptance_rate,
+            "speedup": group.spec_tokens_per_s / group.ar_tokens_per_s()[baseline],
+            "tokens_generated": group.spec.tokens_generated}
 
 
 def print_table(metrics: dict, console: Optional[Console] = None) -> None:
     table = Table(title="drafter-eval")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in ("tau", "acceptance_rate", "speedup", "spec_tokens_per_s", "ar_tokens_per_s", "greedy_match",
-                "spec_target_logprob", "ar_target_logprob"):
+    for key in ("tau", "acceptance_rate", "speedup", "spec_tokens_per_s", "ar_tokens_per_s", "speedup_same_kernels",
+                "greedy_match", "spec_target_logprob", "ar_target_logprob"):
         value = metrics.get(key)
         table.add_row(key, "-" if value is None else f"{value:.3f}")
+    baseline = metrics["baseline"]  # what the speedup divides by, and what it was chosen from
+    timed = ", ".join(f"{k} {b['tokens_per_s']:.1f}" for k, b in baseline["by_kernels"].items())
+    table.add_row("baseline", f"plain decoding on {baseline['kernels']} kernels, the fastest of {timed} tok/s"
+                  if len(baseline["by_kernels"]) > 1 else f"plain decoding on {baseline['kernels']} kernels only")
+    table.add_row("speculative kernels", metrics["spec_kernels"])
     table.add_row("per_position_acceptance", " ".join(f"{a:.2f}" for a in metrics["per_position_acceptance"]))
     table.add_row("tokens / target passes", f"{metrics['tokens_generated']} / {metrics['target_forward_passes']}")
     if metrics.get("out_of_draft_vocab") is not None:

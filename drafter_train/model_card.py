@@ -213,11 +213,12 @@ def _metrics_section(info: RunInfo) -> str:
 
 
 _DEFINITIONS = (
-    "`tau`: tokens generated per target forward pass (plain decoding has 1). "
+    "`tau`: tokens generated per target forward pass, the prefill pass included (plain decoding has 1). "
     "`acceptance_rate`: accepted / proposed draft tokens. "
-    "`per_position_acceptance[i]`: P(draft i accepted | drafts before it accepted). "
-    "`speedup`: speculative over plain tokens per second, same prompts, same process, on the machine that trained "
-    "the drafter (it depends on that hardware). "
+    "`per_position_acceptance[i]`: P(draft i accepted | drafts before it accepted), i = 1..`draft_len`. "
+    "`speedup`: speculative tokens per second over those of the fastest plain decoding timed on every CPU kernel "
+    "setting (`baseline` names it), same prompts, same process, on the machine that trained the drafter (it "
+    "depends on that hardware). "
     "`greedy_match`: share of prompts whose speculative output equals plain greedy decoding (1.0 = lossless)."
 )
 

@@ -32,7 +32,12 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
 
     logits: [..., V] -> probs: [..., V] float32, zero outside the top-k / top-p set.
     """
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # Shifted so that the largest logit is 0 before dividing: softmax is unchanged, and at a tiny temperature (any
+    # eval.temperature > 0 is accepted, down to the smallest positive float, which is 0 in float32) the quotients run
+    # to -inf instead of inf, and inf - inf = NaN: the top token(s) keep 0, i.e. greedy with ties shared.
+    top = logits.amax(-1, keepdim=True)
+    logits = torch.where(logits == top, 0.0, (logits - top) / params.temperature)
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

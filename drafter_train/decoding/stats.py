@@ -1,8 +1,12 @@
-"""Counters behind the headline numbers; the README defines each, and this is the only place they are computed.
+"""Counters behind the headline numbers; docs/evaluate.md ("Definitions") defines each, and this is the only place
+they are computed.
 
 tau                      = tokens_generated / target_forward_passes   (every target forward counts, prefill included)
 acceptance_rate          = accepted draft tokens / proposed draft tokens
-per_position_acceptance  = [P(draft i accepted | drafts 1..i-1 accepted)] for i = 1..draft_len
+per_position_acceptance  = [P(draft i accepted | drafts 1..i-1 accepted)] for i = 1..draft_len (0.0 where never tested)
+per_position_tested[i]   = verify steps that tested draft i (its denominator)
+draft_len                = the most drafts one verify pass can accept along a path (a chain's length, a tree's depth,
+                           or the longest lookup chain ahead of a tree)
 accepted_length_histogram[m] = verify steps that accepted exactly m drafts
 
 Draft trees: "proposed" counts every node the target verified (a tree of total_tokens nodes proposes total_tokens
@@ -99,6 +103,10 @@ class DecodeStats:
             "tau": self.tau,
             "acceptance_rate": self.acceptance_rate,
             "per_position_acceptance": self.per_position_acceptance,
+            # per_position_acceptance's denominators: verify steps that tested draft position i (0: never tested,
+            # and the acceptance there reads 0.0), and the deepest position any step tested.
+            "per_position_tested": list(self.reached),
+            "deepest_tested_position": max((i + 1 for i, r in enumerate(self.reached) if r), default=0),
             "target_forward_passes": self.target_forward_passes,
             "tokens_generated": self.tokens_generated,
             "proposed_draft_tokens": self.proposed,

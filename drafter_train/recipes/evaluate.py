@@ -83,7 +83,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
                                       calibration_decoder(target, drafter, calibration_prompts, eos, cfg.eval))
         eval_cfg = candidates[0].apply(cfg.eval)
     metrics = evaluate_decoding(target, drafter, prompt_ids[:num], eval_cfg, eos,
-                                categories=[c for _, c in records[:num]])
+                                categories=[c for _, c in records[:num]], kernels=cfg.target.cpu_kernels)
     policy = row_policy(target)
     metrics.update(target=model_identity(cfg.target), drafter=cfg.drafter.path, drafter_kind=model_kind(model).name,
                    torch_threads=torch.get_num_threads(),

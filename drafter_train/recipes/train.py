@@ -62,7 +62,8 @@ def evaluate_checkpoint(cfg, target, model, prompts, eos) -> dict:
     ((ids, categories); main process only)."""
     model.eval()
     drafter = make_drafter(model, cfg.target.cpu_kernels)
-    metrics = evaluate_decoding(target, drafter, prompts[0], cfg.eval, eos, progress=False, categories=prompts[1])
+    metrics = evaluate_decoding(target, drafter, prompts[0], cfg.eval, eos, progress=False, categories=prompts[1],
+                                kernels=cfg.target.cpu_kernels)
     model.train()
     return metrics
 

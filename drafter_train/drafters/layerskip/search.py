@@ -257,7 +257,8 @@ def confirm(cfg: TrainJobConfig, target, tokenizer, study, run_dir: Path, logger
         skips = SkipSet.of(trial.params)
         model = new_model(target, skips.attn, skips.mlp, cfg.drafter.exit_threshold)
         drafter = make_drafter(model, cfg.target.cpu_kernels)
-        metrics = evaluate_decoding(target, drafter, prompts[0], cfg.eval, eos, progress=False, categories=prompts[1])
+        metrics = evaluate_decoding(target, drafter, prompts[0], cfg.eval, eos, progress=False, categories=prompts[1],
+                                    kernels=cfg.target.cpu_kernels)
         logger.log({f"confirm/{rank}/{k}": metrics[k] for k in ("tau", "acceptance_rate", "speedup")}, step)
         results.append((metrics["speedup"], -rank, trial, metrics))
     _, _, trial, metrics = max(results, key=lambda r: r[:2])
