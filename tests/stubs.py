@@ -125,3 +125,14 @@ def naive_greedy_speculative(target, propose, prompt: list[int], draft_len: int,
         stop = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
         tokens += new[:stop]
     return tokens, passes, proposed, accepted
+
+
+def greedy_drafts(drafter):
+    """`propose(seq, k)` for naive_greedy_speculative: the drafter model's k greedy tokens, each a full forward."""
+    @torch.inference_mode()
+    def propose(seq: list[int], k: int) -> list[int]:
+        drafts = []
+        for _ in range(k):
+            drafts.append(int(drafter(torch.tensor([seq + drafts])).logits[0, -1].argmax()))
+        return drafts
+    return propose

@@ -12,7 +12,7 @@ from drafter_train.drafters.common.truncated import cut_from_target
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
 from drafter_train.recipes.evaluate import run_eval_job
 from tests.conftest import tiny_llama
-from tests.stubs import VOCAB, compose_cfg, naive_greedy_speculative, run_cli, save_tiny, word_tokenizer
+from tests.stubs import VOCAB, compose_cfg, greedy_drafts, naive_greedy_speculative, run_cli, save_tiny, word_tokenizer
 
 
 
@@ -47,16 +47,11 @@ def reference_counts(folders, draft_len: int, max_new_tokens: int) -> tuple[int,
 
     target, drafter = (load_causal_lm(str(folders / name)) for name in ("target", "drafter"))
     tokenizer = word_tokenizer()
-
-    def propose(seq, k):
-        for _ in range(k):
-            seq = seq + [int(drafter(torch.tensor([seq])).logits[0, -1].argmax())]
-        return seq[len(seq) - k:] if k else []
-
     totals = [0, 0, 0, 0]
     for line in (folders / "prompts.txt").read_text().splitlines():
-        tokens, *counts = naive_greedy_speculative(target, propose, tokenizer(line).input_ids, draft_len,
-                                                   max_new_tokens, eos=(tokenizer.eos_token_id,))
+        prompt = tokenizer(line).input_ids
+        tokens, *counts = naive_greedy_speculative(target, greedy_drafts(drafter), prompt, draft_len, max_new_tokens,
+                                                   eos=(tokenizer.eos_token_id,))
         totals = [a + b for a, b in zip(totals, (len(tokens), *counts))]
     return tuple(totals)
 
