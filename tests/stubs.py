@@ -100,3 +100,39 @@ def save_tiny(model, folder) -> None:
     """A model folder the loaders accept: weights + config + the word tokenizer."""
     model.save_pretrained(folder)
     word_tokenizer().save_pretrained(folder)
+
+
+@torch.inference_mode()
+def naive_greedy_speculative(target, propose, prompt: list[int], draft_len: int, max_new_tokens: int, eos=()):
+    """A reference for the counts of greedy speculative decoding, with no cache and no shared code: every target
+    prediction is the argmax of a full forward over the whole sequence. `propose(seq, k)` -> up to k draft ids.
+    Returns (tokens, target_forward_passes, proposed, accepted) as the decoder's stats should count them."""
+    def greedy_after(ids: list[int]) -> list[int]:  # the target's argmax after each position
+        return target(torch.tensor([ids])).logits[0].argmax(-1).tolist()
+
+    seq = list(prompt) + greedy_after(prompt)[-1:]
+    tokens, passes, proposed, accepted = seq[len(prompt):], 1, 0, 0
+    while tokens[-1] not in eos and len(tokens) < max_new_tokens:
+        k = min(draft_len, max_new_tokens - len(tokens) - 1)
+        drafts = list(propose(seq, k))[:k] if k else []
+        predicted = greedy_after(seq + drafts)[len(seq) - 1:]  # [len(drafts) + 1] target tokens
+        n = 0
+        while n < len(drafts) and drafts[n] == predicted[n]:
+            n += 1
+        passes, proposed, accepted = passes + 1, proposed + len(drafts), accepted + n
+        new = drafts[:n] + [predicted[n]]
+        seq += new
+        stop = next((i + 1 for i, t in enumerate(new) if t in eos), len(new))
+        tokens += new[:stop]
+    return tokens, passes, proposed, accepted
+
+
+def greedy_drafts(drafter):
+    """`propose(seq, k)` for naive_greedy_speculative: the drafter model's k greedy tokens, each a full forward."""
+    @torch.inference_mode()
+    def propose(seq: list[int], k: int) -> list[int]:
+        drafts = []
+        for _ in range(k):
+            drafts.append(int(drafter(torch.tensor([seq + drafts])).logits[0, -1].argmax()))
+        return drafts
+    return propose

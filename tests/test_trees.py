@@ -196,7 +196,20 @@ def test_greedy_tree_decoding_is_lossless(kind, spec):
     ar = generate_autoregressive(target, prompt, 40)
     out = generate_tree_speculative(target, kind_drafter(kind, target), prompt, spec, TREE_GREEDY, 40)
     assert out.tokens == ar.tokens
-    assert out.stats.proposed >= out.stats.proposals  # every step verified at least one node
+    # every target pass yields the accepted path + 1 token, so the counts must add up exactly
+    assert out.stats.target_forward_passes + out.stats.accepted == len(ar.tokens)
+
+
+@pytest.mark.parametrize("spec", [TreeSpec(1, 4, 4), TreeSpec(1, 2)], ids=lambda s: f"k{s.top_k}d{s.depth}")
+def test_a_tree_drafted_by_the_target_itself_is_accepted_to_its_full_depth(spec):
+    """Drafter == target, top-1 trees (the drafter's greedy chain, which a pruned wider tree need not keep): each pass
+    must accept `depth` drafts (fewer only where max_new_tokens leaves less), 1 + ceil(39 / (depth + 1)) passes for
+    40 tokens."""
+    target = tiny_llama(vocab_size=64, num_layers=2, init=0.4)
+    out = generate_tree_speculative(target, ARDrafter(target), [1, 5, 9, 33, 7], spec, TREE_GREEDY, 40)
+    passes = 1 + -(-39 // (spec.depth + 1))
+    assert (out.stats.target_forward_passes, out.stats.accepted) == (passes, 40 - passes)
+    assert out.stats.per_position_acceptance == [1.0] * spec.depth
 
 
 @pytest.mark.parametrize("kind", ["ar", "nar", "eagle3", "dflash"])
