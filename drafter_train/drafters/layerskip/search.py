@@ -52,7 +52,8 @@ from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
 from drafter_train.preflight import check_inputs
 from drafter_train.evaluation import evaluate_decoding
-from drafter_train.data.training_data import eval_prompt_ids, load_training_data
+from drafter_train.data.prompts import split_name
+from drafter_train.data.training_data import eval_prompt_ids, eval_prompts_path, load_training_data
 from drafter_train.targets import check_full_cache, eos_token_ids, load_target, model_identity
 from drafter_train.tracking import RunLogger, log_with
 
@@ -272,7 +273,8 @@ def confirm(cfg: TrainJobConfig, target, tokenizer, study, run_dir: Path, logger
                             for s, _, t, m in results]}
     model = new_model(target, skips.attn, skips.mlp, gamma, target=model_identity(cfg.target),
                       search=record, **target_fingerprint(target))
-    metrics = {**metrics, "search": record, "skip_attn": list(skips.attn), "skip_mlp": list(skips.mlp)}
+    metrics = {**metrics, "search": record, "skip_attn": list(skips.attn), "skip_mlp": list(skips.mlp),
+               "split": split_name(eval_prompts_path(cfg))}  # the search's choice was confirmed on it (never test)
     logger.log({f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
                step)
     step_dir = save_checkpoint(run_dir, model, tokenizer, {"search": record}, metrics, step)
