@@ -184,3 +184,8 @@ def test_datagen_exclude_names_the_option_on_a_missing_file(tiny_data, tmp_path)
     ]))
     with pytest.raises(ConfigError, match=r"^datagen.exclude: no such file: .*nope.jsonl$"):
         run_datagen(cfg, progress=False)
+
+
+def test_a_missing_overlap_folder_is_one_line_naming_the_option(tiny_data, tmp_path):
+    with pytest.raises(ConfigError, match=r"^eval.overlap_with: .*nowhere: no such folder$"):
+        run_eval_job(eval_job(tiny_data, tmp_path, ["happy day"], f"eval.overlap_with=[{tmp_path / 'nowhere'}]"))
