@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from omegaconf import OmegaConf
+
+from drafter_train.data.store import load_distill_dataset
 from drafter_train.errors import ConfigError
 
 # Length of the shared run of words that counts as overlap. 13 words, as in GPT-3's contamination analysis (Brown et
@@ -108,8 +111,6 @@ def find_overlap(prompts: Sequence[str], sources: Sequence[tuple[str, Iterable[s
 def datagen_texts(data_dir: str, tokenizer) -> tuple[list[str], Iterable[str]]:
     """A drafter-datagen folder's training prompts and answers (the target's continuations and the source's
     references, decoded with `tokenizer`). Its own eval_prompts.jsonl is no training data and is not read."""
-    from drafter_train.data.store import load_distill_dataset  # datasets on disk: only when a folder is checked
-
     data = load_distill_dataset(data_dir)
     answers = (tokenizer.decode(ids, skip_special_tokens=True)
                for column in ("response_ids", "reference_ids") for ids in data[column] if ids)
@@ -119,8 +120,6 @@ def datagen_texts(data_dir: str, tokenizer) -> tuple[list[str], Iterable[str]]:
 def recorded_data_dir(drafter_path: str) -> list[str]:
     """The train.data_dir a drafter-train checkpoint was trained on (config.yaml of its run folder, a few levels up
     from run/step-N/drafter), when it is recorded and still there; [] otherwise."""
-    from omegaconf import OmegaConf
-
     path = Path(drafter_path).expanduser().resolve()
     if not path.is_dir():  # a hub id, or a kind with no folder (ngram, layerskip's skips)
         return []
