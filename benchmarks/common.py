@@ -19,8 +19,9 @@ from typing import Any, Callable, Optional, Sequence
 from drafter_train.io import write_atomic
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-# The shipped held-out prompt set (drafter_train/prompts/heldout-mix.jsonl), named as every command names it.
-HELDOUT = "heldout-mix"
+# The shipped splits (drafter_train/prompts/README.md), named as every command names them: reported figures come
+# from the test split; the dev split (heldout-mix's new name) chose the recipes' settings and `best`.
+TEST, DEV = "test", "dev"
 # Said wherever figures come from the dev prompts: the recipes' settings were chosen on them too.
 DEV_NOTE = ("The dev prompts also served to choose the recipes' settings (draft length, tree, lookups), so these "
             "figures may read a little high for prompts never looked at.")
@@ -35,7 +36,7 @@ median = statistics.median
 # Arguments
 
 
-def add_prompt_args(parser, num_prompts: int = 16, max_new_tokens: int = 48, prompts: Optional[str] = HELDOUT) -> None:
+def add_prompt_args(parser, num_prompts: int = 16, max_new_tokens: int = 48, prompts: Optional[str] = TEST) -> None:
     """--prompts (a shipped set's name or a file), --num-prompts and --max-new-tokens, with a benchmark's defaults."""
     parser.add_argument("--prompts", default=prompts, help=f"a shipped prompt set's name or a file (default {prompts})")
     parser.add_argument("--num-prompts", type=int, default=num_prompts)
@@ -43,17 +44,25 @@ def add_prompt_args(parser, num_prompts: int = 16, max_new_tokens: int = 48, pro
 
 
 def split_name(prompts: Optional[str], num_prompts: int) -> str:
-    """How a result file names the prompts it ran on: the shipped held-out set is the dev split."""
+    """How a result file names the prompts it ran on: "test split, first 16 prompts" for a shipped split (whatever
+    name reached it: heldout-mix is the dev split), else the file."""
+    from drafter_train.data.prompts import split_name as prompt_split
+
     if prompts is None:
         return f"the evaluator's built-in prompts, first {num_prompts}"
-    name = Path(prompts).stem if Path(prompts).stem == HELDOUT else prompts
-    return f"{name}, first {num_prompts} prompts" + (" (dev)" if name == HELDOUT else "")
+    name = prompt_split(prompts)
+    return f"{name} split, first {num_prompts} prompts" if name in (TEST, DEV) else f"{name}, first {num_prompts} prompts"
 
 
 def evaluation_split(metrics: dict, num_prompts: int = 16) -> str:
     """The split a drafter-eval JSON ran on (its own config's eval.prompts and eval.num_prompts)."""
     eval_cfg = metrics.get("config", {}).get("eval", {})
-    return split_name(eval_cfg.get("prompts", HELDOUT), eval_cfg.get("num_prompts", num_prompts))
+    return split_name(eval_cfg.get("prompts", TEST), eval_cfg.get("num_prompts", num_prompts))
+
+
+def dev_note(split: str) -> str:
+    """DEV_NOTE for figures from the dev split, nothing otherwise."""
+    return " " + DEV_NOTE if split.startswith(f"{DEV} split") else ""
 
 
 def command_line(name: str, argv: Optional[Sequence[str]] = None) -> str:

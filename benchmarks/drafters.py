@@ -17,7 +17,7 @@ each evaluated at the draft lengths its block holds (<= block - 1):
         dflash-b16-l2 dflash-b16-l3 --draft-lens 3 4 7 15
 
     python -m benchmarks.drafters --data data/ref1k --budget-min 20 --draft-lens 2 3 4 6 8 \
-        --prompts heldout-mix --num-prompts 16 --max-new-tokens 64 --repeats 3
+        --prompts test --num-prompts 16 --max-new-tokens 64 --repeats 3
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
    search's proxy reads) plus `--confirm-prompts` held-out prompts for the search's confirmation runs.
 2. drafter-train drafter=layerskip: `--trials` TPE trials on SWIFT's proxy, the best `--confirm` decoded for real
    (adaptive draft exit); wall-clock timed.
-3. drafter-eval of the chosen skip set on `--prompts` (default heldout-mix, which neither step saw)
+3. drafter-eval of the chosen skip set on `--prompts` (default the test split, which neither step saw)
    with draft exit adapting gamma from the searched folder's, against plain decoding in the same process.
 
 Prints tau, drafter ms per drafted token, speedup, the search's wall-clock and the chosen skip set, with the load
@@ -36,7 +36,7 @@ def main() -> None:
     parser.add_argument("--draft-len", type=int, default=6)
     parser.add_argument("--search-prompts", type=int, default=8)
     parser.add_argument("--confirm-prompts", type=int, default=3)
-    parser.add_argument("--prompts", default="heldout-mix")
+    parser.add_argument("--prompts", default="test")
     parser.add_argument("--num-prompts", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=float, default=0.6, help="draft exit's starting gamma in the search")

@@ -3,9 +3,10 @@
     python -m benchmarks.main_job summarize --run checkpoints/quickstart-smollm2 --draft-len 2
     python -m benchmarks.main_job repeats --out checkpoints/quickstart-smollm2/bench-main-job TAG...
 
-summarize: the quickstart's final table: each checkpoint evaluation of the run (metrics.jsonl: lookups first, then
-the EAGLE-3 drafter's siblings) and the three evaluations the quickstart runs after training (drafter-alone.json,
-prompt-lookup.json, corpus-lookup.json: where the gain comes from); writes benchmarks/results/main_job.json.
+summarize: the quickstart's final table, all on the test split: the product at the `best` checkpoint (product.json:
+lookups first, then the EAGLE-3 drafter's siblings; `best` was picked on the dev split during training) and the three
+evaluations that show where the gain comes from (drafter-alone.json, prompt-lookup.json, corpus-lookup.json);
+writes benchmarks/results/main_job.json.
 repeats: the table of benchmarks/main_job_repeats.sh (the same decoders evaluated several times, interleaved:
 medians and ranges); writes benchmarks/results/main_job_repeats.json.
 """
@@ -17,12 +18,12 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.common import (DEV_NOTE, OUR_BASELINE, RESULTS_DIR, evaluation_split, load_average, markdown_table,
-                               median, read_jsonl, write_result)
+from benchmarks.common import (OUR_BASELINE, RESULTS_DIR, dev_note, evaluation_split, load_average, markdown_table,
+                               median, write_result)
 
 PRODUCT = "lookups, then EAGLE-3 (the product)"
 # the quickstart's evaluations after training: file name -> label
-BASELINES = (("drafter-alone", "EAGLE-3 alone (final checkpoint)"),
+BASELINES = (("drafter-alone", "EAGLE-3 alone (best checkpoint)"),
              ("prompt-lookup", "prompt lookup alone (no training)"),
              ("corpus-lookup", "prompt + corpus lookup (no drafter)"))
 SUMMARY_COLUMNS = ["decoder", "step", "tau", "acceptance", "speedup"]
@@ -33,18 +34,20 @@ SUMMARY_COLUMNS = ["decoder", "step", "tau", "acceptance", "speedup"]
 
 
 def summary_rows(run: Path) -> list[list]:
-    """[decoder, step, tau, acceptance, speedup] per checkpoint evaluation, then per evaluation after training."""
-    rows = [[PRODUCT, r["step"], r["eval/tau"], r["eval/acceptance_rate"], r["eval/speedup"]]
-            for r in read_jsonl(run / "metrics.jsonl") if "eval/tau" in r]
+    """[decoder, step, tau, acceptance, speedup]: the product at the `best` checkpoint, then the evaluations that
+    take it apart (no step)."""
+    product = json.loads((run / "product.json").read_text())
+    best = int((run / "best").resolve().name.removeprefix("step-"))
+    rows = [[PRODUCT, best, product["tau"], product["acceptance_rate"], product["speedup"]]]
     for name, label in BASELINES:
         m = json.loads((run / f"{name}.json").read_text())
         rows.append([label, None, m["tau"], m["acceptance_rate"], m["speedup"]])
     return rows
 
 
-def summary_text(rows: list[list], draft_len: int) -> str:
+def summary_text(rows: list[list], draft_len: int, split: str) -> str:
     """The table the quickstart prints at its end (its columns and spacing are what users have seen since)."""
-    lines = [f"\nheld-out prompts (8 task categories), greedy, {draft_len} drafts per pass (the drafter's as siblings)",
+    lines = [f"\n{split}, greedy, {draft_len} drafts per pass (the drafter's as siblings)",
              "                                         step   tau    acceptance  speedup"]
     for label, step, tau, acceptance, speedup in rows:
         if step is not None:
@@ -57,18 +60,19 @@ def summary_text(rows: list[list], draft_len: int) -> str:
 def summarize(args) -> None:
     run = Path(args.run)
     rows = summary_rows(run)
-    print(summary_text(rows, args.draft_len))
     last = json.loads((run / "corpus-lookup.json").read_text())  # evaluated last, with the job's eval settings
+    split = evaluation_split(last, args.num_prompts)
+    print(summary_text(rows, args.draft_len, split))
     config = last.get("config", {})
     new_tokens = config.get("eval", {}).get("max_new_tokens", 48)
     write_result(
         "main_job", results_dir=Path(args.results_dir), command=args.command, columns=SUMMARY_COLUMNS, rows=rows,
         title="The main job: EAGLE-3 behind prompt and corpus lookup on SmolLM2-135M",
         question="How much faster than plain decoding does the quickstart's product decode, and where does the gain "
-                 "come from?", split=evaluation_split(last, args.num_prompts), machine=last.get("machine"),
+                 "come from?", split=split, machine=last.get("machine"),
         baseline=OUR_BASELINE.format(kernels=config.get("target", {}).get("cpu_kernels", "auto")),
         notes=f"Greedy, {args.draft_len} drafts per verify pass (the drafter's as siblings), {new_tokens} new tokens "
-              "per prompt; one evaluation each, not repeated. " + DEV_NOTE)
+              "per prompt; one evaluation each, not repeated; `best` was picked on the dev split." + dev_note(split))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -104,15 +108,16 @@ def repeats(args) -> None:
     print(f"load average at the end: {load_average():.2f}")
     print(markdown_table(REPEATS_COLUMNS, rows))
     first = json.loads(next(out.glob(f"{args.tags[0]}-[0-9]*.json")).read_text())
+    split = evaluation_split(first)
     write_result(
-        "main_job_repeats", results_dir=Path(args.results_dir), command=args.command, split=evaluation_split(first),
+        "main_job_repeats", results_dir=Path(args.results_dir), command=args.command, split=split,
         title="The main job's decoders, repeated",
         question="How do the main job's drafter and lookups compare, each alone and combined, over repeated "
                  "interleaved evaluations?",
         baseline=OUR_BASELINE.format(kernels="of each row's setting") + "; 'over plain on default kernels': plain "
                  "decoding on PyTorch's stock kernels (target.cpu_kernels=default)",
         columns=REPEATS_COLUMNS, rows=rows, machine=first.get("machine"),
-        notes=f"{len(list(out.glob(f'{args.tags[0]}-[0-9]*.json')))} repeats per decoder. " + DEV_NOTE)
+        notes=f"{len(list(out.glob(f'{args.tags[0]}-[0-9]*.json')))} repeats per decoder." + dev_note(split))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 
 from drafter_train.cpu_kernels import CPU_KERNELS
@@ -22,6 +22,8 @@ TREE_BRANCHING = ("topk", "iid")
 # run's own only.
 BASELINE_KERNELS = ("all", "same")
 DATAGEN_BACKENDS = ("hf", "vllm")
+# eval.overlap: what an evaluation prompt that overlaps the training data does (data/overlap.py).
+OVERLAP_MODES = ("warn", "refuse", "off")
 _EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
 EXPORT_FORMATS = ("hf", "vllm", "sglang")
 DTYPES = ("float32", "bfloat16")
@@ -262,6 +264,13 @@ class EvalConfig:
     prompts: Optional[str] = None
     # Column holding the prompt text in json/jsonl files (first of prompt/text/instruction/question if None).
     prompt_field: Optional[str] = None
+    # Before evaluating, the prompts are checked against the training data (train.data_dir; for drafter-eval the
+    # data_dir recorded in the drafter's run folder), the lookup corpora and eval.overlap_with (data/overlap.py):
+    # warn = one line with the count of overlapping prompts, also kept in metrics.json; refuse = that line as an
+    # error; off = no check.
+    overlap: str = "warn"
+    # More drafter-datagen folders whose prompts and answers the evaluation prompts must not overlap.
+    overlap_with: List[str] = field(default_factory=list)
     # Where metrics.json is written; unset: metrics.json in the Hydra job's output folder (so each job of a
     # `drafter-eval -m` sweep writes its own), or in the current folder outside Hydra.
     output: Optional[str] = None
@@ -298,6 +307,7 @@ class EvalConfig:
         check_field(self.warmup >= 0, "eval.warmup", f"must be >= 0, got {self.warmup}")
         check_field(self.baseline_kernels in BASELINE_KERNELS, "eval.baseline_kernels",
                     f"must be one of {BASELINE_KERNELS}, got {self.baseline_kernels!r}")
+        check_field(self.overlap in OVERLAP_MODES, "eval.overlap", f"must be one of {OVERLAP_MODES}, got {self.overlap!r}")
         self.tree.check_size(self.tree_depth)
         if self.tree.enabled:
             check_field(self.verify != "specdec", "eval.verify", "specdec verifies chains only: unset eval.tree.top_k, or "
@@ -418,6 +428,9 @@ class DatagenConfig:
     # drafter_train: `pip install drafter-train[vllm]`); else e.g. the venv built by scripts/setup_vllm.sh.
     vllm_python: Optional[str] = None
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
+    # Evaluation prompt files (shipped split names such as dev and test, or paths): source prompts equal to one of
+    # theirs or sharing a long run of words with one (data/overlap.py) are dropped, counted in datagen.json.
+    exclude: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "batch_size", "shard_size"):

@@ -44,6 +44,7 @@ def _data_folders(cfg) -> list[tuple[str, Optional[str]]]:
         folders.append(("train.data_dir", cfg.train.data_dir))
     if hasattr(cfg, "eval"):
         folders.append(("eval.lookup.corpus.path", cfg.eval.lookup.corpus.path))
+        folders += [("eval.overlap_with", folder) for folder in cfg.eval.overlap_with]
     corpus = getattr(getattr(cfg, "drafter", None), "corpus", None)
     if corpus is not None:
         folders.append(("drafter.corpus.path", corpus.path))

@@ -3,8 +3,9 @@
 #   1. datagen: the target answers 800 ShareGPT prompts itself; the answers are the training data and the corpus
 #      of corpus lookup,
 #   2. train: an EAGLE-3 drafter on the target's distribution over those answers, its features cached once,
-#   3. evaluate: each checkpoint decodes held-out prompts with prompt lookup, then corpus lookup, then the
-#      drafter's top DRAFT_LEN tokens as siblings (the product); then the drafter alone and the lookups alone,
+#   3. evaluate: each checkpoint decodes the dev split's prompts with prompt lookup, then corpus lookup, then the
+#      drafter's top DRAFT_LEN tokens as siblings (the product), which picks `best`; then, on the test split (never
+#      used for choosing), the product at `best`, the drafter alone and the lookups alone,
 #   4. summarize: one table of tau, acceptance and speedup over plain decoding, also written to
 #      benchmarks/results/main_job.json.
 # Why these settings: benchmarks/README.md ("The main job's settings"). Rerunning continues where it stopped.
@@ -21,8 +22,9 @@ done
 DATA=${DATA:-data/quickstart-smollm2}
 RUN=${RUN:-quickstart-smollm2}
 DRAFT_LEN=${DRAFT_LEN:-2}
-PROMPTS=(eval.prompts=heldout-mix eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48
-         eval.draft_len=$DRAFT_LEN)
+SETTINGS=(eval.num_prompts=${EVAL_PROMPTS:-16} eval.max_new_tokens=48 eval.draft_len=$DRAFT_LEN)
+DEV=(eval.prompts=dev "${SETTINGS[@]}")  # chooses `best`
+TEST=(eval.prompts=test "${SETTINGS[@]}")  # reports
 TREE=(eval.tree.top_k=$DRAFT_LEN eval.tree.depth=1 eval.tree.total_tokens=$DRAFT_LEN)
 LOOKUPS=(eval.lookup.min_ngram=2 eval.lookup.corpus.path="$DATA")
 drafter-datagen datagen.num_prompts=${NUM_PROMPTS:-800} datagen.num_eval_prompts=8 datagen.batch_size=32 \
@@ -30,11 +32,13 @@ drafter-datagen datagen.num_prompts=${NUM_PROMPTS:-800} datagen.num_eval_prompts
 drafter-train train.data_dir="$DATA" train.run_name=$RUN drafter=eagle3 drafter.features=offline \
   drafter.draft_vocab_size=4096 drafter.ttt_steps=1 loss=fkl train.max_steps=${STEPS:-600} \
   train.save_every=${SAVE_EVERY:-300} train.log_every=10 train.batch_size=8 train.lr=2e-3 train.warmup_steps=20 \
-  train.eval_at_start=false "${PROMPTS[@]}" "${TREE[@]}" "${LOOKUPS[@]}" "$@"
-drafter-eval drafter=path drafter.path="checkpoints/$RUN/latest/drafter" "${PROMPTS[@]}" "${TREE[@]}" \
+  train.eval_at_start=false "${DEV[@]}" "${TREE[@]}" "${LOOKUPS[@]}" "$@"
+drafter-eval drafter=path drafter.path="checkpoints/$RUN/best/drafter" "${TEST[@]}" "${TREE[@]}" "${LOOKUPS[@]}" \
+  eval.output="checkpoints/$RUN/product.json" > "checkpoints/$RUN/product.log" 2>&1
+drafter-eval drafter=path drafter.path="checkpoints/$RUN/best/drafter" "${TEST[@]}" "${TREE[@]}" \
   eval.output="checkpoints/$RUN/drafter-alone.json" > "checkpoints/$RUN/drafter-alone.log" 2>&1
-drafter-eval drafter=ngram drafter.min_ngram=2 "${PROMPTS[@]}" eval.output="checkpoints/$RUN/prompt-lookup.json" \
+drafter-eval drafter=ngram drafter.min_ngram=2 "${TEST[@]}" eval.output="checkpoints/$RUN/prompt-lookup.json" \
   > "checkpoints/$RUN/prompt-lookup.log" 2>&1
-drafter-eval drafter=ngram drafter.min_ngram=2 drafter.corpus.path="$DATA" "${PROMPTS[@]}" \
+drafter-eval drafter=ngram drafter.min_ngram=2 drafter.corpus.path="$DATA" "${TEST[@]}" \
   eval.output="checkpoints/$RUN/corpus-lookup.json" > "checkpoints/$RUN/corpus-lookup.log" 2>&1
 python3 -m benchmarks.main_job summarize --run "checkpoints/$RUN" --draft-len "$DRAFT_LEN" --command "$COMMAND"

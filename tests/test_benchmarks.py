@@ -8,22 +8,24 @@ import json
 import pytest
 
 from benchmarks import main_job, make_results
-from benchmarks.common import write_result
+from benchmarks.common import dev_note, split_name, write_result
 
 MACHINE = {"cpu": "Test CPU", "torch_threads": 2, "load_average": [1.5, 1.0, 0.5]}
 
 
 def fake_run(root):
-    """A run folder as the quickstart leaves it: two checkpoint evaluations and the three evaluations after."""
+    """A run folder as the quickstart leaves it: two checkpoints (`best` the first) and, on the test split, the
+    product at `best` and the three evaluations that take it apart."""
     run = root / "checkpoints" / "quick"
-    run.mkdir(parents=True)
+    (run / "step-300").mkdir(parents=True)
+    (run / "best").symlink_to("step-300")
     rows = [{"step": 10, "train/loss": 3.0},
             {"step": 300, "eval/tau": 1.25, "eval/acceptance_rate": 0.125, "eval/speedup": 1.0625},
             {"step": 600, "eval/tau": 1.5, "eval/acceptance_rate": 0.25, "eval/speedup": 1.125}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = {"eval": {"prompts": "heldout-mix", "num_prompts": 16, "max_new_tokens": 48},
+    config = {"eval": {"prompts": "test", "num_prompts": 16, "max_new_tokens": 48},
               "target": {"cpu_kernels": "auto"}}
-    for name, tau in (("drafter-alone", 1.1), ("prompt-lookup", 1.2), ("corpus-lookup", 1.3)):
+    for name, tau in (("product", 1.4), ("drafter-alone", 1.1), ("prompt-lookup", 1.2), ("corpus-lookup", 1.3)):
         (run / f"{name}.json").write_text(json.dumps({"tau": tau, "acceptance_rate": tau - 1, "speedup": tau - 0.05,
                                                       "machine": MACHINE, "config": config}))
     return run
@@ -33,23 +35,31 @@ def test_main_job_summary_prints_the_quickstart_table_and_writes_its_result_file
     run = fake_run(tmp_path)
     main_job.main(["summarize", "--run", str(run), "--draft-len", "2", "--results-dir", str(tmp_path / "results")])
     assert capsys.readouterr().out == (
-        "\nheld-out prompts (8 task categories), greedy, 2 drafts per pass (the drafter's as siblings)\n"
+        "\ntest split, first 16 prompts, greedy, 2 drafts per pass (the drafter's as siblings)\n"
         "                                         step   tau    acceptance  speedup\n"
-        "lookups, then EAGLE-3 (the product)       300  1.250  0.125       1.062\n"
-        "lookups, then EAGLE-3 (the product)       600  1.500  0.250       1.125\n"
-        "EAGLE-3 alone (final checkpoint)                1.100  0.100       1.050\n"
+        "lookups, then EAGLE-3 (the product)       300  1.400  0.400       1.350\n"
+        "EAGLE-3 alone (best checkpoint)                 1.100  0.100       1.050\n"
         "prompt lookup alone (no training)               1.200  0.200       1.150\n"
         "prompt + corpus lookup (no drafter)             1.300  0.300       1.250\n")
     result = json.loads((tmp_path / "results" / "main_job.json").read_text())
     assert result["columns"] == ["decoder", "step", "tau", "acceptance", "speedup"]
-    assert result["rows"][1] == ["lookups, then EAGLE-3 (the product)", 600, 1.5, 0.25, 1.125]
-    assert result["rows"][2] == ["EAGLE-3 alone (final checkpoint)", None, 1.1, pytest.approx(0.1), pytest.approx(1.05)]
-    assert len(result["rows"]) == 5
-    assert result["split"].startswith("heldout-mix, first 16 prompts (dev)")
+    assert result["rows"][0] == ["lookups, then EAGLE-3 (the product)", 300, 1.4, pytest.approx(0.4),
+                                 pytest.approx(1.35)]
+    assert result["rows"][1] == ["EAGLE-3 alone (best checkpoint)", None, 1.1, pytest.approx(0.1), pytest.approx(1.05)]
+    assert len(result["rows"]) == 4
+    assert result["split"] == "test split, first 16 prompts"
     assert "plain decoding" in result["baseline"] and "cpu_kernels=auto" in result["baseline"]
-    assert "choose" in result["notes"]  # says that the dev prompts also chose the recipes
+    assert "picked on the dev split" in result["notes"] and "choose" not in result["notes"]  # test: no dev caveat
     assert result["command"] == "bash scripts/quickstart.sh" and result["machine"] == MACHINE
     assert result["title"] and result["question"] and result["date"]
+
+
+@pytest.mark.parametrize("prompts, split", [("test", "test split, first 16 prompts"),
+                                            ("heldout-mix", "dev split, first 16 prompts"),
+                                            ("my.jsonl", "my.jsonl, first 16 prompts")])
+def test_result_files_name_the_shipped_splits(prompts, split):
+    assert split_name(prompts, 16) == split
+    assert bool(dev_note(split)) == split.startswith("dev")
 
 
 def fake_result(results, name, title, rows):

@@ -34,7 +34,7 @@ def wheel_venv(tmp_path_factory) -> Path:
     wheel = next((root / "dist").glob("drafter_train-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "drafter_train/conf/train.yaml" in names and "drafter_train/conf/drafter/eagle3.yaml" in names
-    assert "drafter_train/prompts/heldout-mix.jsonl" in names
+    assert {"drafter_train/prompts/dev.jsonl", "drafter_train/prompts/test.jsonl"} <= set(names)
     env_dir = root / "venv"
     venv.create(env_dir, system_site_packages=True, with_pip=False)
     installed = run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install", "-q",

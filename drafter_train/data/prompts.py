@@ -66,6 +66,10 @@ _SUFFIXES = (".json", ".jsonl", ".txt")
 TEXT_COLUMNS = ("prompt", "text", "instruction", "question")
 # Optional column naming each prompt's task category (chat, code, ...): the evaluator reports per category.
 CATEGORY_COLUMN = "category"
+# The shipped splits (drafter_train/prompts/README.md): dev chooses recipes, decoders and `best`; test only reports.
+DEV, TEST = "dev", "test"
+# Older names of shipped sets, kept so earlier commands still run: heldout-mix was the dev split's first name.
+ALIASES = {"heldout-mix": DEV}
 
 
 def load_prompts(path: Optional[str], num_prompts: int, field: Optional[str] = None) -> list[str]:
@@ -101,16 +105,37 @@ def read_prompt_table(path: str, section: str, suffixes: Sequence[str] = tuple(B
 
 
 def shipped_prompts(path: str) -> Optional[Path]:
-    """The package's own prompt set `path` names (`heldout-mix`, `heldout-mix.jsonl` or `prompts/heldout-mix.jsonl`)
-    when no such local file exists; None otherwise. Shipped sets travel inside the package (package data), so a
-    command names them the same way from a checkout, a wheel or any working directory."""
+    """The package's own prompt set `path` names (`dev`, `dev.jsonl` or `prompts/dev.jsonl`; `heldout-mix` is the
+    dev split's old name) when no such local file exists; None otherwise. Shipped sets travel inside the package
+    (package data), so a command names them the same way from a checkout, a wheel or any working directory."""
     if Path(path).expanduser().exists():
         return None
     name = Path(path).name
+    name = ALIASES.get(Path(name).stem, Path(name).stem) + Path(name).suffix
     for candidate in (PROMPTS_DIR / name, PROMPTS_DIR / f"{name}.jsonl"):
         if candidate.is_file() and (Path(path).parent in (Path("."), Path("prompts"))):
             return candidate
     return None
+
+
+def split_name(path: Optional[str]) -> str:
+    """How results name the prompts they ran on: `dev` or `test` for the shipped splits (whatever name or path
+    reached them), `builtin` for the built-in set, else the path as given."""
+    if path is None:
+        return "builtin"
+    file = (shipped_prompts(path) or Path(path).expanduser()).resolve()
+    for split in (DEV, TEST):
+        if file == (PROMPTS_DIR / f"{split}.jsonl").resolve():
+            return split
+    return path
+
+
+def refuse_test_split(path: Optional[str], option: str, chooser: str) -> None:
+    """Anything that chooses (calibration, `best`, the layer-skip search's confirmation) must never read the test
+    split: figures reported on it would then be tuned to it. One line naming the option."""
+    if path is not None and split_name(path) == TEST:
+        raise ConfigError(f"{option}: {chooser} chooses, and the test split only reports; choose on {option}={DEV} "
+                          "and evaluate the choice on test with drafter-eval")
 
 
 def check_prompt_file(path: str, section: str) -> None:

@@ -11,13 +11,14 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Optional
 
 import datasets
 from transformers import PreTrainedTokenizerBase
 
 from drafter_train.config import DatagenConfig
-from drafter_train.data.prompts import BUILDERS, TEXT_COLUMNS, column_texts, find_column, read_prompt_table
+from drafter_train.data.overlap import OverlapIndex
+from drafter_train.data.prompts import BUILDERS, TEXT_COLUMNS, column_texts, find_column, load_prompts, read_prompt_table
 from drafter_train.data.sharegpt import load_sharegpt_pairs, sharegpt_source
 from drafter_train.errors import ConfigError
 from drafter_train.targets import encode_prompt
@@ -70,6 +71,19 @@ def open_source(cfg: DatagenConfig) -> Iterator[tuple[str, str]]:
     return iter(zip(texts, refs))
 
 
+def exclusion_index(cfg: DatagenConfig) -> Optional[OverlapIndex]:
+    """The prompts of datagen.exclude's evaluation files, indexed once (None when it names none)."""
+    if not cfg.exclude:
+        return None
+    texts = []
+    for path in cfg.exclude:
+        try:
+            texts += load_prompts(path, 1 << 62)
+        except ConfigError as err:  # the prompt reader names eval.prompts: name the option that gave the file
+            raise ConfigError(f"datagen.exclude: {str(err).split(': ', 1)[-1]}") from None
+    return OverlapIndex(texts)
+
+
 def _is_local(prompts: str) -> bool:
     """Existing paths and anything with a prompt-file suffix are local (a typo must not become a hub look-up)."""
     path = Path(prompts).expanduser()
@@ -93,15 +107,21 @@ def select_prompts(
     tokenizer: PreTrainedTokenizerBase,
     cfg: DatagenConfig,
     chat_template: bool,
+    exclude: Optional[OverlapIndex] = None,
 ) -> Selection:
-    """Walk the source in order, dropping empty, duplicate (same stripped text) and too-long prompts, BEFORE the
-    split: the first ``num_eval_prompts`` survivors are the evaluation prompts, the next ``num_prompts`` the
-    training prompts. Dropping first keeps the split fixed-size; de-duplicating keeps eval text out of training."""
+    """Walk the source in order, dropping empty, duplicate (same stripped text), excluded (overlapping an evaluation
+    file of datagen.exclude: exact or a shared long run of words) and too-long prompts, BEFORE the split: the first
+    ``num_eval_prompts`` survivors are the evaluation prompts, the next ``num_prompts`` the training prompts.
+    Dropping first keeps the split fixed-size; de-duplicating keeps eval text out of training."""
     selection, seen = Selection(), set()
+    if exclude is not None:
+        selection.skipped["excluded"] = 0
     wanted = cfg.num_eval_prompts + cfg.num_prompts
     for text, reference in pairs:
         text = text.strip()
         reason = "empty" if not text else "duplicate" if text in seen else None
+        if reason is None and exclude is not None and (exclude.exact_matches(text) or exclude.shared_ngrams(text)):
+            reason = "excluded"
         prompt_ids = encode_prompt(tokenizer, text, chat_template) if reason is None else []
         if reason is None and len(prompt_ids) > cfg.max_prompt_tokens:
             reason = "too_long"

@@ -26,9 +26,17 @@ def load_training_data(cfg: TrainJobConfig, tokenizer):
     return data, column
 
 
+def eval_prompts_path(cfg: TrainJobConfig) -> str:
+    """Where a run's checkpoints are evaluated: eval.prompts (the dev split by default, conf/train.yaml), else the
+    prompts drafter-datagen split off before training."""
+    return cfg.eval.prompts or str(Path(cfg.train.data_dir) / "eval_prompts.jsonl")
+
+
+def eval_prompt_texts(cfg: TrainJobConfig) -> list[str]:
+    return [text for text, _ in load_prompt_records(eval_prompts_path(cfg), cfg.eval.num_prompts, cfg.eval.prompt_field)]
+
+
 def eval_prompt_ids(cfg: TrainJobConfig, tokenizer) -> tuple[list[list[int]], list]:
-    """Held-out prompts (token ids, and task categories where the file has them): eval.prompts if set, else the ones
-    drafter-datagen split off before training."""
-    path = cfg.eval.prompts or str(Path(cfg.train.data_dir) / "eval_prompts.jsonl")
-    records = load_prompt_records(path, cfg.eval.num_prompts, cfg.eval.prompt_field)
+    """Held-out prompts (token ids, and task categories where the file has them), from eval_prompts_path."""
+    records = load_prompt_records(eval_prompts_path(cfg), cfg.eval.num_prompts, cfg.eval.prompt_field)
     return [encode_prompt(tokenizer, text, cfg.target.chat_template) for text, _ in records], [c for _, c in records]

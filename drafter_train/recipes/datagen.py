@@ -26,7 +26,8 @@ from drafter_train.recipes.cli import register_configs
 from drafter_train.preflight import check_inputs
 from drafter_train.recipes.cli import one_line_errors
 from drafter_train.data.generation import Continuation, HFBackend
-from drafter_train.data.sources import Selection, TrainPrompt, open_source, select_prompts, source_name
+from drafter_train.data.sources import (Selection, TrainPrompt, exclusion_index, open_source, select_prompts,
+                                        source_name)
 from drafter_train.data.store import (FORMAT, DatagenStore, features, load_distill_dataset, load_eval_prompts, shard_name,
                                       tokenizer_fingerprint)
 from drafter_train.data.vllm_backend import VllmBackend
@@ -60,9 +61,10 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     settings = data_settings(cfg)
     store.check_settings(settings)
     pairs = open_source(dg)  # a missing or empty prompt file fails here, also before the target
+    exclude = exclusion_index(dg)  # so does a bad datagen.exclude file
     check_inputs(cfg)  # the target's path, before it loads
     backend = open_backend(cfg)
-    selection = select_prompts(pairs, backend.tokenizer, dg, cfg.target.chat_template)
+    selection = select_prompts(pairs, backend.tokenizer, dg, cfg.target.chat_template, exclude)
     settings["prompts"]["sha256"] = selection.fingerprint()
     store.check_settings(settings)  # same source name, different content: refuse too
     store.start(_manifest(cfg, settings, selection, backend), selection.eval_prompts)
@@ -93,6 +95,8 @@ def data_settings(cfg: DatagenJobConfig) -> dict:
     generation = {k: getattr(dg, k) for k in names}
     prompts = {k: getattr(dg, k) for k in ("prompt_field", "response_field", "num_eval_prompts", "num_prompts")}
     prompts.update(source=source_name(dg), max_prompt_tokens=dg.max_prompt_tokens, shard_size=dg.shard_size)
+    if dg.exclude:  # only when set: folders written before the option still resume
+        prompts["exclude"] = list(dg.exclude)
     target = dict(model_identity(cfg.target), chat_template=cfg.target.chat_template)
     return {"format": FORMAT, "target": target, "generation": generation, "prompts": prompts}
 

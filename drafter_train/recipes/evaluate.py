@@ -23,7 +23,8 @@ from drafter_train.recipes.cli import register_configs
 from drafter_train.cpu_kernels import row_policy
 from drafter_train.preflight import check_inputs
 from drafter_train.recipes.cli import one_line_errors
-from drafter_train.data.prompts import load_prompt_records
+from drafter_train.data.overlap import check_eval_overlap, recorded_data_dir
+from drafter_train.data.prompts import load_prompt_records, refuse_test_split, split_name
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
 from drafter_train.drafters.registry import make_drafter, model_kind
@@ -63,6 +64,9 @@ def metrics_path(cfg: EvalConfig) -> Path:
 def run_eval_job(cfg: EvalJobConfig) -> dict:
     """Load everything named by the config, evaluate, write metrics.json and return the metrics."""
     output = metrics_path(cfg.eval)
+    cal = cfg.eval.calibration
+    if cal.enabled:
+        refuse_test_split(cfg.eval.prompts, "eval.prompts", "eval.calibration")
     _check_writable(output)
     _check_intact(cfg.drafter.path)
     check_inputs(cfg)
@@ -71,12 +75,12 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     check_corpus(cfg.eval.lookup.corpus, tokenizer, "eval.lookup.corpus.path")
     model = load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype)
     drafter = make_drafter(model, cfg.target.cpu_kernels)
-    cal = cfg.eval.calibration
     extra = cal.num_prompts if cal.enabled else 0
     records = load_prompt_records(cfg.eval.prompts, cfg.eval.num_prompts + extra, cfg.eval.prompt_field)
+    eval_cfg, num = cfg.eval, cfg.eval.num_prompts
+    overlap = check_eval_overlap([text for text, _ in records[:num]], cfg, tokenizer, recorded_data_dir(cfg.drafter.path))
     prompt_ids = [encode_prompt(tokenizer, text, cfg.target.chat_template) for text, _ in records]
     eos = eos_token_ids(target, tokenizer)
-    eval_cfg, num = cfg.eval, cfg.eval.num_prompts
     if cal.enabled:  # on the prompts after the evaluated ones when the prompt set has them
         calibration_prompts = prompt_ids[num:] or prompt_ids[: cal.num_prompts]
         candidates, costs = calibrate(target, calibration_prompts, cfg.eval,
@@ -85,6 +89,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     metrics = evaluate_decoding(target, drafter, prompt_ids[:num], eval_cfg, eos,
                                 categories=[c for _, c in records[:num]], kernels=cfg.target.cpu_kernels)
     policy = row_policy(target)
+    metrics.update(split=split_name(cfg.eval.prompts), overlap=overlap)
     metrics.update(target=model_identity(cfg.target), drafter=cfg.drafter.path, drafter_kind=model_kind(model).name,
                    torch_threads=torch.get_num_threads(),
                    machine={**machine_info(target.device, cfg.target.dtype), "cpu_kernels": cfg.target.cpu_kernels,

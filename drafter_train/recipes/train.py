@@ -24,7 +24,9 @@ from drafter_train.config import CONF_DIR, TrainJobConfig
 from drafter_train.preflight import check_inputs
 from drafter_train.recipes.cli import on_main_process, one_line_errors, register_configs
 from drafter_train.data.batches import BatchStream, collate, token_counts
-from drafter_train.data.training_data import eval_prompt_ids, load_training_data
+from drafter_train.data.overlap import check_eval_overlap
+from drafter_train.data.prompts import refuse_test_split, split_name
+from drafter_train.data.training_data import eval_prompt_ids, eval_prompt_texts, eval_prompts_path, load_training_data
 from drafter_train.distributed import (
     full_drafter, load_sharded_state, make_accelerator, optimizer_state, save_sharded_state,
 )
@@ -57,15 +59,15 @@ def next_micro_batches(data, stream: BatchStream, response_key: str, cfg: TrainJ
     return micro
 
 
-def evaluate_checkpoint(cfg, target, model, prompts, eos) -> dict:
+def evaluate_checkpoint(cfg, target, model, prompts, eos, overlap=None) -> dict:
     """Real speculative decoding with the current drafter (full weights, see full_drafter) on the held-out prompts
-    ((ids, categories); main process only)."""
+    ((ids, categories); main process only), naming their split and what the overlap check found."""
     model.eval()
     drafter = make_drafter(model, cfg.target.cpu_kernels)
     metrics = evaluate_decoding(target, drafter, prompts[0], cfg.eval, eos, progress=False, categories=prompts[1],
                                 kernels=cfg.target.cpu_kernels)
     model.train()
-    return metrics
+    return {**metrics, "split": split_name(eval_prompts_path(cfg)), "overlap": overlap}
 
 
 def restore(saved: dict, optimizer, scheduler, stream: BatchStream, state: TrainState) -> None:
@@ -110,6 +112,8 @@ def accumulate_gradients(accelerator, drafter, target, micro: list, cfg: TrainJo
 def train(cfg: TrainJobConfig) -> dict:
     """Train a drafter as configured; returns the last checkpoint's metrics (evaluated on the main process: other ranks
     may get {})."""
+    # `best` (and layer-skip's search) is chosen on the evaluated prompts: never the test split
+    refuse_test_split(cfg.eval.prompts, "eval.prompts", "drafter-train (picking best)")
     fit = resolve_kind(cfg.drafter).fit
     if fit is not None:  # a kind trained otherwise than by gradient descent (layerskip: a search)
         return fit(cfg)
@@ -127,6 +131,7 @@ def train(cfg: TrainJobConfig) -> dict:
     data, response_key = load_training_data(cfg, tokenizer)
     check_corpus(cfg.eval.lookup.corpus, tokenizer, "eval.lookup.corpus.path")
     prompts, eos = eval_prompt_ids(cfg, tokenizer), eos_token_ids(target, tokenizer)
+    overlap = check_eval_overlap(eval_prompt_texts(cfg), cfg, tokenizer, [tcfg.data_dir])
     kind = resolve_kind(cfg.drafter)
     cfg = dataclasses.replace(cfg, drafter=kind_config(cfg.drafter, kind))  # drafter=path: the kind's own fields
     data = kind.prepare_data(cfg, data, response_key, target, tokenizer, accelerator)
@@ -162,7 +167,7 @@ def train(cfg: TrainJobConfig) -> dict:
                 "launch/distributed_type": accelerator.distributed_type.value}, state.step)
 
     def checkpoint_eval(step: int, model) -> dict:
-        metrics = evaluate_checkpoint(cfg, target, model, prompts, eos)
+        metrics = evaluate_checkpoint(cfg, target, model, prompts, eos, overlap)
         row = {"step": step, **{k: metrics[k] for k in ("tau", "acceptance_rate", "speedup")}}
         eval_history.append(row)
         logger.log({f"eval/{k}": v for k, v in metrics.items() if k not in ("per_position_acceptance", "per_category")},

@@ -52,7 +52,9 @@ from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
 from drafter_train.preflight import check_inputs
 from drafter_train.evaluation import evaluate_decoding
-from drafter_train.data.training_data import eval_prompt_ids, load_training_data
+from drafter_train.data.prompts import split_name
+from drafter_train.data.overlap import check_eval_overlap
+from drafter_train.data.training_data import eval_prompt_ids, eval_prompt_texts, eval_prompts_path, load_training_data
 from drafter_train.targets import check_full_cache, eos_token_ids, load_target, model_identity
 from drafter_train.tracking import RunLogger, log_with
 
@@ -208,6 +210,7 @@ def search(cfg: TrainJobConfig) -> dict:
     layers, configured = skippable(num_layers), SkipSet(tuple(sorted(dcfg.skip_attn)), tuple(sorted(dcfg.skip_mlp)))
     new_model(target, configured.attn, configured.mlp)  # checks the configured skip set in one line
     data, response_key = load_training_data(cfg, tokenizer)
+    overlap = check_eval_overlap(eval_prompt_texts(cfg), cfg, tokenizer, [tcfg.data_dir])  # the confirmation's prompts
     records = list(data.select(range(min(dcfg.search_sequences, len(data)))))
     proxy = Proxy(target, records, response_key, dcfg.search_max_tokens, tokenizer.pad_token_id or 0)
     study = open_study(run_dir, tcfg.seed)
@@ -234,7 +237,7 @@ def search(cfg: TrainJobConfig) -> dict:
         bar.update(1)
         bar.set_postfix(proxy=f"{trial.user_attrs['proxy']:.3f}", best=f"{best:.3f}")
     bar.close()
-    metrics = confirm(cfg, target, tokenizer, study, run_dir, logger, eval_prompt_ids(cfg, tokenizer))
+    metrics = confirm(cfg, target, tokenizer, study, run_dir, logger, eval_prompt_ids(cfg, tokenizer), overlap)
     logger.finish()
     return metrics
 
@@ -246,7 +249,8 @@ def best_trials(study: optuna.Study, count: int) -> list:
     return unique[:count]
 
 
-def confirm(cfg: TrainJobConfig, target, tokenizer, study, run_dir: Path, logger: RunLogger, prompts) -> dict:
+def confirm(cfg: TrainJobConfig, target, tokenizer, study, run_dir: Path, logger: RunLogger, prompts,
+            overlap: dict | None = None) -> dict:
     """Decode the best trials for real; save the fastest (measured speedup) as step-<trials> and mark it best."""
     step = len(completed(study))
     final = run_dir / f"step-{step}"
@@ -273,7 +277,8 @@ def confirm(cfg: TrainJobConfig, target, tokenizer, study, run_dir: Path, logger
                             for s, _, t, m in results]}
     model = new_model(target, skips.attn, skips.mlp, gamma, target=model_identity(cfg.target),
                       search=record, **target_fingerprint(target))
-    metrics = {**metrics, "search": record, "skip_attn": list(skips.attn), "skip_mlp": list(skips.mlp)}
+    metrics = {**metrics, "search": record, "skip_attn": list(skips.attn), "skip_mlp": list(skips.mlp),
+               "split": split_name(eval_prompts_path(cfg)), "overlap": overlap}  # confirmed on it (never test)
     logger.log({f"eval/{k}": v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
                step)
     step_dir = save_checkpoint(run_dir, model, tokenizer, {"search": record}, metrics, step)
