@@ -44,15 +44,22 @@ def tiny_data(tmp_path_factory):
     """A tiny target folder, a drafter with a different vocabulary, another target of the same shape, and
     drafter-datagen output for the target
     (prompts.jsonl, data/ with stored top-8 logits and held-out eval prompts)."""
+    from tests.stubs import VOCAB, save_tiny
+
+    root = tmp_path_factory.mktemp("train")
+    save_tiny(tiny_llama(vocab_size=VOCAB + 3, num_layers=1), root / "other_vocab")
+    save_tiny(tiny_llama(vocab_size=VOCAB, num_layers=3, seed=5), root / "other_target")
+    return write_tiny_data(root, tiny_llama(vocab_size=VOCAB, num_layers=3))
+
+
+def write_tiny_data(root: Path, target) -> Path:
+    """`target` saved in root/target, and drafter-datagen output for it in root/data (prompts in root/prompts.jsonl)."""
     from omegaconf import OmegaConf
 
     from drafter_train.recipes.datagen import run_datagen
-    from tests.stubs import SENTENCES, VOCAB, WORDS, compose_cfg, save_tiny
+    from tests.stubs import SENTENCES, WORDS, compose_cfg, save_tiny
 
-    root = tmp_path_factory.mktemp("train")
-    save_tiny(tiny_llama(vocab_size=VOCAB, num_layers=3), root / "target")
-    save_tiny(tiny_llama(vocab_size=VOCAB + 3, num_layers=1), root / "other_vocab")
-    save_tiny(tiny_llama(vocab_size=VOCAB, num_layers=3, seed=5), root / "other_target")
+    save_tiny(target, root / "target")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{s} {w}"}) + "\n" for s in SENTENCES for w in WORDS[:8]))
     datagen = compose_cfg("datagen", [

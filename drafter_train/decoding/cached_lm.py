@@ -20,7 +20,10 @@ class CachedLM:
         self.reset()
 
     def reset(self) -> None:
-        self.cache = DynamicCache(config=self.model.config)
+        # A full cache for every layer, sliding-window ones included (Mistral, Gemma 2/3, gpt-oss): transformers'
+        # sliding layers drop keys past the window and then cannot crop back after a rejection. The window is still
+        # applied, by the attention mask the model builds from its config.
+        self.cache = DynamicCache()
         self.length = 0  # tokens whose keys/values are in the cache
 
     def forward(self, tokens: Tensor, num_logits: int) -> Tensor:

@@ -40,6 +40,7 @@ from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.tree import DraftTree, TreeSpec, build_tree, lookup_tree, verify_inputs
 from drafter_train.decoding.verify import TreeVerifier, Verifier
 from drafter_train.features import tap_for
+from drafter_train.targets import check_full_cache
 
 
 def _clock(device: torch.device) -> float:
@@ -180,6 +181,7 @@ def generate_tree_speculative(
     generator: Optional[torch.Generator] = None,
 ) -> DecodeResult:
     """Speculative decoding of one sequence with a draft tree per target pass (see the module doc)."""
+    check_full_cache(target, "draft trees")  # a tree's own 4-D mask would override a sliding layer's window
     lm, eos = CachedLM(target), set(eos_token_ids)
     chain_len = lookup_len(drafter, spec)
     stats = tree_stats(spec, chain_len)

@@ -29,7 +29,8 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModel, DynamicCache, PretrainedConfig, PreTrainedModel, Qwen3Config
+from transformers import (AutoConfig, AutoModel, DynamicCache, LlamaConfig, PretrainedConfig, PreTrainedModel,
+                          Qwen3Config)
 
 from drafter_train import draft_vocab
 from drafter_train.config import DrafterConfig, TrainJobConfig
@@ -39,6 +40,7 @@ from drafter_train.data.batches import Batch
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.decoding.tree import TreePool
+from drafter_train.drafters.common.backbone import plain_layer_config
 from drafter_train.drafters.common.distill import apply_loss
 from drafter_train.drafters.common import conditioned
 from drafter_train.drafters.dflash import export as dflash_export
@@ -84,31 +86,13 @@ class DFlashConfig(PretrainedConfig):
         return config
 
 
-def has_qk_norm(config: PretrainedConfig) -> bool:
-    """Whether the architecture's attention normalises queries and keys per head (built on the meta device)."""
-    config = copy.deepcopy(config)
-    config.num_hidden_layers = 1
-    if getattr(config, "layer_types", None):
-        config.layer_types = config.layer_types[:1]
-    with torch.device("meta"):
-        return hasattr(AutoModel.from_config(config).layers[0].self_attn, "k_norm")
-
-
 def layer_backbone(target_config: PretrainedConfig, qk_norm: bool) -> dict:
-    """The drafter layers' architecture: the target's, or (qk_norm, on a target without q/k norms) Qwen3 layers of
-    the target's sizes, the layer DFlash, vLLM and SGLang use."""
-    if not qk_norm or has_qk_norm(target_config):
+    """The drafter layers' architecture: Qwen3 layers of the target's sizes (qk_norm: the layer DFlash, vLLM and
+    SGLang use), else Llama layers; a Qwen3 target (qk_norm) or a Llama one (no qk_norm) lends its own config."""
+    own, config_class = ("qwen3", Qwen3Config) if qk_norm else ("llama", LlamaConfig)
+    if target_config.model_type == own:
         return target_config.to_dict()
-    t = target_config
-    return Qwen3Config(vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=t.intermediate_size,
-                       num_hidden_layers=1, num_attention_heads=t.num_attention_heads,
-                       num_key_value_heads=t.num_key_value_heads,
-                       head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
-                       hidden_act=t.hidden_act, max_position_embeddings=t.max_position_embeddings,
-                       initializer_range=t.initializer_range, rms_norm_eps=t.rms_norm_eps,
-                       rope_parameters=dict(t.rope_parameters), attention_bias=getattr(t, "attention_bias", False),
-                       bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id,
-                       pad_token_id=getattr(t, "pad_token_id", None)).to_dict()
+    return plain_layer_config(target_config, config_class)
 
 
 def block_mask(attention_mask: Tensor, anchors: Tensor, size: int, dtype: torch.dtype) -> Tensor:

@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from transformers import AutoConfig, AutoModel, DynamicCache, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, AutoModel, DynamicCache, LlamaConfig, PretrainedConfig, PreTrainedModel
 
 from drafter_train import draft_vocab
 from drafter_train.config import DrafterConfig, TrainJobConfig
@@ -35,6 +35,7 @@ from drafter_train.decoding.draft_exit import draft_confidence
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.decoding.tree import TreePool, attention_mask
+from drafter_train.drafters.common.backbone import plain_layer_config
 from drafter_train.drafters.common.distill import apply_loss
 from drafter_train.drafters.common import conditioned
 from drafter_train.drafters.eagle3 import export as eagle3_export
@@ -72,6 +73,14 @@ class Eagle3Config(PretrainedConfig):
             config.layer_types = config.layer_types[:1]
         config.tie_word_embeddings = False
         return config
+
+
+def layer_backbone(target_config: PretrainedConfig) -> dict:
+    """The drafter layer's architecture: a Llama layer (what vLLM and SGLang serve EAGLE-3 with), the target's own
+    config for a Llama target, else a Llama config of the target's sizes (drafters/common/backbone.py)."""
+    if target_config.model_type == "llama":
+        return target_config.to_dict()
+    return plain_layer_config(target_config, LlamaConfig)
 
 
 def ttt_mask(attention_mask: Tensor, rows: Tensor, step: int, dtype: torch.dtype) -> Tensor:
@@ -183,7 +192,7 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
         vocabulary; fc and the layer freshly initialised."""
         tconfig = target.config
         vocab = target.get_input_embeddings().num_embeddings
-        config = Eagle3Config(backbone=tconfig.to_dict(), target_layers=list(layer_ids),
+        config = Eagle3Config(backbone=layer_backbone(tconfig), target_layers=list(layer_ids),
                               target_num_layers=num_layers(target), target_hidden_size=tconfig.hidden_size,
                               draft_vocab_size=draft_ids.numel(), fc_norm=fc_norm, draft_len=draft_len,
                               vocab_size=vocab, eos_token_id=tconfig.eos_token_id, bos_token_id=tconfig.bos_token_id,

@@ -236,8 +236,9 @@ class NARCaches:
     """Both stacks' context KV caches for ONE sequence and how many context tokens they hold."""
 
     def __init__(self, model: SpecDrafter):
-        self.encoder = DynamicCache(config=model.encoder.config) if model.encoder is not None else None
-        self.decoder = DynamicCache(config=model.decoder.config)
+        # full caches, as the target's (cached_lm.py): a sliding layer's cache cannot be cropped back past its window
+        self.encoder = DynamicCache() if model.encoder is not None else None
+        self.decoder = DynamicCache()
         self.length = 0
 
     def crop(self, length: int) -> None:
