@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
@@ -317,7 +318,8 @@ def print_table(metrics: dict, console: Optional[Console] = None) -> None:
     if metrics.get("out_of_draft_vocab") is not None:
         table.add_row("out_of_draft_vocab", f"{metrics['out_of_draft_vocab']:.3f}")
     for name, numbers in metrics.get("per_category", {}).items():
-        table.add_row(f"[{name}] tau / speedup", f"{numbers['tau']:.3f} / {numbers['speedup']:.3f}")
+        # escaped: rich reads "[name]" as markup and would print nothing of it
+        table.add_row(escape(f"[{name}] tau / speedup"), f"{numbers['tau']:.3f} / {numbers['speedup']:.3f}")
     machine = metrics.get("machine")
     if machine:  # what the speedup was measured on: it depends on the CPU and the kernels chosen for it
         table.add_row("machine", f"{machine['cpu']}, {machine['torch_threads']} threads")

@@ -4,10 +4,12 @@ fields it reports; sampling at the smallest accepted temperature."""
 
 from __future__ import annotations
 
+import io
 import math
 
 import pytest
 import torch
+from rich.console import Console
 from torch import nn
 
 from drafter_train import evaluation
@@ -120,6 +122,11 @@ def test_timing_contract_and_fastest_baseline(auto_target, monkeypatch):
     assert metrics["spec_time_s"] == pytest.approx(1.0 * n)
     assert metrics["speedup"] == pytest.approx(2.0)  # 2 s of the fastest plain decoding over 1 s, same tokens
     assert metrics["speedup_same_kernels"] == pytest.approx(3.0)
+
+    out = io.StringIO()  # the printed table names the baseline and the speculative run's kernels
+    evaluation.print_table({**metrics, "per_category": {"maths": metrics}}, Console(file=out, width=200))
+    assert "plain decoding on onednn kernels, the fastest of auto " in out.getvalue()
+    assert "[maths] tau / speedup" in out.getvalue() and "speculative kernels" in out.getvalue()
 
     # the target is left exactly on its configured kernels: the same layers, the same timed policy object
     after = kernel_state(target)
