@@ -200,7 +200,7 @@ def _metrics_section(info: RunInfo) -> str:
     if not m:
         return "No evaluation was recorded for this checkpoint."
     keys = ("tau", "acceptance_rate", "per_position_acceptance", "speedup", "greedy_match", "spec_tokens_per_s",
-            "ar_tokens_per_s", "draft_len", "verify", "num_prompts", "split", "tokens_generated", "target_forward_passes")
+            "ar_tokens_per_s", "draft_len", "verify", "num_prompts", "tokens_generated", "target_forward_passes")
     evals = info.config.get("eval", {})
     prompts = f"`{public_name(evals['prompts'])}`" if evals.get("prompts") else "held-out prompts"
     cap = f", up to {evals['max_new_tokens']} new tokens each" if "max_new_tokens" in evals else ""
