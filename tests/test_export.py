@@ -45,6 +45,7 @@ def tiny_run(tmp_path_factory):
         f"drafter.draft_len={DRAFT_LEN}", f"train.data_dir={root / 'data'}", f"train.output_root={root / 'runs'}",
         "train.run_name=run", "train.max_steps=3", "train.batch_size=4", "train.save_every=1", "train.keep_last=3",
         "train.lr=3e-3", "train.warmup_steps=0", "eval.num_prompts=1", "eval.max_new_tokens=6", "eval.warmup=0",
+        "eval.prompts=null",  # datagen's held-out prompts in the tiny vocabulary (dev's would be mostly <unk>)
     ])
     run_dir = root / "runs" / "run"
     # What @hydra.main leaves in the run folder (hydra.run.dir = the run folder): the composed config, unresolved.

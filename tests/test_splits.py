@@ -101,11 +101,11 @@ def training_prompt(tiny_data) -> str:
     return load_distill_dataset(tiny_data / "data")[0]["prompt"]
 
 
-def eval_job(tiny_data, tmp_path, prompts: list[str], *overrides: str):
+def eval_job(tiny_data, tmp_path, prompts: list[str], *overrides: str, drafter: str = "drafter=ngram"):
     file = tmp_path / "prompts.txt"
     file.write_text("".join(p + "\n" for p in prompts))
     return OmegaConf.to_object(compose_cfg("eval", [
-        f"target.path={tiny_data / 'target'}", "target.chat_template=false", "drafter=ngram", f"eval.prompts={file}",
+        f"target.path={tiny_data / 'target'}", "target.chat_template=false", drafter, f"eval.prompts={file}",
         f"eval.output={tmp_path / 'metrics.json'}", "eval.max_new_tokens=4", "eval.warmup=0",
         f"eval.num_prompts={len(prompts)}", *overrides,
     ]))
@@ -142,9 +142,15 @@ def train_job(tiny_data, tmp_path, *overrides: str):
 
 
 def test_trainer_checks_its_eval_prompts_against_train_data_dir(tiny_data, tmp_path):
-    metrics = train(train_job(tiny_data, tmp_path / "clean"))  # dev: nothing in common with the tiny data
+    cfg = train_job(tiny_data, tmp_path / "clean")
+    metrics = train(cfg)  # dev: nothing in common with the tiny data
     assert metrics["split"] == "dev" and metrics["overlap"]["count"] == 0
     assert metrics["overlap"]["checked"] == [str(tiny_data / "data")]
+    # drafter-eval of the checkpoint finds the data it was trained on in its run folder's config.yaml
+    best = tmp_path / "clean" / cfg.train.run_name / "best" / "drafter"
+    evaluated = run_eval_job(eval_job(tiny_data, tmp_path, ["happy day and night", training_prompt(tiny_data)],
+                                      drafter=f"drafter.path={best}"))
+    assert evaluated["overlap"]["checked"] == [str(tiny_data / "data")] and evaluated["overlap"]["exact"] == [1]
     file = tmp_path / "overlapping.txt"
     file.write_text(f"happy day and night\n{training_prompt(tiny_data)}\n")
     with pytest.raises(ConfigError, match=r"^eval.overlap: overlap: 1 of 2 eval prompts"):

@@ -123,7 +123,7 @@ def stories_run(stories_path, tmp_path, *overrides: str) -> tuple[dict, float, P
         f"target.path={stories_path}", "target.chat_template=false", "drafter.path=truncated:2",
         f"train.data_dir={tmp_path / 'data'}", f"train.output_root={tmp_path}", "train.max_steps=30",
         "train.batch_size=4", "train.save_every=30", "train.log_every=1", "train.lr=3e-3", "eval.num_prompts=4",
-        "eval.max_new_tokens=32", *overrides,
+        "eval.max_new_tokens=32", "eval.prompts=null", *overrides,  # datagen's held-out stories, not dev's chat
     ]))
     metrics = train(cfg)
     run_dir = tmp_path / cfg.train.run_name

@@ -99,7 +99,8 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
         info = {"machine": machine_info(target.device, cfg.target.dtype), "target": model_identity(cfg.target),
                 "drafter": str(Path(cfg.drafter.path).resolve()) if Path(cfg.drafter.path).exists() else
                 cfg.drafter.path, "drafter_kind": model_kind(model).name, "verify": cfg.eval.verify,
-                "calibration_prompts": "disjoint" if len(prompt_ids) > num else "the evaluated ones"}
+                "calibration_prompts": "disjoint" if len(prompt_ids) > num else "the evaluated ones",
+                "split": metrics["split"]}
         record = calibration_record(candidates, costs, {**metrics, "max_new_tokens": eval_cfg.max_new_tokens}, info)
         path = Path(cal.output) if cal.output else output.parent / "calibration.json"
         path.write_text(json.dumps(record, indent=2))
