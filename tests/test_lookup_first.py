@@ -9,7 +9,7 @@ import torch
 from drafter_train.config import CalibrationConfig, EvalConfig, LookupConfig, TreeConfig
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.decoding.draft_exit import DraftExit, supports_draft_exit
-from drafter_train.decoding.sampling import SamplingParams
+from drafter_train.decoding.sampling import SamplingParams, logits_to_probs
 from drafter_train.decoding.speculative import generate_speculative, generate_tree_speculative
 from drafter_train.decoding.tree import TreeSpec
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier
@@ -18,11 +18,11 @@ from drafter_train.decoding.lookup import LookupFirst, lookup, lookup_first
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
 from drafter_train.recipes.evaluate import evaluate_decoding
-from tests.stubs import BigramLM
+from tests.conftest import tiny_llama
 from tests.test_dflash import random_dflash
 from tests.test_eagle3 import random_eagle3
 from tests.test_layerskip import drafter_for
-from tests.test_sampling_exactness import bigram_marginals, chi2_pvalue, make_bigram_pair
+from tests.test_sampling_exactness import chi2_pvalue
 
 GREEDY = make_verifier("greedy", SamplingParams())
 # Repeats (lookup finds matches) and fresh stretches (it finds none, so the drafter proposes).
@@ -98,32 +98,79 @@ def test_lookup_proposals_are_the_lookup_rule(make_tiny_llama):
             assert proposal.tokens.tolist() == expected and proposal.q_draft is None
 
 
-def sampled_with_lookup_first(min_ngram: int, corpus=None, seed: int = 1234, runs: int = 3000):
-    """Speculative sampling (temperature 1) of 4 tokens, `runs` times, by a bigram target with a bigram drafter behind
-    LookupFirst: (chi-square p-values of each position's counts against the target's exact marginals, lookup
-    proposals, the drafter's own proposals)."""
+VOCAB6, LOOP_PROMPT = 6, [0, 1, 0, 1, 0]  # the prompt repeats, so lookup matches from the first step
+
+
+@torch.inference_mode()
+def enumerate_joint(model, prompt: list[int], num_tokens: int, vocab: int, params: SamplingParams) -> torch.Tensor:
+    """The exact distribution of the first `num_tokens` sampled tokens of a real model, [vocab] * num_tokens, by
+    enumerating every prefix (full forwards, no cache): the reference the decoders' samples are tested against."""
+    prefixes, joint = torch.tensor([prompt]), torch.ones(1, dtype=torch.float64)
+    for _ in range(num_tokens):
+        probs = logits_to_probs(model(prefixes).logits[:, -1], params).double()  # [paths, V]
+        joint = (joint[:, None] * probs).reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(len(prefixes))[:, None]], 1)
+    return joint.reshape([vocab] * num_tokens)
+
+
+def joint_pvalues(samples: torch.Tensor, joint: torch.Tensor) -> dict[str, float]:
+    """Chi-square p-values of sampled sequences [runs, n] against the exact joint: each position's marginal, and the
+    joint of each two consecutive tokens (what a decoder that mixes up its caches across steps gets wrong)."""
+    n, vocab = samples.shape[1], joint.shape[0]
+    pvalues = {}
+    for j in range(n):
+        exact = joint.sum(dim=[d for d in range(n) if d != j])
+        pvalues[f"token {j}"] = chi2_pvalue(torch.bincount(samples[:, j], minlength=vocab), exact)
+    for j in range(n - 1):
+        exact = joint.sum(dim=[d for d in range(n) if d not in (j, j + 1)]).reshape(-1)
+        pairs = samples[:, j] * vocab + samples[:, j + 1]
+        pvalues[f"tokens {j},{j + 1}"] = chi2_pvalue(torch.bincount(pairs, minlength=vocab * vocab), exact)
+    return pvalues
+
+
+def tiny_pair():
+    """A 2-layer tiny Llama target and a 1-layer one as the drafter (another seed), vocabulary 6: real KV caches and
+    positions, which lookup's rejected drafts make the decoder crop (chains) or keep (trees)."""
+    target = tiny_llama(vocab_size=VOCAB6, num_layers=2)
+    return target, tiny_llama(vocab_size=VOCAB6, num_layers=1, seed=3)
+
+
+def sampled_with_lookup_first(min_ngram: int, corpus=None, seed: int = 1234, runs: int = 1500, spec=None,
+                              num_tokens: int = 4):
+    """Speculative sampling (temperature 1), `runs` times, by a tiny Llama target with a tiny Llama drafter
+    behind LookupFirst, chains (or trees of `spec`), `num_tokens` tokens: (chi-square p-values of the samples against the target's exact
+    joint distribution, lookup proposals, the drafter's own proposals)."""
     params = SamplingParams(temperature=1.0)
-    target_table, draft_table = make_bigram_pair()
-    target, draft = BigramLM(target_table), BigramLM(draft_table)
-    num_tokens, prompt = 4, [0, 1, 0, 1, 0]
-    counts = torch.zeros(num_tokens, 6)
+    target, draft = tiny_pair()
     generator = torch.Generator().manual_seed(seed)
     drafter = LookupFirst(make_drafter(draft), min_ngram, 3, corpus)
-    looked = drafted = 0
-    for _ in range(runs):
-        out = generate_speculative(target, drafter, prompt, 3, make_verifier("sample", params), num_tokens, params,
-                                   generator=generator)
-        counts[torch.arange(num_tokens), torch.tensor(out.tokens)] += 1
-        looked += out.stats.lookup_proposals
-        drafted += out.stats.proposals - out.stats.lookup_proposals
-    exact = bigram_marginals(target_table, prompt[-1], params, num_tokens)  # a bigram target: the last token
-    return [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)], looked, drafted
+    if spec is None:
+        verifier = make_verifier("sample", params)
+        decode = lambda: generate_speculative(target, drafter, LOOP_PROMPT, 3, verifier, num_tokens, params,  # noqa: E731
+                                              generator=generator)
+    else:
+        verifier = make_tree_verifier("sample", params)
+        decode = lambda: generate_tree_speculative(target, drafter, LOOP_PROMPT, spec, verifier,  # noqa: E731
+                                                   num_tokens, params, generator=generator)
+    samples, looked, drafted = torch.zeros(runs, num_tokens, dtype=torch.long), 0, 0
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny forwards: threads only cost, ~40x on a busy 2-core machine
+    try:
+        for run in range(runs):
+            out = decode()
+            samples[run] = torch.tensor(out.tokens)
+            looked += out.stats.lookup_proposals
+            drafted += out.stats.proposals - out.stats.lookup_proposals
+    finally:
+        torch.set_num_threads(threads)
+    joint = enumerate_joint(target, LOOP_PROMPT, num_tokens, VOCAB6, params)
+    return joint_pvalues(samples, joint), looked, drafted
 
 
 def test_speculative_sampling_with_lookup_first_matches_the_target_distribution():
     pvalues, looked, drafted = sampled_with_lookup_first(1)
     assert looked > 100 and drafted > 100  # both sources proposed, each with its own q (one-hot / the drafter's)
-    assert min(pvalues) > 1e-3, pvalues
+    assert min(pvalues.values()) > 1e-3, pvalues
 
 
 def test_draft_exit_adapts_to_the_drafters_proposals_only(make_tiny_llama):
@@ -238,26 +285,12 @@ def test_greedy_trees_with_lookup_first_are_lossless_and_lookup_chains_replace_t
 
 def test_tree_sampling_with_lookup_first_matches_the_target_distribution():
     """Lookup chains (deterministic nodes: q one-hot) and the drafter's topk trees, verified by recursive rejection
-    sampling: each position's tokens follow the target's exact marginals."""
-    params = SamplingParams(temperature=1.0)
-    target_table, draft_table = make_bigram_pair()
-    target, draft = BigramLM(target_table), BigramLM(draft_table)
-    num_tokens, prompt = 4, [0, 1, 0, 1, 0]
-    counts = torch.zeros(num_tokens, 6)
-    generator = torch.Generator().manual_seed(99)
-    drafter = LookupFirst(make_drafter(draft), 1, 3)
-    verifier = make_tree_verifier("sample", params)
-    looked = drafted = 0
-    for _ in range(3000):
-        out = generate_tree_speculative(target, drafter, prompt, TreeSpec(2, 2, 3), verifier, num_tokens, params,
-                                        generator=generator)
-        counts[torch.arange(num_tokens), torch.tensor(out.tokens)] += 1
-        looked += out.stats.lookup_proposals
-        drafted += out.stats.proposals - out.stats.lookup_proposals
+    sampling: the sampled tokens follow the target's exact distribution, each position and each consecutive pair.
+    Three siblings, and lookup from 2-grams only, so that many steps accept a path through a later sibling, whose
+    cache rows must be kept (moved down), not the first ones."""
+    pvalues, looked, drafted = sampled_with_lookup_first(2, seed=99, spec=TreeSpec(3, 1, 3), num_tokens=5)
     assert looked > 100 and drafted > 100
-    exact = bigram_marginals(target_table, prompt[-1], params, num_tokens)
-    pvalues = [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)]
-    assert min(pvalues) > 1e-3, pvalues
+    assert min(pvalues.values()) > 1e-3, pvalues
 
 
 def test_tree_evaluation_with_lookup_first_counts_lookup_steps(make_tiny_llama):
