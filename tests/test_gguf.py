@@ -1,5 +1,5 @@
-"""llama.cpp: the norm_before_fc EAGLE-3 variant (the layout stock llama.cpp runs), export.format=gguf and its
-refusals.
+"""llama.cpp: the norm_before_fc EAGLE-3 variant (the layout stock llama.cpp runs; its lossless decoding is in
+test_eagle3.py with the other layouts), export.format=gguf and its refusals.
 
 The first part needs no llama.cpp. The GGUF files themselves are written by llama.cpp's own converter: those tests
 run where scripts/setup_llamacpp.sh unpacked it ($DRAFTER_TRAIN_LLAMACPP, default .llamacpp in the repo) and on the
@@ -10,7 +10,6 @@ llama.cpp is checked by tests/test_engine_llamacpp.py where the tools are built.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -19,33 +18,17 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
 from drafter_train import draft_vocab
-from drafter_train.decoding.autoregressive import generate_autoregressive
-from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.drafters.eagle3.config import Eagle3DrafterConfig
-from drafter_train.drafters.eagle3.model import Eagle3Model
-from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
 from drafter_train.llamacpp import llamacpp_dir
 from drafter_train.recipes.export import ExportConfig, export
 from drafter_train.recipes.train import train
 from tests.stubs import compose_cfg
-from tests.test_eagle3 import GREEDY, eagle3_cfg
+from tests.test_eagle3 import eagle3_cfg, random_eagle3
 
 needs_converter = pytest.mark.skipif(
     not (llamacpp_dir() / "llama.cpp" / "convert_hf_to_gguf.py").is_file(),
     reason=f"no llama.cpp source in {llamacpp_dir()} (scripts/setup_llamacpp.sh)")
-
-
-def norm_before_fc_eagle3(target, layers=(0, 2, 3), draft_ids=None, scale=0.3, seed=1):
-    """A norm_before_fc EAGLE-3 drafter with large random weights, its input norm's weight random too."""
-    ids = torch.arange(target.config.vocab_size) if draft_ids is None else draft_ids
-    model = Eagle3Model.from_target(target, list(layers), ids, False, 4, norm_before_fc=True)
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        if (p.dim() > 1 and not name.startswith("embed_tokens")) or name == "input_norm.weight":
-            p.data.copy_(1 + torch.randn(p.shape, generator=gen) * scale if p.dim() == 1 else
-                         torch.randn(p.shape, generator=gen) * scale)
-    return model.eval()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -54,7 +37,7 @@ def norm_before_fc_eagle3(target, layers=(0, 2, 3), draft_ids=None, scale=0.3, s
 
 def test_norm_before_fc_is_one_rmsnorm_over_the_whole_concatenation(make_tiny_llama):
     target = make_tiny_llama(num_layers=4)
-    model = norm_before_fc_eagle3(target)
+    model = random_eagle3(target, norm_before_fc=True)
     assert model.fc_norm is None and model.input_norm.weight.shape == (3 * 64,)
     features = torch.randn(2, 5, 3 * 64) * torch.tensor([1.0, 30.0, 1000.0]).repeat_interleave(64)  # massive layer
     eps = target.config.rms_norm_eps
@@ -70,17 +53,6 @@ def test_norm_before_fc_replaces_fc_norm_in_the_config():
     with pytest.raises(ConfigError, match="drafter.norm_before_fc: .*drafter.fc_norm=false"):
         Eagle3DrafterConfig(norm_before_fc=True)
     assert Eagle3DrafterConfig(norm_before_fc=True, fc_norm=False).norm_before_fc
-
-
-@pytest.mark.parametrize("draft_len", [1, 3, 6])
-def test_greedy_with_a_norm_before_fc_drafter_is_lossless(make_tiny_llama, draft_len):
-    target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
-    model = norm_before_fc_eagle3(target, draft_ids=torch.tensor([0, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 15]), scale=0.5)
-    prompt = [1, 5, 9, 12, 7]
-    ar = generate_autoregressive(target, prompt, 40)
-    spec = generate_speculative(target, make_drafter(model), prompt, draft_len, GREEDY, 40)
-    assert spec.tokens == ar.tokens
-    assert spec.stats.target_forward_passes < len(ar.tokens) or draft_len == 1
 
 
 @pytest.fixture(scope="module")
