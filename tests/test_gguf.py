@@ -119,31 +119,40 @@ def test_bad_gguf_type_fails_in_one_line():
 # The files llama.cpp's converter writes from our exports (read back with the gguf package)
 
 
-@pytest.fixture(scope="module")
-def stories_runs(stories_path, tmp_path_factory):
-    """drafter-datagen data on stories260K, a norm_before_fc EAGLE-3 run and a cut 2-layer AR run (a few steps)."""
+def train_on_stories(stories_path: Path, root: Path, runs: dict, steps: int, num_prompts: int = 15) -> dict:
+    """drafter-datagen data on stories260K and one run per entry of `runs` (name -> drafter overrides), `steps`
+    steps each; returns name -> run folder."""
     from drafter_train.recipes.datagen import run_datagen
 
-    root = tmp_path_factory.mktemp("stories-gguf")
-    starts = ["Once upon a time", "The little dog", "Lily went to the park", "Tom had a ball", "One day, a cat"]
+    starts = ["Once upon a time", "The little dog", "Lily went to the park", "Tom had a ball", "One day, a cat",
+              "The sun was hot", "Mom made a cake", "A bird sat on a tree"]
     prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{a} {b}"}) + "\n" for a in starts for b in ("and", "so", "but")))
+    prompts.write_text("".join(json.dumps({"prompt": f"{a} {b}"}) + "\n" for b in ("and", "so", "but", "then")
+                               for a in starts))
     run_datagen(OmegaConf.to_object(compose_cfg("datagen", [
         f"target.path={stories_path}", "target.chat_template=false", f"datagen.prompts={prompts}",
-        "datagen.num_prompts=15", "datagen.num_eval_prompts=3", "datagen.max_new_tokens=12",
+        f"datagen.num_prompts={num_prompts}", "datagen.num_eval_prompts=3", "datagen.max_new_tokens=24",
         f"datagen.output_dir={root / 'data'}", "datagen.store_topk=8"])), progress=False)
     common = [f"target.path={stories_path}", "target.chat_template=false", f"train.data_dir={root / 'data'}",
-              f"train.output_root={root / 'runs'}", "train.max_steps=2", "train.save_every=2", "train.batch_size=4",
-              "train.warmup_steps=0", "eval.num_prompts=1", "eval.max_new_tokens=4", "eval.warmup=0"]
-    runs = {}
-    for name, extra in {"eagle3": ["drafter=eagle3", "drafter.path=new", "drafter.draft_vocab_size=64",
-                                   "drafter.target_layers=[0,2,3]", "drafter.fc_norm=false",
-                                   "drafter.norm_before_fc=true", "loss=fkl"],
-                        "ar": ["drafter=ar", "drafter.path=truncated:2"]}.items():
-        cfg = OmegaConf.to_object(compose_cfg("train", [*common, *extra, f"train.run_name={name}"]))
-        train(cfg)
-        runs[name] = root / "runs" / name
-    return runs
+              f"train.output_root={root / 'runs'}", f"train.max_steps={steps}", f"train.save_every={steps}",
+              "train.batch_size=4", "train.warmup_steps=0", "eval.num_prompts=1", "eval.max_new_tokens=4",
+              "eval.warmup=0"]
+    for name, extra in runs.items():
+        train(OmegaConf.to_object(compose_cfg("train", [*common, *extra, f"train.run_name={name}"])))
+    return {name: root / "runs" / name for name in runs}
+
+
+# drafter overrides of an EAGLE-3 drafter stock llama.cpp runs, on stories260K (5 layers)
+STORIES_EAGLE3 = ["drafter=eagle3", "drafter.path=new", "drafter.draft_vocab_size=64", "drafter.target_layers=[0,2,3]",
+                  "drafter.fc_norm=false", "drafter.norm_before_fc=true", "loss=fkl"]
+
+
+@pytest.fixture(scope="module")
+def stories_runs(stories_path, tmp_path_factory):
+    """A norm_before_fc EAGLE-3 run and a cut 2-layer AR run on stories260K (a few steps: their files matter here,
+    not their acceptance)."""
+    return train_on_stories(stories_path, tmp_path_factory.mktemp("stories-gguf"),
+                            {"eagle3": STORIES_EAGLE3, "ar": ["drafter=ar", "drafter.path=truncated:2"]}, steps=2)
 
 
 def read_gguf(path: Path):
