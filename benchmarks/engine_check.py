@@ -378,7 +378,7 @@ def check_llamacpp(args) -> int:
     _, _, prompts, _, ours_acceptance, ours_record = _ours(args, step_dir, info, draft_len)
 
     def serve(drafter: Optional[Path], name: str) -> dict:
-        port = engine._free_port()
+        port = engine.free_port()
         command = engine.server_command(root / "build" / "bin", exported / TARGET_FILE, drafter, spec_type,
                                         draft_len, args.threads, port, f32_cache=args.gguf_type == "f32")
         return engine.decode_prompts(command, out / f"{name}.log", prompts, args.max_new_tokens)
