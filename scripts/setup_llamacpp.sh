@@ -38,9 +38,12 @@ fi
 cmake -S "$DIR/llama.cpp" -B "$DIR/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
   -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF \
   > "$DIR/cmake.log"
+# The targets this llama.cpp version has (the lookup tools' names move between versions). Listed once into a
+# variable: `ninja ... | grep -q` would end ninja with SIGPIPE, which pipefail counts as a failure.
+TARGETS="$(ninja -C "$DIR/build" -t targets all)"
 AVAILABLE=()
-for tool in "${TOOLS[@]}"; do  # targets this llama.cpp version has (the lookup tools' names move between versions)
-  if ninja -C "$DIR/build" -t targets all 2>/dev/null | grep -q "^$tool:"; then AVAILABLE+=("$tool"); fi
+for tool in "${TOOLS[@]}"; do
+  if grep -q "^$tool:" <<< "$TARGETS"; then AVAILABLE+=("$tool"); fi
 done
 ninja -C "$DIR/build" -j "$JOBS" "${AVAILABLE[@]}"
 "$DIR/build/bin/llama-speculative-simple" --help 2>&1 | grep -q -- "--spec-type" \
