@@ -375,7 +375,7 @@ def check_llamacpp(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     exported = _exported(args, export_cfg, out)
     draft_len = args.draft_len or info.draft_len
-    _, _, prompts, _, ours_acceptance, ours_record = _ours(args, step_dir, info, draft_len)
+    target_cfg, _, prompts, _, ours_acceptance, ours_record = _ours(args, step_dir, info, draft_len)
 
     def serve(drafter: Optional[Path], name: str) -> dict:
         port = engine.free_port()
@@ -396,7 +396,8 @@ def check_llamacpp(args) -> int:
         record.update(plain_tokens_per_s=plain["tokens_per_s"], speedup=served["tokens_per_s"] / plain["tokens_per_s"],
                       output_equals_plain=not mismatches, output_mismatches=mismatches)
     result = {
-        "engine": "llamacpp", "checkpoint": str(step_dir), "kind": info.kind.name, "method": spec_type,
+        "engine": "llamacpp", "target": Path(target_cfg.path).name, "checkpoint": str(step_dir),
+        "kind": info.kind.name, "method": spec_type,
         "exported": str(exported), "draft_len": draft_len, "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "ours": ours_record, "llamacpp": record,
         "comparison": compare(ours_acceptance, engine_acceptance, args.tolerance),
@@ -457,7 +458,7 @@ def write_llamacpp_result(result: dict, args) -> None:
              engine.get("plain_tokens_per_s"), engine.get("speedup"),
              len(engine["output_mismatches"]) if "output_mismatches" in engine else None]]
     write_result(
-        "engine_llamacpp", title=f"The exported {result['kind']} drafter served by llama.cpp",
+        "engine_llamacpp", title=f"The exported {result['kind']} drafter of {result['target']} served by llama.cpp",
         question="Does llama.cpp accept the GGUF-exported drafter's drafts as often as our evaluator does, and does "
                  "speculation pay inside llama.cpp?",
         command=command_line("engine_check"), split=split_name(args.prompts, result["num_prompts"]),
