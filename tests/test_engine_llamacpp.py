@@ -29,12 +29,12 @@ TOLERANCE = 0.05
 
 @pytest.fixture(scope="module")
 def runs(stories_path, tmp_path_factory):
-    """An EAGLE-3 drafter trained long enough to be accepted often, and the whole target cut as an AR drafter (a
-    drafter equal to the target: everything is accepted)."""
+    """An EAGLE-3 drafter trained long enough to be accepted often, and the target's first 4 of 5 layers as an AR
+    drafter (accepted often from the start)."""
     root = tmp_path_factory.mktemp("llamacpp")
     found = train_on_stories(stories_path, root, {
         "eagle3": [*STORIES_EAGLE3, "train.lr=3e-3"],
-        "ar": ["drafter=ar", "drafter.path=truncated:5", "train.lr=1e-12"],
+        "ar": ["drafter=ar", "drafter.path=truncated:4"],
     }, steps=120, num_prompts=32)
     return root, found
 
@@ -82,10 +82,9 @@ def test_llamacpp_serves_the_eagle3_export_with_our_acceptance_and_catches_broke
         assert status == 1 and not result["comparison"]["agree"], (name, result["comparison"])
 
 
-def test_llamacpp_serves_an_ar_drafter_equal_to_the_target_accepting_everything(runs, tmp_path):
+def test_llamacpp_serves_an_ar_drafter_with_our_acceptance(runs, tmp_path):
     root, found = runs
     status, result = check(root, found["ar"], tmp_path / "ok", "--draft-len", "3")
     ours, engine = result["ours"], result["llamacpp"]
-    assert result["method"] == "draft-simple"
-    assert min(ours["per_position_acceptance"]) > 0.95 and min(engine["per_position_acceptance"]) > 0.95
-    assert status == 0 and engine["output_equals_plain"], engine["output_mismatches"]
+    assert result["method"] == "draft-simple" and ours["per_position_acceptance"][0] > 0.3 + TOLERANCE, ours
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
