@@ -1,6 +1,8 @@
-"""Serve an exported drafter in vLLM and compare its acceptance with this project's evaluator on the same prompts.
+"""Serve an exported drafter in vLLM or llama.cpp and compare its acceptance with this project's evaluator on the same
+prompts.
 
     python -m benchmarks.engine_check --run checkpoints/<run> [--which best] [--vllm-python VENV/bin/python]
+    python -m benchmarks.engine_check --engine llamacpp --run checkpoints/<run> [--gguf-type f32]
     python -m benchmarks.engine_check --checkpoint checkpoints/<run>/step-100 --exported exports/my-drafter
 
 One tool for every drafter kind with a vLLM export format (EAGLE-3, DFlash, stand-alone AR drafters); any other kind
@@ -25,7 +27,16 @@ is refused in one line before anything runs.
    token budget: in a request's last step we draft only what fits, vLLM drafts num_speculative_tokens and counts
    drafts accepted past max_tokens (short outputs at high acceptance show it most).
 
-Results: <output>/vllm_check.json (and printed; with --result also benchmarks/results/engine_check.json); exit status
+llama.cpp (--engine llamacpp; benchmarks/llamacpp_engine.py): the checkpoint is exported with
+`drafter-export export.format=gguf` (target and drafter, --gguf-type), served by llama-server (greedy, the same
+prompt token ids, --spec-type the kind's: draft-eagle3 / draft-simple) with and without the drafter. Compared:
+per-position acceptance from the server's per-step log against ours (same tolerance), the engine's speculative
+output against its own plain output token by token (mismatches are listed: rounding at near-ties in the engine,
+reported rather than hidden), and llama.cpp's tokens/s with and without the drafter. Results:
+<output>/llamacpp_check.json (with --result also benchmarks/results/engine_llamacpp.json). The build:
+scripts/setup_llamacpp.sh.
+
+Results (vLLM): <output>/vllm_check.json (and printed; with --result also benchmarks/results/engine_check.json); exit status
 1 when they disagree or the speculators check fails.
 The vLLM environment: scripts/setup_vllm.sh (default $DRAFTER_TRAIN_VLLM_VENV, else .venv-vllm in the repo).
 """
@@ -40,6 +51,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 # Only the standard library at the top: vLLM's interpreter runs this file as a script (--worker), without
 # drafter_train or this package on its path.
@@ -206,48 +218,67 @@ def main(argv=None) -> int:
     source.add_argument("--run", help="a drafter-train run folder (with --which)")
     source.add_argument("--checkpoint", help="one step folder of a run")
     source.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--engine", choices=("vllm", "llamacpp"), default="vllm")
     parser.add_argument("--which", default="best", help="with --run: best, latest or step-N")
-    parser.add_argument("--exported", help="an export.format=vllm folder of that checkpoint to serve instead of "
-                                           "exporting it again")
+    parser.add_argument("--exported", help="an export of that checkpoint (export.format=vllm, or gguf with "
+                                           "--engine llamacpp) to serve instead of exporting it again")
     parser.add_argument("--vllm-python", default=str(default_vllm_python()))
+    parser.add_argument("--llamacpp", default=None, help="the llama.cpp folder scripts/setup_llamacpp.sh built "
+                                                         "(default: $DRAFTER_TRAIN_LLAMACPP, else .llamacpp)")
+    parser.add_argument("--gguf-type", default="f32", help="llama.cpp: precision of the exported target "
+                                                           "(f32, f16, q8_0; the drafter is f32 with f32, else f16)")
+    parser.add_argument("--spec-type", default=None, help="llama.cpp --spec-type (default: the kind's, e.g. "
+                                                          "draft-eagle3); a comma list combines drafters")
+    parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument("--draft-len", type=int, default=None, help="default: the run's drafter.draft_len")
     parser.add_argument("--prompts", default=None, help="prompt file (default: the evaluator's built-in prompts)")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
-    parser.add_argument("--no-baseline", action="store_true", help="skip vLLM without the drafter (tokens/s)")
-    parser.add_argument("--output", default=None, help="folder for the export and results (default: <run>/vllm)")
-    parser.add_argument("--result", action="store_true", help="also write benchmarks/results/engine_check.json")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the engine without the drafter (tokens/s)")
+    parser.add_argument("--output", default=None, help="folder for the export and results (default: "
+                                                       "<run>/<engine>)")
+    parser.add_argument("--result", action="store_true", help="also write benchmarks/results/engine_check.json "
+                                                              "(vLLM) or engine_llamacpp.json (llama.cpp)")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args.worker)
         return 0
+    return check_llamacpp(args) if args.engine == "llamacpp" else check_vllm(args)
 
+
+def _checkpoint(args, fmt: str, **export_fields):
+    """(export config, step folder, run info) of the checkpoint to check."""
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    from drafter_train.recipes.export import ExportConfig, resolve_checkpoint
+    from drafter_train.model_card import read_run_info
+
+    export_cfg = ExportConfig(run_dir=args.run, checkpoint=args.checkpoint, which=args.which, format=fmt,
+                              **export_fields)
+    step_dir = resolve_checkpoint(export_cfg)
+    return export_cfg, step_dir, read_run_info(step_dir)
+
+
+def _exported(args, export_cfg, out: Path) -> Path:
+    """--exported, else a fresh export of the checkpoint into out/drafter."""
+    from drafter_train.recipes.export import export
+
+    if args.exported:
+        return Path(args.exported).absolute()
+    export_cfg.output_dir, export_cfg.overwrite = str(out / "drafter"), True
+    export(export_cfg)
+    return out / "drafter"
+
+
+def _ours(args, step_dir: Path, info, draft_len: int):
+    """The run's target and prompts, and our evaluator on them (greedy): (target config, target, prompts, eos,
+    our acceptance record, our evaluation)."""
     from drafter_train.config import DrafterConfig, EvalConfig, TargetConfig
     from drafter_train.data.prompts import load_prompt_records
     from drafter_train.drafters.common.loading import load_drafter
     from drafter_train.drafters.registry import make_drafter
     from drafter_train.evaluation import evaluate_decoding
-    from drafter_train.recipes.export import ExportConfig, export, resolve_checkpoint
-    from drafter_train.model_card import read_run_info
-    from drafter_train.targets import embedded_folder, encode_prompt, eos_token_ids, load_target
-
-    export_cfg = ExportConfig(run_dir=args.run, checkpoint=args.checkpoint, which=args.which, format="vllm")
-    step_dir = resolve_checkpoint(export_cfg)
-    info = read_run_info(step_dir)
-    method = vllm_method(info.kind)
-    if not Path(args.vllm_python).is_file():
-        sys.exit(f"engine_check: no vLLM interpreter at {args.vllm_python} (build one with scripts/setup_vllm.sh, "
-                 "or pass --vllm-python)")
-    out = Path(args.output or step_dir.parent / "vllm").absolute()
-    out.mkdir(parents=True, exist_ok=True)
-    drafter_dir = Path(args.exported).absolute() if args.exported else out / "drafter"
-    if not args.exported:
-        export_cfg.output_dir, export_cfg.overwrite = str(drafter_dir), True
-        export(export_cfg)
-    draft_len = args.draft_len or info.draft_len
-    exported_config = json.loads((drafter_dir / "config.json").read_text())
+    from drafter_train.targets import encode_prompt, eos_token_ids, load_target
 
     fields = {f.name for f in dataclasses.fields(TargetConfig)}
     target_cfg = TargetConfig(**{k: v for k, v in info.config.get("target", {}).items() if k in fields})
@@ -255,6 +286,32 @@ def main(argv=None) -> int:
     eos = eos_token_ids(target, tokenizer)
     records = load_prompt_records(args.prompts, args.num_prompts, None)
     prompts = [encode_prompt(tokenizer, text, target_cfg.chat_template) for text, _ in records]
+    drafter = load_drafter(DrafterConfig(path=str(step_dir / "drafter")), target, tokenizer, "float32")
+    eval_cfg = EvalConfig(draft_len=draft_len, max_new_tokens=args.max_new_tokens, warmup=1)
+    ours = evaluate_decoding(target, make_drafter(drafter), prompts, eval_cfg, eos, progress=True)
+    acceptance = {"mean_acceptance_length": 1 + ours["accepted_draft_tokens"] / max(ours["proposals"], 1),
+                  "implied_acceptance_length": implied_acceptance_length(ours["per_position_acceptance"]),
+                  "per_position_acceptance": ours["per_position_acceptance"], "drafting_steps": ours["proposals"],
+                  "tau": ours["tau"]}
+    record = dict(acceptance, greedy_match=ours["greedy_match"], spec_tokens_per_s=ours["spec_tokens_per_s"],
+                  ar_tokens_per_s=ours["ar_tokens_per_s"], speedup=ours["speedup"])
+    return target_cfg, target, prompts, eos, acceptance, record
+
+
+def check_vllm(args) -> int:
+    from drafter_train.targets import embedded_folder
+
+    export_cfg, step_dir, info = _checkpoint(args, "vllm")
+    method = vllm_method(info.kind)
+    if not Path(args.vllm_python).is_file():
+        sys.exit(f"engine_check: no vLLM interpreter at {args.vllm_python} (build one with scripts/setup_vllm.sh, "
+                 "or pass --vllm-python)")
+    out = Path(args.output or step_dir.parent / "vllm").absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    drafter_dir = _exported(args, export_cfg, out)
+    draft_len = args.draft_len or info.draft_len
+    exported_config = json.loads((drafter_dir / "config.json").read_text())
+    target_cfg, target, prompts, eos, ours_acceptance, ours_record = _ours(args, step_dir, info, draft_len)
     target_folder = str(embedded_folder(target_cfg.path, target_cfg.cache_dir)
                         if target_cfg.path.startswith("embedded:") else Path(target_cfg.path).absolute())
     request = {"target": target_folder, "drafter": str(drafter_dir), "prompts": prompts, "draft_len": draft_len,
@@ -264,22 +321,12 @@ def main(argv=None) -> int:
     served = run_vllm(args.vllm_python, request, out, "vllm_spec")
     plain = None if args.no_baseline else run_vllm(args.vllm_python, dict(request, method=None, speculators=False),
                                                    out, "vllm_plain")
-
-    drafter = load_drafter(DrafterConfig(path=str(step_dir / "drafter")), target, tokenizer, "float32")
-    eval_cfg = EvalConfig(draft_len=draft_len, max_new_tokens=args.max_new_tokens, warmup=1)
-    ours = evaluate_decoding(target, make_drafter(drafter), prompts, eval_cfg, eos, progress=True)
-    ours_acceptance = {"mean_acceptance_length": 1 + ours["accepted_draft_tokens"] / max(ours["proposals"], 1),
-                       "implied_acceptance_length": implied_acceptance_length(ours["per_position_acceptance"]),
-                       "per_position_acceptance": ours["per_position_acceptance"], "drafting_steps": ours["proposals"],
-                       "tau": ours["tau"]}
     vllm_acceptance = acceptance_from_vllm(served["metrics"])
     ours_tokens = sum(len(t) for t in served["tokens"])  # vLLM's output; equal to ours when greedy is lossless
     result = {
-        "checkpoint": str(step_dir), "kind": info.kind.name, "method": method, "exported": str(drafter_dir),
-        "draft_len": draft_len, "num_prompts": len(prompts), "max_new_tokens": args.max_new_tokens,
-        "ours": dict(ours_acceptance, greedy_match=ours["greedy_match"],
-                     spec_tokens_per_s=ours["spec_tokens_per_s"], ar_tokens_per_s=ours["ar_tokens_per_s"],
-                     speedup=ours["speedup"]),
+        "engine": "vllm", "checkpoint": str(step_dir), "kind": info.kind.name, "method": method,
+        "exported": str(drafter_dir), "draft_len": draft_len, "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "ours": ours_record,
         "vllm": dict(vllm_acceptance, startup_s=served["startup_s"],
                      spec_tokens_per_s_batched=ours_tokens / served["batched_s"],
                      spec_tokens_per_s_sequential=ours_tokens / served["sequential_s"]),
@@ -310,6 +357,70 @@ def main(argv=None) -> int:
     return 0 if ok else 1
 
 
+def check_llamacpp(args) -> int:
+    """The llama.cpp engine (benchmarks/llamacpp_engine.py): the gguf export served by llama-server with and
+    without the drafter, against our evaluator on the same prompt ids."""
+    from benchmarks import llamacpp_engine as engine
+    from drafter_train.llamacpp import DRAFTER_FILE, TARGET_FILE, llamacpp_dir
+
+    root = llamacpp_dir(args.llamacpp)
+    if not (root / "build" / "bin" / "llama-server").is_file():
+        sys.exit(f"engine_check: no llama-server in {root}/build/bin (build it with scripts/setup_llamacpp.sh, or "
+                 "pass --llamacpp)")
+    export_cfg, step_dir, info = _checkpoint(args, "gguf", gguf_type=args.gguf_type, llamacpp=str(root))
+    if "gguf" not in info.kind.export_formats:
+        sys.exit(f"engine_check: {info.kind.description} (drafter kind {info.kind.name}) has no GGUF export")
+    spec_type = args.spec_type or info.kind.engine_methods["gguf"]
+    out = Path(args.output or step_dir.parent / "llamacpp").absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    exported = _exported(args, export_cfg, out)
+    draft_len = args.draft_len or info.draft_len
+    target_cfg, _, prompts, _, ours_acceptance, ours_record = _ours(args, step_dir, info, draft_len)
+
+    def serve(drafter: Optional[Path], name: str) -> dict:
+        port = engine.free_port()
+        command = engine.server_command(root / "build" / "bin", exported / TARGET_FILE, drafter, spec_type,
+                                        draft_len, args.threads, port, f32_cache=args.gguf_type == "f32")
+        return engine.decode_prompts(command, out / f"{name}.log", prompts, args.max_new_tokens)
+
+    served = serve(exported / DRAFTER_FILE, "llamacpp_spec")
+    engine_acceptance = engine.acceptance_from_steps(served["steps"], draft_len)
+    engine_acceptance["implied_acceptance_length"] = implied_acceptance_length(
+        engine_acceptance["per_position_acceptance"])
+    record = dict(engine_acceptance, spec_type=spec_type, gguf_type=args.gguf_type, threads=args.threads,
+                  spec_tokens_per_s=served["tokens_per_s"], draft_n=served["draft_n"],
+                  draft_n_accepted=served["draft_n_accepted"])
+    if not args.no_baseline:
+        plain = serve(None, "llamacpp_plain")
+        mismatches = engine.output_mismatches(served["tokens"], plain["tokens"])
+        record.update(plain_tokens_per_s=plain["tokens_per_s"], speedup=served["tokens_per_s"] / plain["tokens_per_s"],
+                      output_equals_plain=not mismatches, output_mismatches=mismatches)
+    result = {
+        "engine": "llamacpp", "target": Path(target_cfg.path).name, "checkpoint": str(step_dir),
+        "kind": info.kind.name, "method": spec_type,
+        "exported": str(exported), "draft_len": draft_len, "num_prompts": len(prompts),
+        "max_new_tokens": args.max_new_tokens, "ours": ours_record, "llamacpp": record,
+        "comparison": compare(ours_acceptance, engine_acceptance, args.tolerance),
+        "load_avg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+    }
+    (out / "llamacpp_check.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2))
+    ok = result["comparison"]["agree"] and engine_acceptance["drafting_steps"] > 0
+    if args.result:
+        write_llamacpp_result(result, args)
+    mismatched = len(record.get("output_mismatches", []))
+    print(f"engine_check: {'AGREE' if ok else 'DISAGREE'}: per-position acceptance ours "
+          f"{_rates(ours_acceptance)}, llama.cpp {_rates(engine_acceptance)} (tolerance {args.tolerance}); "
+          f"speculative output differs from plain in {mismatched} of {len(prompts)} prompts; "
+          f"llama.cpp {record['spec_tokens_per_s']:.1f} tok/s with the drafter"
+          + (f", {record['plain_tokens_per_s']:.1f} without" if "plain_tokens_per_s" in record else ""))
+    return 0 if ok else 1
+
+
+def _rates(acceptance: dict) -> str:
+    return "[" + " ".join(f"{a:.3f}" for a in acceptance["per_position_acceptance"]) + "]"
+
+
 def write_engine_result(result: dict, args) -> None:
     """benchmarks/results/engine_check.json: our evaluator's acceptance beside vLLM's, and vLLM's own speedup."""
     from benchmarks.common import command_line, split_name, write_result
@@ -330,6 +441,37 @@ def write_engine_result(result: dict, args) -> None:
                  "speedup (one prompt at a time)", "speedup (batched)"], rows=rows,
         notes=f"vLLM method {result['method']}, draft_len {result['draft_len']}, greedy, {result['max_new_tokens']} "
               f"new tokens per prompt; agree within {args.tolerance}: {result['comparison']['agree']}.")
+
+
+def write_llamacpp_result(result: dict, args) -> None:
+    """benchmarks/results/engine_llamacpp.json: our evaluator's acceptance beside llama.cpp's, and llama.cpp's
+    tokens/s with and without the drafter (its own plain decoding is the baseline)."""
+    from benchmarks.common import command_line, split_name, write_result
+
+    ours, engine = result["ours"], result["llamacpp"]
+    rows = [["this project's decoder", ours["implied_acceptance_length"], ours["mean_acceptance_length"],
+             " ".join(f"{a:.3f}" for a in ours["per_position_acceptance"]), ours["spec_tokens_per_s"],
+             ours["ar_tokens_per_s"], ours["speedup"], None],
+            [f"llama.cpp ({engine['gguf_type']}, --spec-type {engine['spec_type']})",
+             engine["implied_acceptance_length"], engine["mean_acceptance_length"],
+             " ".join(f"{a:.3f}" for a in engine["per_position_acceptance"]), engine["spec_tokens_per_s"],
+             engine.get("plain_tokens_per_s"), engine.get("speedup"),
+             len(engine["output_mismatches"]) if "output_mismatches" in engine else None]]
+    write_result(
+        "engine_llamacpp", title=f"The exported {result['kind']} drafter of {result['target']} served by llama.cpp",
+        question="Does llama.cpp accept the GGUF-exported drafter's drafts as often as our evaluator does, and does "
+                 "speculation pay inside llama.cpp?",
+        command=command_line("engine_check"), split=split_name(args.prompts, result["num_prompts"]),
+        baseline="each decoder's own plain decoding (ours: this project's decoder; llama.cpp: llama-server "
+                 "without the drafter), one prompt at a time",
+        columns=["decoder", "acceptance length (implied)", "mean acceptance length", "per-position acceptance",
+                 "tokens/s with drafter", "tokens/s plain", "speedup", "prompts whose output differs from plain"],
+        rows=rows,
+        notes=f"draft_len {result['draft_len']}, greedy, {result['max_new_tokens']} new tokens per prompt, "
+              f"{engine['threads']} threads; per-position acceptance agrees within {args.tolerance}: "
+              f"{result['comparison']['agree']}. Output differences between llama.cpp's speculative and plain "
+              "decoding are rounding in the engine (a batched verify pass and a one-token pass differ at near-ties), "
+              "not drafts accepted wrongly.")
 
 
 if __name__ == "__main__":

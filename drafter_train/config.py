@@ -25,7 +25,8 @@ DATAGEN_BACKENDS = ("hf", "vllm")
 # eval.overlap: what an evaluation prompt that overlaps the training data does (data/overlap.py).
 OVERLAP_MODES = ("warn", "refuse", "off")
 _EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
-EXPORT_FORMATS = ("hf", "vllm", "sglang")
+EXPORT_FORMATS = ("hf", "vllm", "sglang", "gguf")
+GGUF_TYPES = ("f32", "f16", "q8_0")
 DTYPES = ("float32", "bfloat16")
 EMBEDDED_TARGET = "embedded:smollm2"
 # The package's conf/ folder (package data) as an absolute path: found the same way from a checkout, an editable
@@ -593,6 +594,13 @@ class ExportConfig:
     # serves (EAGLE-3: its speculators format; a stand-alone AR drafter is served as the hf folder, method
     # draft_model). sglang: SGLang's format (EAGLE-3: LlamaForCausalLMEagle3; AR: the hf folder).
     format: str = "hf"
+    # gguf (llama.cpp, built by scripts/setup_llamacpp.sh): drafter.gguf (EAGLE-3: llama.cpp's eagle3 architecture;
+    # AR: a draft model) and, with gguf_target, the target as target.gguf in gguf_type (f32, f16 or q8_0; the
+    # drafter is f32 with f32, else f16). llamacpp: the built llama.cpp folder (else $DRAFTER_TRAIN_LLAMACPP, else
+    # .llamacpp in the repo).
+    gguf_type: str = "f16"
+    gguf_target: bool = True
+    llamacpp: Optional[str] = None
     # calibration.json that `drafter-eval eval.calibration.enabled=true` wrote for this checkpoint's drafter: the card
     # then records the draft length / tree size it picked and the machine it was measured on.
     calibration: Optional[str] = None
@@ -600,6 +608,7 @@ class ExportConfig:
     def __post_init__(self) -> None:
         # Checks that hold for the defaults too (the ConfigStore builds them); required inputs: require_inputs().
         check_field(self.format in EXPORT_FORMATS, "export.format", f"must be one of {EXPORT_FORMATS}, got {self.format!r}")
+        check_field(self.gguf_type in GGUF_TYPES, "export.gguf_type", f"must be one of {GGUF_TYPES}, got {self.gguf_type!r}")
         if not _EXPORT_WHICH.match(self.which):
             raise ConfigError(f"export.which: must be best, latest or step-N, got {self.which!r}")
         if self.push and not self.repo_id:

@@ -310,6 +310,15 @@ drafter-eval target.path={target_path}{chat} drafter=path drafter.path={drafter_
 def _serving_usage(info: RunInfo, fmt: str, target_hub: str, drafter_ref: str) -> str:
     """How the engine this folder was exported for serves it."""
     k, method = info.draft_len, info.kind.engine_methods[fmt]
+    if fmt == "gguf":
+        return f"""This folder is for llama.cpp (`drafter-export export.format=gguf`): `drafter.gguf`, and `target.gguf`
+when it was exported with the target (a drafter only runs with the target file it was converted against):
+
+```bash
+llama-speculative-simple -m target.gguf -md drafter.gguf --spec-type {method} --spec-draft-n-max {k} \\
+  -p "Tell me a story." -n 64 --temp 0 --top-k 1
+llama-server -m target.gguf -md drafter.gguf --spec-type {method} --spec-draft-n-max {k}
+```"""
     if fmt == "vllm":
         layout = {"eagle3": ", speculators layout", "dflash": ", DFlashDraftModel layout"}.get(method, "")
         return f"""This folder is in vLLM's format (`drafter-export export.format=vllm`{layout}):

@@ -28,15 +28,18 @@ from tests.test_train import train_cfg
 GREEDY = make_verifier("greedy", SamplingParams())
 
 
-def random_eagle3(target, layers=(0, 2, 3), draft_ids=None, scale=0.3, seed=1, fc_norm=True):
-    """An EAGLE-3 drafter for `target` with large random weights (so that its drafts vary and sometimes match)."""
+def random_eagle3(target, layers=(0, 2, 3), draft_ids=None, scale=0.3, seed=1, fc_norm=True, norm_before_fc=False):
+    """An EAGLE-3 drafter for `target` with large random weights (so that its drafts vary and sometimes match);
+    norm_before_fc: llama.cpp's one input norm instead of fc_norm, its weight random too."""
     vocab = target.config.vocab_size
     ids = torch.arange(vocab) if draft_ids is None else draft_ids
-    model = Eagle3Model.from_target(target, list(layers), ids, fc_norm, 4)
+    model = Eagle3Model.from_target(target, list(layers), ids, fc_norm and not norm_before_fc, 4, norm_before_fc)
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if p.dim() > 1 and not name.startswith("embed_tokens"):
             p.data.copy_(torch.randn(p.shape, generator=gen) * scale)
+        elif name == "input_norm.weight":
+            p.data.copy_(1 + torch.randn(p.shape, generator=gen) * scale)
     return model.eval()
 
 
@@ -173,10 +176,12 @@ def test_decoder_side_drafter_proposes_what_training_predicts(make_tiny_llama):
 # Lossless decoding
 
 
-@pytest.mark.parametrize("draft_len", range(1, 9))
-def test_greedy_with_eagle3_drafter_is_lossless_on_tiny_llama(make_tiny_llama, draft_len):
+@pytest.mark.parametrize("draft_len, norm_before_fc", [(k, False) for k in range(1, 9)] + [(1, True), (3, True),
+                                                                                           (6, True)])
+def test_greedy_with_eagle3_drafter_is_lossless_on_tiny_llama(make_tiny_llama, draft_len, norm_before_fc):
     target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
-    model = random_eagle3(target, draft_ids=torch.tensor([0, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 15]), scale=0.5)
+    model = random_eagle3(target, draft_ids=torch.tensor([0, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 15]), scale=0.5,
+                          norm_before_fc=norm_before_fc)
     prompt = [1, 5, 9, 12, 7]
     ar = generate_autoregressive(target, prompt, 40)
     spec = generate_speculative(target, make_drafter(model), prompt, draft_len, GREEDY, 40)

@@ -84,8 +84,9 @@ class DrafterKind:
     # Whether transformers' assisted generation can drive it (its export then carries assistant settings).
     hf_assistant: bool = False
     # export.format -> the engine's name for the method that serves this kind (vLLM `speculative_config.method`,
-    # SGLang `--speculative-algorithm`), for model cards.
-    engine_methods: Mapping[str, str] = field(default_factory=lambda: {"vllm": "draft_model", "sglang": "STANDALONE"})
+    # SGLang `--speculative-algorithm`, llama.cpp `--spec-type` for gguf), for model cards.
+    engine_methods: Mapping[str, str] = field(
+        default_factory=lambda: {"vllm": "draft_model", "sglang": "STANDALONE", "gguf": "draft-simple"})
     # For model cards: a sentence on what it is, and Hub tags.
     summary: str = ""
     card_tags: tuple[str, ...] = ()

@@ -24,6 +24,8 @@ from drafter_train.recipes.cli import one_line_errors
 from drafter_train.config import CONF_DIR, ExportConfig
 from drafter_train.recipes.cli import register_configs
 from drafter_train.errors import CheckpointDamagedError, ConfigError, DrafterTrainError
+from drafter_train.llamacpp import GgufJob, llamacpp_dir
+from drafter_train.targets import EMBEDDED_PREFIX, embedded_folder
 from drafter_train.model_card import MARKER, RunInfo, looks_local, model_card, read_run_info, step_text, target_names
 
 # Keys that describe how a file was loaded on the training machine, not the model.
@@ -151,19 +153,24 @@ def copy_drafter(step_dir: Path, out: Path, draft_len: int, hf_assistant: bool =
         write_generation_config(out / "generation_config.json", draft_len)
 
 
-def write_format(fmt: str, info: RunInfo, out: Path, target_hub: str) -> None:
+def write_format(fmt: str, info: RunInfo, out: Path, target_hub: str, gguf: Optional[GgufJob] = None) -> None:
     """The checkpoint's drafter in `fmt`. A drafter transformers can drive as a plain model (the AR kind) is served
-    by the engines as that same folder (vLLM `draft_model`, SGLang's standalone drafter); other kinds write their
-    own engine formats (drafters/<kind>_export.py)."""
+    by vLLM and SGLang as that same folder (vLLM `draft_model`, SGLang's standalone drafter); other formats and kinds
+    are written by the kind (drafters/<kind>/export.py; gguf writers also take the llama.cpp job)."""
     if fmt == "hf" or (info.kind.hf_assistant and fmt not in info.kind.export_formats):
         copy_drafter(info.step_dir, out, info.draft_len, info.kind.hf_assistant, info.kind.has_weights)
         return
+    check_format(fmt, info)
+    keep_embeddings = not info.config.get("drafter", {}).get("freeze_embeddings", True)
+    extra = {"job": gguf} if fmt == "gguf" else {}
+    info.kind.export_formats[fmt](info.step_dir / "drafter", out, info.draft_len, target_hub, keep_embeddings, **extra)
+    copy_tokenizer(info.step_dir / "drafter", out)
+
+
+def check_format(fmt: str, info: RunInfo) -> None:
     if fmt not in info.kind.export_formats:
         known = ", ".join(["hf", *info.kind.export_formats])
         raise ConfigError(f"export.format={fmt}: not available for {info.kind.description} (formats: {known})")
-    keep_embeddings = not info.config.get("drafter", {}).get("freeze_embeddings", True)
-    info.kind.export_formats[fmt](info.step_dir / "drafter", out, info.draft_len, target_hub, keep_embeddings)
-    copy_tokenizer(info.step_dir / "drafter", out)
 
 
 def copy_tokenizer(src: Path, out: Path) -> None:
@@ -277,12 +284,13 @@ def export(cfg: ExportConfig) -> ExportResult:
     info = read_run_info(step_dir)
     info.calibration = read_calibration(cfg.calibration, step_dir / "drafter") if cfg.calibration else None
     out = prepare_output(cfg, step_dir)
+    gguf = gguf_job(cfg, info) if cfg.format == "gguf" else None
     if cfg.push:
         check_can_push()  # before writing: offline or logged out, nothing is done
     tmp = out.parent / f".{out.name}.export-tmp"
     shutil.rmtree(tmp, ignore_errors=True)  # leftovers of a crashed export
     try:
-        write_format(cfg.format, info, tmp, target_names(info, cfg.target_id)[2])
+        write_format(cfg.format, info, tmp, target_names(info, cfg.target_id)[2], gguf)
         (tmp / "README.md").write_text(model_card(info, cfg.repo_id or f"path/to/{out.name}", cfg.target_id,
                                                   cfg.format))
         if info.calibration is not None:  # local paths (the drafter it was measured from, say) scrubbed
@@ -293,6 +301,23 @@ def export(cfg: ExportConfig) -> ExportResult:
         shutil.rmtree(tmp, ignore_errors=True)
     url = push_folder(out, cfg.repo_id, cfg.private, f"drafter-export: step {step_text(info)}") if cfg.push else None
     return ExportResult(out, step_dir, url)
+
+
+def gguf_job(cfg: ExportConfig, info: RunInfo) -> GgufJob:
+    """The llama.cpp side of export.format=gguf: the llama.cpp folder (its tools are looked for when used, after the
+    kind's own refusals) and the run's target as a local HF folder (the converter reads its vocabulary; gguf_target
+    converts it)."""
+    check_format(cfg.format, info)  # a kind without a gguf writer: refused before looking for llama.cpp
+    target = info.config.get("target", {})
+    path = str(target.get("path", ""))
+    if path.startswith(EMBEDDED_PREFIX):
+        target_dir = embedded_folder(path, target.get("cache_dir"))
+    elif Path(path).expanduser().is_dir():
+        target_dir = Path(path).expanduser().absolute()
+    else:
+        raise ConfigError(f"export.format=gguf: the run's target.path {path!r} is not a local folder; llama.cpp's "
+                          "converter needs the target's files")
+    return GgufJob(llamacpp_dir(cfg.llamacpp), target_dir, cfg.gguf_type, cfg.gguf_target)
 
 
 def read_calibration(path: str, drafter_dir: Path) -> dict:

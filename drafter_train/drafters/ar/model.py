@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from drafter_train.config import DrafterConfig, TrainJobConfig
+from drafter_train.drafters.ar import export as ar_export
 from drafter_train.drafters.ar.config import ARDrafterConfig
 from drafter_train.data.batches import Batch
 from drafter_train.decoding.drafter import ARDrafter
@@ -89,6 +90,7 @@ KIND = register(DrafterKind(
     training_module=ResponseLogits,
     hf_model=lambda module: module.drafter,
     hf_assistant=True,
+    export_formats=ar_export.FORMATS,
     summary="An autoregressive draft model on the target's vocabulary.",
     card_tags=("assisted-generation",),
 ))

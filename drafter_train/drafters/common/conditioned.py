@@ -44,14 +44,17 @@ LayersFor = Callable[[DrafterConfig, PreTrainedModel], list[int]]
 
 class TargetFeaturesModel(PreTrainedModel):
     """What EAGLE-3 and DFlash models share: the target's token embeddings, the fused input from the target's
-    features (fc, after a per-layer RMSNorm with fc_norm) and an LM head over the draft vocabulary with its d2t / t2d
-    mapping. Their configs carry target_layers, target_hidden_size, fc_norm, draft_vocab_size and vocab_size."""
+    features (fc, after a per-layer RMSNorm with fc_norm, or one RMSNorm over the whole concatenation with
+    norm_before_fc) and an LM head over the draft vocabulary with its d2t / t2d mapping. Their configs carry
+    target_layers, target_hidden_size, fc_norm, draft_vocab_size and vocab_size (EAGLE-3's also norm_before_fc)."""
 
     def _add_inputs(self, config, norm_class: type, eps: float, hidden: int, vocab: int) -> None:
         target_hidden = config.target_hidden_size or hidden
         n = len(config.target_layers)
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.fc_norm = nn.ModuleList([norm_class(target_hidden, eps=eps) for _ in range(n)]) if config.fc_norm else None
+        # llama.cpp's `norm_before_fc`: one RMSNorm over all n * H_t features (its `enc_output_norm` tensor)
+        self.input_norm = norm_class(n * target_hidden, eps=eps) if getattr(config, "norm_before_fc", False) else None
         self.fc = nn.Linear(n * target_hidden, hidden, bias=False)
 
     def _add_head(self, config, hidden: int, vocab: int) -> None:
@@ -74,11 +77,13 @@ class TargetFeaturesModel(PreTrainedModel):
 
     def fused_input(self, features: Tensor) -> Tensor:
         """[..., n * H_t] target features -> [..., H]: fc over them (each layer's feature normalised first with
-        fc_norm)."""
+        fc_norm; the whole concatenation with norm_before_fc)."""
         features = features.to(self.fc.weight.dtype)
         if self.fc_norm is not None:
             chunks = features.chunk(len(self.fc_norm), dim=-1)
             features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        if self.input_norm is not None:
+            features = self.input_norm(features)
         return self.fc(features)
 
     def copy_from_target(self, target: PreTrainedModel, draft_ids: Tensor) -> None:

@@ -19,8 +19,14 @@ class Eagle3DrafterConfig(TargetFeaturesDrafterConfig):
     # of step j - 1), weighted ttt_decay ** j.
     ttt_steps: int = 3
     ttt_decay: float = 0.8
+    # One RMSNorm over the whole concatenation of the target features before fc, instead of fc_norm's one per layer:
+    # the layout llama.cpp's EAGLE-3 runs (`norm_before_fc`; export.format=gguf refuses per-layer fc_norm). Set it
+    # with drafter.fc_norm=false.
+    norm_before_fc: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_field(self.ttt_steps >= 1, "drafter.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
         check_field(0 < self.ttt_decay <= 1, "drafter.ttt_decay", f"must be in (0, 1], got {self.ttt_decay}")
+        check_field(not (self.norm_before_fc and self.fc_norm), "drafter.norm_before_fc",
+                    "replaces the per-layer fc_norm: set drafter.fc_norm=false with it")

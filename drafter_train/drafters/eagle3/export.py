@@ -10,16 +10,22 @@ Layer ids: vLLM and SGLang capture the INPUT of their layer i (the residual stre
 OUTPUT of layer i (features.py), so an exported id is ours + 1. vLLM's speculators reader defaults
 `norm_before_residual` to true when the key is absent, so it is always written. SGLang's loader knows no `fc_norm`
 and a fixed 3-layer fc, and silently ignores weights it does not know: such drafters are refused for it.
+- `gguf`: llama.cpp's eagle3 architecture, converted by llama.cpp's own converter from the speculators folder (with
+  the target's folder for vocabulary and shapes). llama.cpp knows no per-layer fc_norm, only `norm_before_fc` (one
+  RMSNorm over the whole concatenation, tensor `input_norm` -> `enc_output_norm`) and exactly 3 fused layers: other
+  drafters are refused, never converted into something that drafts differently.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from safetensors.torch import save_file
 
 from drafter_train.drafters.common.export import drafter_weights
 from drafter_train.errors import ConfigError
+from drafter_train.llamacpp import DRAFTER_FILE, GgufJob, convert
 
 # Llama-architecture fields the engines read from the layer config (the rest of the target's config is dropped).
 _LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -48,6 +54,14 @@ def _layer_config(config: dict) -> dict:
 def write_speculators(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep_embeddings: bool) -> None:
     """vLLM's speculators-format folder (config.json + model.safetensors) for the saved drafter in `drafter_dir`."""
     config = json.loads((drafter_dir / "config.json").read_text())
+    if config.get("norm_before_fc"):
+        raise ConfigError("export.format: a norm_before_fc drafter (llama.cpp's layout) is exported as "
+                          "export.format=gguf; whether vLLM's and SGLang's EAGLE-3 read its input_norm was not checked")
+    _speculators_folder(config, drafter_dir, out, draft_len, verifier, keep_embeddings)
+
+
+def _speculators_folder(config: dict, drafter_dir: Path, out: Path, draft_len: int, verifier: str,
+                        keep_embeddings: bool) -> None:
     spec = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -56,7 +70,7 @@ def write_speculators(drafter_dir: Path, out: Path, draft_len: int, verifier: st
         "target_hidden_size": config["target_hidden_size"],
         "eagle_aux_hidden_state_layer_ids": engine_layer_ids(config["target_layers"]),
         "norm_before_residual": False,
-        "norm_before_fc": False,
+        "norm_before_fc": bool(config.get("norm_before_fc", False)),
         "fc_norm": bool(config["fc_norm"]),
         "norm_output": False,
         "speculators_config": {
@@ -76,6 +90,9 @@ def write_speculators(drafter_dir: Path, out: Path, draft_len: int, verifier: st
 def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep_embeddings: bool) -> None:
     """SGLang's LlamaForCausalLMEagle3 folder for the saved drafter in `drafter_dir`."""
     config = json.loads((drafter_dir / "config.json").read_text())
+    if config.get("norm_before_fc"):
+        raise ConfigError("export.format=sglang: SGLang's LlamaForCausalLMEagle3 has no norm_before_fc; export "
+                          "export.format=gguf for llama.cpp")
     if config["fc_norm"]:
         raise ConfigError("export.format=sglang: SGLang's LlamaForCausalLMEagle3 has no fc_norm (it would ignore "
                           "those weights and draft garbage); train with drafter.fc_norm=false, or export "
@@ -96,4 +113,30 @@ def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, ke
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
-FORMATS = {"vllm": write_speculators, "sglang": write_sglang}
+def check_gguf(config: dict) -> None:
+    """Refuse, in one line, an EAGLE-3 drafter llama.cpp would run differently from how it was trained."""
+    if config["fc_norm"]:
+        raise ConfigError("export.format=gguf: llama.cpp's EAGLE-3 has no per-layer fc_norm (only norm_before_fc, one "
+                          "norm over all fused layers); train with drafter.fc_norm=false drafter.norm_before_fc=true")
+    if len(config["target_layers"]) != 3:
+        raise ConfigError(f"export.format=gguf: llama.cpp's EAGLE-3 fuses exactly 3 target layers, this drafter "
+                          f"fuses {len(config['target_layers'])}")
+
+
+def write_gguf(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep_embeddings: bool,
+               job: GgufJob) -> None:
+    """drafter.gguf (llama.cpp's eagle3 architecture) and, with job.with_target, target.gguf: the speculators folder
+    (staged inside `out`, removed after) through llama.cpp's converter with the target's folder."""
+    config = json.loads((drafter_dir / "config.json").read_text())
+    check_gguf(config)
+    _layer_config(config)  # the architecture check, before any conversion
+    staging = out / "eagle3"  # the converter names general.finetune after this folder
+    _speculators_folder(config, drafter_dir, staging, draft_len, verifier, keep_embeddings)
+    try:
+        convert(job.root, staging, out / DRAFTER_FILE, job.drafter_type, target_dir=job.target_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    job.write_target(out)
+
+
+FORMATS = {"vllm": write_speculators, "sglang": write_sglang, "gguf": write_gguf}

@@ -1,6 +1,7 @@
 """EAGLE-3 (Li et al., arXiv 2503.01840): a one-layer drafter that reads the target's own hidden states.
 
     features F_t  = target layers' outputs at position t (features.py), fused: g_t = fc(norm(F_t))   [n*H_t -> H]
+                    (norm: one RMSNorm per layer with fc_norm, one over all n*H_t with norm_before_fc, or none)
     step 0, row t: h0_t = Layer([embed(x_{t+1}); g_t])     -> LM head(norm(h0_t)) ~ p_target(. | x_<=t+1)
     step j, row t: hj_t = Layer([embed(x_{t+1+j}); h(j-1)_t]) -> predicts the token after x_{t+1+j}
 
@@ -55,11 +56,12 @@ class Eagle3Config(PretrainedConfig):
 
     def __init__(self, backbone: Optional[dict] = None, target_layers: Sequence[int] = (), target_num_layers: int = 0,
                  target_hidden_size: int = 0, draft_vocab_size: int = 0, fc_norm: bool = True, draft_len: int = 4,
-                 draft_vocab_fingerprint: Optional[str] = None, **kwargs):
+                 draft_vocab_fingerprint: Optional[str] = None, norm_before_fc: bool = False, **kwargs):
         self.backbone = backbone or {}
         self.target_layers, self.target_num_layers = list(target_layers), target_num_layers
         self.target_hidden_size, self.draft_vocab_size = target_hidden_size, draft_vocab_size
         self.fc_norm, self.draft_len = fc_norm, draft_len
+        self.norm_before_fc = norm_before_fc  # one RMSNorm over the concatenated features (llama.cpp's layout)
         self.draft_vocab_fingerprint = draft_vocab_fingerprint  # draft_vocab.fingerprint of d2t, checked at load
         # transformers' default initialisation (linear, embedding, norms and the rotary buffers a load recomputes)
         self.initializer_range = self.backbone.get("initializer_range", 0.02)
@@ -187,7 +189,7 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, layer_ids: Sequence[int], draft_ids: Tensor, fc_norm: bool,
-                    draft_len: int) -> "Eagle3Model":
+                    draft_len: int, norm_before_fc: bool = False) -> "Eagle3Model":
         """A new drafter for `target`: frozen copy of its embeddings, LM head rows and final norm of the draft
         vocabulary; fc and the layer freshly initialised."""
         tconfig = target.config
@@ -195,7 +197,7 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
         config = Eagle3Config(backbone=layer_backbone(tconfig), target_layers=list(layer_ids),
                               target_num_layers=num_layers(target), target_hidden_size=tconfig.hidden_size,
                               draft_vocab_size=draft_ids.numel(), fc_norm=fc_norm, draft_len=draft_len,
-                              vocab_size=vocab, eos_token_id=tconfig.eos_token_id, bos_token_id=tconfig.bos_token_id,
+                              norm_before_fc=norm_before_fc, vocab_size=vocab, eos_token_id=tconfig.eos_token_id, bos_token_id=tconfig.bos_token_id,
                               pad_token_id=getattr(tconfig, "pad_token_id", None), tie_word_embeddings=False)
         drafter = cls(config).to(target.dtype)
         drafter.copy_from_target(target, draft_ids)
@@ -328,7 +330,7 @@ def build(cfg: DrafterConfig, ctx: BuildContext) -> Eagle3Model:
         return conditioned.check_target(load(cfg.path, ctx.dtype).to(ctx.target.device), ctx.target, "EAGLE-3")
     layer_ids = feature_layers(cfg, ctx.target)
     draft_ids = conditioned.choose_draft_ids(cfg, ctx, "EAGLE-3")
-    return Eagle3Model.from_target(ctx.target, layer_ids, draft_ids, cfg.fc_norm, cfg.draft_len)
+    return Eagle3Model.from_target(ctx.target, layer_ids, draft_ids, cfg.fc_norm, cfg.draft_len, cfg.norm_before_fc)
 
 
 def load(path: str, dtype: str) -> Eagle3Model:
@@ -347,7 +349,7 @@ KIND = register(DrafterKind(
     prepare_data=conditioned.data_preparer(feature_layers),
     prepare_batch=conditioned.attach_cached_features,
     export_formats=eagle3_export.FORMATS,
-    engine_methods={"vllm": "eagle3", "sglang": "EAGLE3"},
+    engine_methods={"vllm": "eagle3", "sglang": "EAGLE3", "gguf": "draft-eagle3"},
     summary="An EAGLE-3 draft head: one decoder layer reading the target's own hidden states, with a reduced draft "
             "vocabulary.",
     card_tags=("eagle3", "target-conditioned"),

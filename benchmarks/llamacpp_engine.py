@@ -1,0 +1,129 @@
+"""The llama.cpp side of benchmarks/engine_check.py (--engine llamacpp): llama-server on `drafter-export
+export.format=gguf` files, greedy, the same prompt token ids as our evaluator, once with the drafter and once without.
+
+- Prompts go in as token ids (`/completion` with a list prompt), outputs come back as token ids (`return_tokens`), so
+  the engine's speculative output is compared token by token with its own plain output, and nothing depends on
+  llama.cpp's tokenizer agreeing with ours.
+- Acceptance per position: the server logs every verify step at debug verbosity ("add accepted tokens"); from
+  those steps P(draft i accepted | drafts before it accepted) is counted exactly as our evaluator counts it (a step
+  that drafted fewer than i + 1 tokens does not reach position i).
+- Tokens/s: the server's own generation timings (predicted_n / predicted_ms, prompt processing excluded), one
+  request at a time after a warm-up request.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+# llama-server's debug line for every verify step (also the last one of a request, unlike its "accepted a/d" line)
+STEP = re.compile(r"add accepted tokens: sampled=-?\d+, ids\.size=(\d+), n_draft=(\d+)")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def server_command(bin_dir: Path, target: Path, drafter: Optional[Path], spec_type: str, draft_len: int,
+                   threads: int, port: int, f32_cache: bool) -> list[str]:
+    """llama-server for one user (-np 1), debug log (the per-step acceptance lines), optionally float32 KV caches
+    (the default f16 caches round differently from our float32 decoder)."""
+    command = [str(bin_dir / "llama-server"), "-m", str(target), "--host", "127.0.0.1", "--port", str(port),
+               "-t", str(threads), "-tb", str(threads), "-c", "2048", "-np", "1", "-lv", "5"]
+    if f32_cache:
+        command += ["-ctk", "f32", "-ctv", "f32"]
+    if drafter is not None:
+        command += ["-md", str(drafter), "--spec-type", spec_type, "--spec-draft-n-max", str(draft_len),
+                    "--spec-draft-n-min", "0", "-td", str(threads)]
+        if f32_cache:
+            command += ["-ctkd", "f32", "-ctvd", "f32"]
+    return command
+
+
+@contextmanager
+def running_server(command: list[str], log: Path, startup_s: float = 180) -> Iterator[str]:
+    """Start llama-server, wait for /health, yield its URL; stopped (by its own pid) on exit."""
+    port = command[command.index("--port") + 1]
+    url = f"http://127.0.0.1:{port}"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"llama-server exited ({proc.returncode}): {' | '.join(tail)}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server not ready after {startup_s:.0f} s (log: {log})")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def complete(url: str, prompt: list[int], max_new_tokens: int) -> dict:
+    """One greedy /completion on token ids -> {"tokens": [...], "timings": {...}}."""
+    body = json.dumps({"prompt": prompt, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
+                       "return_tokens": True, "cache_prompt": False, "seed": 0}).encode()
+    request = urllib.request.Request(f"{url}/completion", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        reply = json.loads(response.read())
+    return {"tokens": list(reply.get("tokens", [])), "timings": reply.get("timings", {})}
+
+
+def decode_prompts(command: list[str], log: Path, prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """All prompts one at a time on one server (after a warm-up request): outputs, timings, and the verify steps
+    (accepted, drafted) the server logged for them."""
+    with running_server(command, log) as url:
+        complete(url, prompts[0], 8)  # warm-up, not counted
+        logged_before = len(log.read_text(errors="replace"))
+        replies = [complete(url, ids, max_new_tokens) for ids in prompts]
+        logged = log.read_text(errors="replace")[logged_before:]
+        steps = [(int(size) - 1, int(drafted)) for size, drafted in STEP.findall(logged)]
+    generated = sum(r["timings"].get("predicted_n", 0) for r in replies)
+    seconds = sum(r["timings"].get("predicted_ms", 0.0) for r in replies) / 1000
+    return {"tokens": [r["tokens"] for r in replies], "steps": steps, "tokens_per_s": generated / max(seconds, 1e-9),
+            "draft_n": sum(r["timings"].get("draft_n", 0) for r in replies),
+            "draft_n_accepted": sum(r["timings"].get("draft_n_accepted", 0) for r in replies)}
+
+
+def acceptance_from_steps(steps: list[tuple[int, int]], draft_len: int) -> dict:
+    """Verify steps (accepted, drafted) -> conditional per-position acceptance and the mean acceptance length
+    (1 + accepted drafts per drafting step), as engine_check compares them."""
+    drafting = [(a, d) for a, d in steps if d > 0]
+    reached = [sum(1 for a, d in drafting if d > i and a >= i) for i in range(draft_len)]
+    accepted = [sum(1 for a, d in drafting if a > i) for i in range(draft_len)]
+    return {"per_position_acceptance": [a / r if r else 0.0 for a, r in zip(accepted, reached)],
+            "mean_acceptance_length": 1 + sum(a for a, _ in drafting) / max(len(drafting), 1),
+            "drafting_steps": len(drafting), "accepted_per_position": accepted, "reached_per_position": reached}
+
+
+def output_mismatches(spec: list[list[int]], plain: list[list[int]]) -> list[dict]:
+    """Prompts whose speculative output differs from plain: the prompt index and the first differing position.
+    Greedy speculative decoding is lossless in exact arithmetic; in the engine a batched verify pass and a
+    one-token pass round differently, so a near-tie can flip (reported, not hidden)."""
+    found = []
+    for index, (a, b) in enumerate(zip(spec, plain)):
+        if a != b:
+            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            found.append({"prompt": index, "first_difference": first, "spec_len": len(a), "plain_len": len(b)})
+    return found

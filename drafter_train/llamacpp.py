@@ -1,0 +1,118 @@
+"""llama.cpp as scripts/setup_llamacpp.sh builds it: where it is, and the two tools the GGUF export runs.
+
+The folder (export.llamacpp, else $DRAFTER_TRAIN_LLAMACPP, else .llamacpp next to the package) holds the unpatched
+source vendored by the pinned llama-cpp-python sdist (llama.cpp/: convert_hf_to_gguf.py, gguf-py), the built tools
+(build/bin/) and the converter's interpreter (venv/: this Python's packages plus sentencepiece). Conversion is the
+vendored converter's own, run as a subprocess: GGUF tensor layouts (q/k permutation, d2t as int64, EAGLE-3's
+renames) stay llama.cpp's business, and a newer llama.cpp is a new pin, not new code here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from drafter_train.errors import ConfigError, DrafterTrainError
+
+SETUP = "scripts/setup_llamacpp.sh"
+DRAFTER_FILE, TARGET_FILE = "drafter.gguf", "target.gguf"
+
+
+@dataclass
+class GgufJob:
+    """What a kind's gguf writer needs besides its drafter folder: the llama.cpp folder, the target's HF folder (EAGLE-3
+    conversion reads its vocabulary and shapes), the precision, and whether the target is written too."""
+
+    root: Path
+    target_dir: Path
+    gguf_type: str = "f16"
+    with_target: bool = True
+
+    @property
+    def drafter_type(self) -> str:
+        """Drafters stay in float (f32 with an f32 target, else f16): they are small, and llama.cpp's EAGLE-3 and
+        draft models were checked in float here."""
+        return "f32" if self.gguf_type == "f32" else "f16"
+
+    def write_target(self, out: Path) -> None:
+        if self.with_target:
+            convert_typed(self.root, self.target_dir, out / TARGET_FILE, self.gguf_type, name="target")
+
+
+class LlamaCppError(DrafterTrainError):
+    """A llama.cpp tool failed on a file this project wrote (its last line of output says why)."""
+
+
+def llamacpp_dir(given: Optional[str] = None) -> Path:
+    if given:
+        return Path(given).expanduser().absolute()
+    env = os.environ.get("DRAFTER_TRAIN_LLAMACPP")
+    return Path(env).expanduser().absolute() if env else Path(__file__).resolve().parent.parent / ".llamacpp"
+
+
+def converter(root: Path, field: str = "export.format=gguf") -> Path:
+    """The vendored convert_hf_to_gguf.py; refused in one line when the folder has none."""
+    script = root / "llama.cpp" / "convert_hf_to_gguf.py"
+    if not script.is_file():
+        raise ConfigError(f"{field}: no llama.cpp converter in {root} (build it with {SETUP}, or set "
+                          "export.llamacpp / $DRAFTER_TRAIN_LLAMACPP)")
+    return script
+
+
+def tool(root: Path, name: str, field: str = "export.gguf_type=q8_0") -> Path:
+    """A built llama.cpp tool (build/bin/NAME); refused in one line when it was not built."""
+    path = root / "build" / "bin" / name
+    if not path.is_file():
+        raise ConfigError(f"{field}: {name} is not built in {root} (run {SETUP})")
+    return path
+
+
+def _python(root: Path) -> str:
+    venv = root / "venv" / "bin" / "python"
+    return str(venv) if venv.is_file() else sys.executable
+
+
+def _run(command: list[str], what: str, env: Optional[dict] = None) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
+    if done.returncode != 0:
+        lines = [line for line in (done.stderr + done.stdout).strip().splitlines() if line.strip()]
+        raise LlamaCppError(f"{what} failed: {lines[-1] if lines else f'exit status {done.returncode}'}")
+
+
+def convert(root: Path, model_dir: Path, out_file: Path, outtype: str, target_dir: Optional[Path] = None,
+            name: str = "drafter") -> Path:
+    """model_dir (an HF or speculators folder) -> out_file in `outtype` (f32, f16) with the vendored converter;
+    target_dir: the target's folder, which EAGLE-3 conversion reads for the vocabulary and shapes. `name` becomes
+    general.name (the converter would otherwise take the folder's name, a local one)."""
+    script = converter(root)
+    env = dict(os.environ, PYTHONPATH=str(root / "llama.cpp" / "gguf-py"), HF_HUB_OFFLINE="1")
+    command = [_python(root), str(script), str(model_dir), "--outfile", str(out_file), "--outtype", outtype,
+               "--model-name", name]
+    if target_dir is not None:
+        command += ["--target-model-dir", str(target_dir)]
+    _run(command, f"convert_hf_to_gguf.py on {model_dir.name}", env)
+    return out_file
+
+
+def quantize(root: Path, src: Path, out_file: Path, gguf_type: str) -> Path:
+    _run([str(tool(root, "llama-quantize")), str(src), str(out_file), gguf_type.upper()], f"llama-quantize {src.name}")
+    return out_file
+
+
+def convert_typed(root: Path, model_dir: Path, out_file: Path, gguf_type: str, target_dir: Optional[Path] = None,
+                  name: str = "drafter") -> Path:
+    """convert() in f32, f16 or q8_0: q8_0 is quantised from an f16 file by llama-quantize (llama.cpp's per-tensor
+    rules, which the converter's own q8_0 skips); the f16 file is removed."""
+    if gguf_type != "q8_0":
+        return convert(root, model_dir, out_file, gguf_type, target_dir, name)
+    tool(root, "llama-quantize")  # refused before a conversion that would be thrown away
+    f16 = out_file.with_name(out_file.stem + ".f16-tmp.gguf")
+    try:
+        convert(root, model_dir, f16, "f16", target_dir, name)
+        return quantize(root, f16, out_file, gguf_type)
+    finally:
+        f16.unlink(missing_ok=True)

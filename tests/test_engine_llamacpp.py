@@ -1,0 +1,90 @@
+"""GGUF exports served by real llama.cpp (benchmarks/engine_check.py --engine llamacpp): llama.cpp's per-position
+acceptance agrees with our evaluator's on the same prompts (EAGLE-3 as draft-eagle3, an AR drafter as draft-simple),
+and broken exports are caught: wrong layer ids, a shuffled d2t, random weights, a dropped norm (each a copy of the
+good drafter.gguf with one thing changed, written with the gguf package).
+
+Opt-in: runs where scripts/setup_llamacpp.sh built llama.cpp ($DRAFTER_TRAIN_LLAMACPP, default .llamacpp in the
+repo) and stories260K is present; skips elsewhere. Each check starts llama-server twice (a second each on these
+tiny models).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from drafter_train.llamacpp import DRAFTER_FILE, llamacpp_dir
+from tests.gguf_edit import rewrite_gguf
+from tests.test_gguf import STORIES_EAGLE3, train_on_stories
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+    not (llamacpp_dir() / "build" / "bin" / "llama-server").is_file(),
+    reason=f"llama.cpp is not built in {llamacpp_dir()} (scripts/setup_llamacpp.sh)")]
+TOLERANCE = 0.05
+
+
+@pytest.fixture(scope="module")
+def runs(stories_path, tmp_path_factory):
+    """An EAGLE-3 drafter trained long enough to be accepted often, and the target's first 4 of 5 layers as an AR
+    drafter (accepted often from the start)."""
+    root = tmp_path_factory.mktemp("llamacpp")
+    found = train_on_stories(stories_path, root, {
+        "eagle3": [*STORIES_EAGLE3, "train.lr=3e-3"],
+        "ar": ["drafter=ar", "drafter.path=truncated:4"],
+    }, steps=120, num_prompts=32)
+    return root, found
+
+
+def check(root: Path, run: Path, out: Path, *extra: str) -> tuple[int, dict]:
+    from benchmarks import engine_check
+
+    status = engine_check.main(["--engine", "llamacpp", "--run", str(run), "--which", "latest",
+                                "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "6",
+                                "--max-new-tokens", "32", "--tolerance", str(TOLERANCE), "--output", str(out),
+                                *extra])
+    return status, json.loads((out / "llamacpp_check.json").read_text())
+
+
+def test_llamacpp_serves_the_eagle3_export_with_our_acceptance_and_catches_broken_exports(runs, tmp_path):
+    import gguf
+
+    root, found = runs
+    status, result = check(root, found["eagle3"], tmp_path / "ok")
+    ours, engine = result["ours"], result["llamacpp"]
+    assert result["method"] == "draft-eagle3" and engine["drafting_steps"] > 0
+    # the check means something only if the drafter is accepted often: a broken export then shows
+    assert ours["per_position_acceptance"][0] > 0.3 + TOLERANCE, ours
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
+    assert engine["plain_tokens_per_s"] > 0 and engine["spec_tokens_per_s"] > 0
+    assert isinstance(engine["output_mismatches"], list)  # reported, whatever they are
+
+    good = tmp_path / "ok" / "drafter"
+    reader = gguf.GGUFReader(good / DRAFTER_FILE)
+    data = {t.name: np.array(t.data) for t in reader.tensors}
+    rng = np.random.default_rng(0)
+    broken = {
+        "layer ids without the +1": dict(fields={"eagle3.target_layers": [0, 2, 3]}),
+        "shuffled d2t": dict(tensors={"d2t": rng.permutation(data["d2t"])}),
+        "random fc": dict(tensors={"fc.weight": rng.normal(0, data["fc.weight"].std(),
+                                                           data["fc.weight"].shape).astype(np.float32)}),
+        "dropped norm": dict(fields={"eagle3.norm_before_fc": False}, drop=("enc.output_norm.weight",)),
+    }
+    for name, edit in broken.items():
+        folder = tmp_path / name.replace(" ", "-")
+        shutil.copytree(good, folder)
+        rewrite_gguf(good / DRAFTER_FILE, folder / DRAFTER_FILE, **edit)
+        status, result = check(root, found["eagle3"], tmp_path / f"{folder.name}-out", "--exported", str(folder),
+                               "--no-baseline")
+        assert status == 1 and not result["comparison"]["agree"], (name, result["comparison"])
+
+
+def test_llamacpp_serves_an_ar_drafter_with_our_acceptance(runs, tmp_path):
+    root, found = runs
+    status, result = check(root, found["ar"], tmp_path / "ok", "--draft-len", "3")
+    ours, engine = result["ours"], result["llamacpp"]
+    assert result["method"] == "draft-simple" and ours["per_position_acceptance"][0] > 0.3 + TOLERANCE, ours
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
