@@ -109,7 +109,8 @@ def enumerate_joint(model, prompt: list[int], num_tokens: int, vocab: int, param
     for _ in range(num_tokens):
         probs = logits_to_probs(model(prefixes).logits[:, -1], params).double()  # [paths, V]
         joint = (joint[:, None] * probs).reshape(-1)
-        prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0), torch.arange(vocab).repeat(len(prefixes))[:, None]], 1)
+        following = torch.arange(vocab).repeat(len(prefixes))[:, None]
+        prefixes = torch.cat([prefixes.repeat_interleave(vocab, 0), following], 1)
     return joint.reshape([vocab] * num_tokens)
 
 
@@ -137,21 +138,22 @@ def tiny_pair():
 
 def sampled_with_lookup_first(min_ngram: int, corpus=None, seed: int = 1234, runs: int = 1500, spec=None,
                               num_tokens: int = 4):
-    """Speculative sampling (temperature 1), `runs` times, by a tiny Llama target with a tiny Llama drafter
-    behind LookupFirst, chains (or trees of `spec`), `num_tokens` tokens: (chi-square p-values of the samples against the target's exact
-    joint distribution, lookup proposals, the drafter's own proposals)."""
+    """Speculative sampling (temperature 1), `runs` times, of `num_tokens` tokens by a tiny Llama target with a tiny
+    Llama drafter behind LookupFirst, chains (or trees of `spec`): (chi-square p-values of the samples against the
+    target's exact joint distribution, lookup proposals, the drafter's own proposals)."""
     params = SamplingParams(temperature=1.0)
     target, draft = tiny_pair()
     generator = torch.Generator().manual_seed(seed)
     drafter = LookupFirst(make_drafter(draft), min_ngram, 3, corpus)
-    if spec is None:
-        verifier = make_verifier("sample", params)
-        decode = lambda: generate_speculative(target, drafter, LOOP_PROMPT, 3, verifier, num_tokens, params,  # noqa: E731
-                                              generator=generator)
-    else:
-        verifier = make_tree_verifier("sample", params)
-        decode = lambda: generate_tree_speculative(target, drafter, LOOP_PROMPT, spec, verifier,  # noqa: E731
-                                                   num_tokens, params, generator=generator)
+    verifier = make_verifier("sample", params) if spec is None else make_tree_verifier("sample", params)
+
+    def decode():
+        if spec is None:
+            return generate_speculative(target, drafter, LOOP_PROMPT, 3, verifier, num_tokens, params,
+                                        generator=generator)
+        return generate_tree_speculative(target, drafter, LOOP_PROMPT, spec, verifier, num_tokens, params,
+                                         generator=generator)
+
     samples, looked, drafted = torch.zeros(runs, num_tokens, dtype=torch.long), 0, 0
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny forwards: threads only cost, ~40x on a busy 2-core machine
