@@ -36,8 +36,11 @@ def logits_to_probs(logits: Tensor, params: SamplingParams) -> Tensor:
     # Shifted so that the largest logit is 0 before dividing: softmax is unchanged, and at a tiny temperature (any
     # eval.temperature > 0 is accepted, down to the smallest positive float, which is 0 in float32) the quotients run
     # to -inf instead of inf, and inf - inf = NaN: the top token(s) keep 0, i.e. greedy with ties shared.
+    # A row with no finite logit (a lookup that matched nothing: no children) is left as it was, so it stays a row
+    # that proposes nothing instead of becoming uniform.
     top = logits.amax(-1, keepdim=True)
-    logits = torch.where(logits == top, 0.0, (logits - top) / params.temperature)
+    shifted = torch.where(logits == top, 0.0, (logits - top) / params.temperature)
+    logits = torch.where(torch.isfinite(top), shifted, logits / params.temperature)
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
