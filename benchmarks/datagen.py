@@ -41,7 +41,7 @@ from drafter_train.decoding.verify import verify_greedy
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.evaluation import divergence_margin
 from drafter_train.data.store import load_distill_dataset
-from drafter_train.recipes.datagen import Throughput, _pad_id, generate_shard, run_datagen
+from drafter_train.recipes.datagen import Throughput, pad_id, generate_shard, run_datagen
 from drafter_train.targets import eos_token_ids, load_target
 from drafter_train.data.training_data import eval_prompt_ids
 from drafter_train.recipes.train import train
@@ -70,7 +70,7 @@ def throughput(args, common: list[str]) -> dict:
     rows, outputs = [], {}
     for in_flight in args.in_flight:
         dg = dataclasses.replace(cfg.datagen, batch_size=in_flight)
-        hf = HFBackend(model, tokenizer, dg, eos, _pad_id(tokenizer, eos))
+        hf = HFBackend(model, tokenizer, dg, eos, pad_id(tokenizer, eos))
         vcfg = compose_config("datagen", [*common, *vllm_overrides(args), f"datagen.vllm.max_num_seqs={in_flight}",
                                           f"datagen.output_dir={Path(args.output_root) / 'throughput'}"])  # its log
         samples = {"hf": [], "vllm": []}

@@ -83,7 +83,7 @@ def open_backend(cfg: DatagenJobConfig) -> HFBackend | VllmBackend:
         return VllmBackend(cfg)
     model, tokenizer = load_target(cfg.target)
     eos = eos_token_ids(model, tokenizer)
-    return HFBackend(model, tokenizer, cfg.datagen, eos, _pad_id(tokenizer, eos))
+    return HFBackend(model, tokenizer, cfg.datagen, eos, pad_id(tokenizer, eos))
 
 
 def data_settings(cfg: DatagenJobConfig) -> dict:
@@ -106,7 +106,7 @@ def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, backe
     counts = {"eval_prompts": len(selection.eval_prompts), "train_prompts": len(selection.train)}
     counts.update(skipped=selection.skipped, shards_total=num_shards)
     eos = backend.eos_token_ids
-    run = {"batch_size": backend.batch_size, "eos_token_ids": eos, "pad_token_id": _pad_id(backend.tokenizer, eos),
+    run = {"batch_size": backend.batch_size, "eos_token_ids": eos, "pad_token_id": pad_id(backend.tokenizer, eos),
            "tokenizer_sha256": tokenizer_fingerprint(backend.tokenizer)}  # checked by whoever reads the token ids
     return dict(
         settings,
@@ -167,7 +167,7 @@ def _record(prompt: TrainPrompt, continuation: Continuation, store_topk: int) ->
     return record
 
 
-def _pad_id(tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> int:
+def pad_id(tokenizer: PreTrainedTokenizerBase, eos: list[int]) -> int:
     """Any id works (padding is masked and cut away); load_tokenizer sets pad = EOS when the tokenizer has none."""
     if tokenizer.pad_token_id is not None:
         return int(tokenizer.pad_token_id)

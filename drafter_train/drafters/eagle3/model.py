@@ -40,7 +40,6 @@ from drafter_train.drafters.common.backbone import plain_layer_config
 from drafter_train.drafters.common.distill import apply_loss
 from drafter_train.drafters.common import conditioned
 from drafter_train.drafters.eagle3 import export as eagle3_export
-from drafter_train.drafters.common.conditioned import target_signals  # noqa: F401  (tests and scripts import it from here)
 from drafter_train.drafters.registry import BuildContext, DrafterKind, register
 from drafter_train.features import check_layers, default_layers, num_layers
 from drafter_train.losses import LossOutput
