@@ -16,9 +16,8 @@ from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
 from drafter_train.drafters.common import conditioned
-from drafter_train.drafters.dflash.model import (
-    DFlashDrafter, DFlashModel, block_mask, position_weights, to_anchor_blocks,
-)
+from drafter_train.drafters.dflash.drafter import DFlashDrafter
+from drafter_train.drafters.dflash.model import DFlashModel, block_mask, position_weights, to_anchor_blocks
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
 from drafter_train.features import FeatureTap, evenly_spaced_layers
