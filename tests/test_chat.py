@@ -135,7 +135,7 @@ def test_bad_records_are_counted_and_nothing_else_is_lost(caplog):
     assert [c.text for c in selection.train] == ["Tell me joke", "Tell me cat", "Tell me mat"]
     assert {k: v for k, v in selection.skipped.items() if v} == {"template_error": 1, "unknown_role": 1,
                                                                 "no_assistant": 1}
-    lines = [r.getMessage() for r in caplog.records]
+    lines = [r.getMessage() for r in caplog.records if r.name == "drafter_train.data.conversations"]
     assert len(lines) == 3 and all("\n" not in line for line in lines)
     assert any("record 1 skipped (template_error)" in line and "System role not supported" in line for line in lines)
 

@@ -42,10 +42,12 @@ def conversation(i: int, turns: int, style: str) -> dict:
                                                              {"role": "assistant", "content": a})]}
 
 
+LONG = conversation(13, 6, "openai")  # six turns: the later ones cannot fit in max_prompt_tokens
 RECORDS = [conversation(i, 1 + i % 3, ("sharegpt", "openai")[i % 2]) for i in range(12)]
-RECORDS.insert(3, {"messages": [{"role": "user", "content": "the cat"}, {"role": "tool", "content": "{}"}]})
-RECORDS.insert(6, {"conversations": [{"from": "human", "value": "a dog"}]})
-RECORDS.append(conversation(40, 6, "openai"))  # six turns: later ones cannot fit in max_prompt_tokens
+RECORDS.insert(2, LONG)  # the first training conversation (two eval ones come first)
+RECORDS.insert(4, {"messages": [{"role": "user", "content": "the cat"}, {"role": "tool", "content": "{}"}]})
+RECORDS.insert(7, {"conversations": [{"from": "human", "value": "a dog"}]})
+DECODE = dict(skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,8 @@ def test_every_turn_is_the_targets_own_answer_and_only_the_answers_are_learned(f
         f"target.path={folders / 'target'}"])).target)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     data = load_distill_dataset(greedy_data)
-    assert len(data) == 10 and sum(data["cut_turns"]) > 0 and any(r[-1] == eos for r in data["response_ids"])
+    turns = sum(m["role"] == "assistant" for r in data["conversation"] for m in json.loads(r))
+    assert len(data) == 10 and 0 < sum(data["cut_turns"]) < turns  # some turns stop on EOS, some are cut
     for record in data:
         messages = json.loads(record["conversation"])
         learned = []
@@ -92,7 +95,7 @@ def test_every_turn_is_the_targets_own_answer_and_only_the_answers_are_learned(f
             prompt_ids = tokenizer(prompt, add_special_tokens=False).input_ids
             assert len(prompt_ids) <= MAX_PROMPT
             answer = generate_autoregressive_ids(model, prompt_ids, eos)
-            assert message["content"] == tokenizer.decode(answer[:-1] if answer[-1] == eos else answer)
+            assert message["content"] == tokenizer.decode(answer[:-1] if answer[-1] == eos else answer, **DECODE)
             learned += tokenizer(message["content"], add_special_tokens=False).input_ids + [eos]
         masked = [t for t, m in zip(record["response_ids"], record["response_mask"]) if m]
         assert masked == learned  # each answer and its <|im_end|>: no header, no user turn, no newline
@@ -102,7 +105,8 @@ def test_every_turn_is_the_targets_own_answer_and_only_the_answers_are_learned(f
 
 def generate_autoregressive_ids(model, prompt_ids, eos) -> list[int]:
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+        ids = torch.tensor([prompt_ids])  # explicit mask: <unk> (id 0) is in the prompts, not padding
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
                              eos_token_id=eos, pad_token_id=0)
     return out[0, len(prompt_ids):].tolist()
 
@@ -111,16 +115,18 @@ def test_long_and_bad_records_are_counted_never_silent(folders, greedy_data):
     manifest = json.loads((greedy_data / "datagen.json").read_text())
     assert manifest["counts"]["skipped"]["unknown_role"] == 1 and manifest["counts"]["skipped"]["no_assistant"] == 1
     data = load_distill_dataset(greedy_data)
-    source = json.loads((folders / "chats.jsonl").read_text().splitlines()[-1])["messages"]
-    last = json.loads(data[-1]["conversation"])
-    assert len(last) < len(source) and data[-1]["dropped_turns"] == (len(source) - len(last)) // 2
+    long = data[0]
+    assert long["prompt"] == LONG["messages"][0]["content"]
+    kept = json.loads(long["conversation"])
+    assert len(kept) < len(LONG["messages"]) and long["dropped_turns"] == (len(LONG["messages"]) - len(kept)) // 2
     assert sum(s["dropped_turns"] for s in manifest["shards"]) == sum(data["dropped_turns"]) > 0
     assert sum(s["truncated_conversations"] for s in manifest["shards"]) == sum(n > 0 for n in data["dropped_turns"])
     assert manifest["prompts"]["multi_turn"] is True and manifest["prompts"]["thinking"] == "keep"
 
 
-def test_reference_only_data_keeps_the_sources_answers(folders, tmp_path):
-    out = run_datagen(datagen_job(folders, tmp_path / "ref", "datagen.generate=false"), progress=False)
+def test_reference_only_data_keeps_the_sources_answers(folders, tmp_path, capsys):
+    out = run_datagen(datagen_job(folders, tmp_path / "ref", "datagen.generate=false"), progress=True)
+    assert "1 conversations cut short by datagen.max_prompt_tokens (" in capsys.readouterr().err
     data = load_distill_dataset(out)
     assert all(r == [] for r in data["response_ids"])
     first = data[0]

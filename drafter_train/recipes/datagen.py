@@ -225,7 +225,7 @@ def _summary(store: DatagenStore, meter: Throughput) -> str:
     )
 
 
-def cfg_multi_turn(store: DatagenStore) -> bool:
+def is_multi_turn(store: DatagenStore) -> bool:
     return bool(store.manifest["prompts"].get("multi_turn"))
 
 
