@@ -14,6 +14,7 @@ from drafter_train.config import DatagenConfig
 from drafter_train.data.batches import collate
 from drafter_train.data.chat import BadRecord, ChatTemplate, normalize, strip_thinking
 from drafter_train.data.conversations import select_conversations
+from drafter_train.data.regenerate import answer_text
 from drafter_train.drafters.common.block_distill import block_batch
 from drafter_train.errors import ConfigError
 from tests.chat_templates import FAMILIES, eos_ids, family_tokenizer
@@ -165,3 +166,15 @@ def test_draft_blocks_never_span_a_user_turn():
     blocks = block_batch(batch, torch.tensor([[0, 1, 2]]), 3)
     assert blocks.resp_mask.view(3, 3).tolist() == [[True, True, False], [True, False, False], [True, True, False]]
     assert blocks.context_lens.tolist() == [[2, 3, 7]]
+
+
+def test_regenerated_answers_drop_their_thinking_when_stripped():
+    """A target that thinks although thinking=strip asked it not to: its block goes, as the source's did."""
+    tokens = "<think> find a joke </think> Why did the cat sit".split()
+    for thinking, expected in [("keep", "<think> find a joke </think> Why did the cat sit"),
+                               ("strip", "Why did the cat sit")]:
+        template = chat("qwen3", thinking)
+        ids = template.tokenizer.convert_tokens_to_ids(tokens)
+        eos = template.tokenizer.convert_tokens_to_ids("<|im_end|>")
+        assert answer_text(template, ids + [eos], [eos], 16) == (expected, False)  # stopped on EOS: not cut
+        assert answer_text(template, ids, [eos], len(ids))[1] is True  # no EOS within max_new_tokens: cut

@@ -15,7 +15,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from drafter_train.config import DatagenConfig
 from drafter_train.data import regenerate
+from drafter_train.data.chat import normalize
+from drafter_train.data.conversations import open_conversations
 from drafter_train.data.store import load_distill_dataset
 from drafter_train.errors import ConfigError
 from drafter_train.recipes.datagen import run_datagen
@@ -176,6 +179,21 @@ def test_the_vllm_worker_gives_the_hf_backends_data(folders, greedy_data, tmp_pa
     columns = ("prompt_ids", "response_ids", "response_mask", "conversation")
     assert load_distill_dataset(out).select_columns(columns).to_list() == \
         load_distill_dataset(greedy_data).select_columns(columns).to_list()
+
+
+def test_conversation_files_and_datasets_folders_read_alike(tmp_path):
+    rows = [conversation(i, 2, "openai") for i in range(4)]  # (mixed styles in one file: the e2e data above)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "c.json").write_text(json.dumps(rows))
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "folder"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "dict"))
+    for name in ("c.jsonl", "c.json", "c.parquet", "folder", "dict"):
+        records = open_conversations(DatagenConfig(prompts=str(tmp_path / name), multi_turn=True))
+        assert [normalize(r) for r in records] == [normalize(r) for r in rows], name
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="^datagen.prompts: .* not a `datasets` save_to_disk folder"):
+        open_conversations(DatagenConfig(prompts=str(tmp_path / "empty"), multi_turn=True))
 
 
 def test_refusals_name_the_field(folders, tmp_path):

@@ -75,7 +75,7 @@ def regenerate(backend, chat: ChatTemplate, convs: Sequence[TrainConversation], 
         answers = _generate(backend, asks, on_batch)
         lines = []
         for (dialogue, k, _), ids in zip(asks, answers):
-            content, cut = _content(chat, ids, backend.eos_token_ids, dg.max_new_tokens)
+            content, cut = answer_text(chat, ids, backend.eos_token_ids, dg.max_new_tokens)
             dialogue.answer(k, content, cut)
             lines.append([dialogue.conv.index, k, content, cut])
         _append(progress, {"round": round_, "turns": lines})
@@ -111,7 +111,7 @@ def _generate(backend, asks: list[tuple], on_batch) -> list[list[int]]:
     return answers
 
 
-def _content(chat: ChatTemplate, ids: list[int], eos: Sequence[int], max_new_tokens: int) -> tuple[str, bool]:
+def answer_text(chat: ChatTemplate, ids: list[int], eos: Sequence[int], max_new_tokens: int) -> tuple[str, bool]:
     """The answer's text (its final EOS dropped; special tokens inside are kept so the rendering has them again)
     and whether it was cut at max_new_tokens."""
     stopped = bool(ids) and ids[-1] in set(eos)
