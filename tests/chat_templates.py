@@ -41,7 +41,8 @@ PHI3 = (  # ends a conversation without a generation prompt with eos_token
     "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
 QWEN3 = (  # rewrites earlier turns: <think> blocks of assistant turns before the last user turn are dropped
-    "{%- if messages[0].role == 'system' %}\n    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
+    "{%- if messages[0].role == 'system' %}\n"
+    "    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}\n"
     "{%- endif %}\n"
     "{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}\n"
     "{%- for message in messages[::-1] %}\n    {%- set index = (messages|length - 1) - loop.index0 %}\n"
@@ -67,7 +68,8 @@ QWEN3 = (  # rewrites earlier turns: <think> blocks of assistant turns before th
     "        {%- else %}\n            {{- '<|im_start|>' + message.role + '\\n' + content }}\n        {%- endif %}\n"
     "        {{- '<|im_end|>\\n' }}\n    {%- endif %}\n{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}\n"
-    "    {%- if enable_thinking is defined and enable_thinking is false %}\n        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
+    "    {%- if enable_thinking is defined and enable_thinking is false %}\n"
+    "        {{- '<think>\\n\\n</think>\\n\\n' }}\n"
     "    {%- endif %}\n{%- endif %}\n"
 )
 

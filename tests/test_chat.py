@@ -202,7 +202,8 @@ def test_a_real_byte_level_tokenizer_and_its_shipped_template():
 
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     template = ChatTemplate(tokenizer, [tokenizer.convert_tokens_to_ids("<|im_end|>")])
-    messages = [{"role": "user", "content": "What's 2+2?"}, {"role": "assistant", "content": "It is 4.\nAnything else?"},
+    messages = [{"role": "user", "content": "What's 2+2?"},
+                {"role": "assistant", "content": "It is 4.\nAnything else?"},
                 {"role": "user", "content": "No, thanks!"}, {"role": "assistant", "content": " You're welcome. "}]
     ids, mask = template.encode(messages)
     learned = tokenizer.decode([t for t, m in zip(ids, mask) if m])

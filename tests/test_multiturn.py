@@ -76,14 +76,17 @@ def datagen_job(root: Path, out: Path, *overrides: str):
         "datagen.batch_size=3", "datagen.shard_size=4", *overrides]))
 
 
+def target_config(root: Path):
+    return OmegaConf.to_object(compose_cfg("datagen", [f"target.path={root / 'target'}"])).target
+
+
 @pytest.fixture(scope="module")
 def greedy_data(folders):
     return run_datagen(datagen_job(folders, folders / "greedy"), progress=False)
 
 
 def test_every_turn_is_the_targets_own_answer_and_only_the_answers_are_learned(folders, greedy_data):
-    model, tokenizer = load_target(OmegaConf.to_object(compose_cfg("datagen", [
-        f"target.path={folders / 'target'}"])).target)
+    model, tokenizer = load_target(target_config(folders))
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     data = load_distill_dataset(greedy_data)
     turns = sum(m["role"] == "assistant" for r in data["conversation"] for m in json.loads(r))
@@ -99,7 +102,8 @@ def test_every_turn_is_the_targets_own_answer_and_only_the_answers_are_learned(f
             assert len(prompt_ids) <= MAX_PROMPT
             answer = generate_autoregressive_ids(model, prompt_ids, eos)
             assert message["content"] == tokenizer.decode(answer[:-1] if answer[-1] == eos else answer, **DECODE)
-            learned += tokenizer(message["content"], add_special_tokens=False).input_ids + [eos]
+            stopped = [eos] if answer[-1] == eos else []  # a turn cut at max_new_tokens learns no end token
+            learned += tokenizer(message["content"], add_special_tokens=False).input_ids + stopped
         masked = [t for t, m in zip(record["response_ids"], record["response_mask"]) if m]
         assert masked == learned  # each answer and its <|im_end|>: no header, no user turn, no newline
         assert record["prompt_ids"] + record["response_ids"] == tokenizer(
@@ -135,7 +139,7 @@ def test_reference_only_data_keeps_the_sources_answers(folders, tmp_path, capsys
     first = data[0]
     kept = json.loads(first["conversation"])
     answers = [m["content"] for m in kept if m["role"] == "assistant"]
-    _, tokenizer = load_target(OmegaConf.to_object(compose_cfg("datagen", [f"target.path={folders / 'target'}"])).target)
+    _, tokenizer = load_target(target_config(folders))
     learned = [t for t, m in zip(first["reference_ids"], first["reference_mask"]) if m]
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert learned == [t for a in answers for t in tokenizer(a, add_special_tokens=False).input_ids + [eos]]

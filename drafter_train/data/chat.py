@@ -123,8 +123,10 @@ class ChatTemplate:
         """The conversation so far plus the generation prompt: what the target continues for the next turn."""
         return self.ids(self.render(messages, generation=True))
 
-    def encode(self, messages: Sequence[dict]) -> tuple[list[int], list[int]]:
-        """(token ids of the whole rendered conversation, 1 where the token belongs to an assistant turn)."""
+    def encode(self, messages: Sequence[dict], cut: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+        """(token ids of the whole rendered conversation, 1 where the token belongs to an assistant turn). Turns at
+        the message indices `cut` were cut at max_new_tokens: the end token the template writes after them is not
+        learned (the target did not stop there)."""
         text = self.render(messages)
         spans = content_spans(self, messages, text)
         enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -137,7 +139,7 @@ class ChatTemplate:
                 raise BadRecord("template_error", f"the chat template does not render assistant turn {k}")
             begin = self._turn_start(messages, k, text, spans)
             limit = next((s[0] for s in spans[k + 1:] if s is not None), len(text))
-            _mark(mask, ids, starts, (begin, spans[k][1], limit), self.eos)
+            _mark(mask, ids, starts, (begin, spans[k][1], limit), set() if k in cut else self.eos)
         return ids, mask
 
     def _turn_start(self, messages: Sequence[dict], k: int, text: str, spans: list) -> int:

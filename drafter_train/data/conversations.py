@@ -162,14 +162,15 @@ def assistant_turns(messages: Sequence[dict]) -> int:
 
 
 def conversation_record(chat: ChatTemplate, conv: TrainConversation, final: Optional[list[dict]],
-                        max_prompt_tokens: int, cut_turns: int = 0) -> dict:
+                        max_prompt_tokens: int, cut: Sequence[int] = ()) -> dict:
     """The stored record: prompt_ids = the tokens before the first learned one; response_ids / response_mask =
     the rest of the regenerated conversation (``final``; empty when not generating) and its assistant mask;
-    reference_ids / reference_mask = the same turns with the source's own answers."""
+    reference_ids / reference_mask = the same turns with the source's own answers. `cut`: the turns of ``final``
+    cut at max_new_tokens (their end token is not learned)."""
     reference = list(conv.messages[:len(final)]) if final is not None else fit_turns(chat, conv.messages,
                                                                                       max_prompt_tokens)
     ref_ids, ref_mask = chat.encode(reference)
-    ids, mask = chat.encode(final) if final is not None else (ref_ids, ref_mask)
+    ids, mask = chat.encode(final, cut) if final is not None else (ref_ids, ref_mask)
     first = mask.index(1) if 1 in mask else len(ids)
     same_prompt = ref_ids[:first] == ids[:first]
     kept = final if final is not None else reference
@@ -183,5 +184,5 @@ def conversation_record(chat: ChatTemplate, conv: TrainConversation, final: Opti
         "reference_mask": ref_mask[first:] if same_prompt else [],
         "conversation": json.dumps(kept, ensure_ascii=False),
         "dropped_turns": assistant_turns(conv.messages) - assistant_turns(kept),
-        "cut_turns": cut_turns,
+        "cut_turns": len(cut),
     }

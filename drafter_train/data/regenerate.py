@@ -5,7 +5,8 @@ turn of every conversation of the shard that still has one: its prompt is the co
 assistant turns already regenerated and the user turns as the source has them, rendered with the generation prompt.
 The answer (up to its first EOS, which is not kept: the template writes the turn's end) replaces the source's
 answer, and the next round continues. A turn whose prompt exceeds datagen.max_prompt_tokens ends its conversation
-(conversations.py). A turn that reaches max_new_tokens without EOS is kept as cut and counted (``cut_turns``).
+(conversations.py). A turn that reaches max_new_tokens without EOS is kept as cut and counted (``cut_turns``);
+the end token the template writes after it is not learned, since the target did not stop there.
 
 Resume mid-conversation: after every round, one JSON line with the round's answers is appended to
 ``shards/.shard-NNNNN.turns.jsonl`` (fsynced). A killed run replays the complete lines of the unfinished shard and
@@ -39,14 +40,16 @@ class Dialogue:
     conv: TrainConversation
     messages: list = field(default_factory=list)  # the source's, answers replaced as they are regenerated
     done: int = 0  # messages [0, done) are final
-    cut_turns: int = 0
+    cut: list = field(default_factory=list)  # indices of the turns cut at max_new_tokens
 
     def next_turn(self) -> Optional[int]:
         return next((k for k in range(self.done, len(self.messages)) if self.messages[k]["role"] == "assistant"), None)
 
     def answer(self, k: int, content: str, cut: bool) -> None:
         self.messages[k] = dict(self.messages[k], content=content)
-        self.done, self.cut_turns = k + 1, self.cut_turns + cut
+        self.done = k + 1
+        if cut:
+            self.cut.append(k)
 
     def end_before(self, k: int) -> None:
         """The turn at k does not fit: the conversation ends with the last regenerated turn."""

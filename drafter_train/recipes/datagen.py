@@ -167,7 +167,7 @@ def _conversation_shard(backend: HFBackend | VllmBackend, chat: ChatTemplate, dg
     progress = progress_path(store.root / SHARDS, index)
     dialogues = regenerate(backend, chat, convs, dg, index, progress, lambda n, s: meter.update(0, n, s))
     meter.update(len(convs), 0, 0.0)
-    return [conversation_record(chat, d.conv, d.messages, dg.max_prompt_tokens, d.cut_turns) for d in dialogues]
+    return [conversation_record(chat, d.conv, d.messages, dg.max_prompt_tokens, d.cut) for d in dialogues]
 
 
 def generate_shard(
