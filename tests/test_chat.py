@@ -209,3 +209,21 @@ def test_a_real_byte_level_tokenizer_and_its_shipped_template():
     learned = tokenizer.decode([t for t, m in zip(ids, mask) if m])
     assert learned == "It is 4.\nAnything else?<|im_end|> You're welcome. <|im_end|>"
     assert tokenizer.decode(ids) == template.render(messages)
+
+
+GENERATION_TAGGED = (  # ChatML with transformers' {% generation %} markers: its own assistant mask is a reference
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+    "{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def test_the_mask_equals_transformers_own_where_a_template_has_generation_markers():
+    tokenizer = family_tokenizer("smollm2", WORDS)
+    tokenizer.chat_template = GENERATION_TAGGED
+    messages = strip_thinking(CONVERSATION)
+    ids, mask = ChatTemplate(tokenizer, eos_ids("smollm2", tokenizer)).encode(messages)
+    theirs = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                           return_assistant_tokens_mask=True)
+    assert ids == list(theirs["input_ids"]) and mask == list(theirs["assistant_masks"]) and sum(mask) > 10
