@@ -36,7 +36,7 @@ from drafter_train.data.sources import (Selection, TrainPrompt, exclusion_index,
 from drafter_train.data.store import (FORMAT, SHARDS, DatagenStore, features, load_distill_dataset, load_eval_prompts,
                                       shard_name, tokenizer_fingerprint)
 from drafter_train.data.vllm_backend import VllmBackend
-from drafter_train.targets import eos_token_ids, load_target, load_tokenizer, model_identity
+from drafter_train.targets import eos_token_ids, load_target, load_target_tokenizer, model_identity
 
 __all__ = ["run_datagen", "load_distill_dataset", "load_eval_prompts", "main"]
 T = TypeVar("T")
@@ -70,7 +70,7 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     exclude = exclusion_index(dg)
     check_inputs(cfg)  # the target's path, before it loads
     if dg.multi_turn:  # and its chat template
-        ChatTemplate(load_tokenizer(cfg.target.path, cfg.target.gguf_file), [], dg.thinking)
+        ChatTemplate(load_target_tokenizer(cfg.target), [], dg.thinking)
     backend = open_backend(cfg)
     if dg.multi_turn:
         chat = ChatTemplate(backend.tokenizer, backend.eos_token_ids, dg.thinking)
