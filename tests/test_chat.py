@@ -227,3 +227,19 @@ def test_the_mask_equals_transformers_own_where_a_template_has_generation_marker
     theirs = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
                                            return_assistant_tokens_mask=True)
     assert ids == list(theirs["input_ids"]) and mask == list(theirs["assistant_masks"]) and sum(mask) > 10
+
+
+def test_training_counts_learned_tokens_and_says_what_it_cuts(caplog):
+    import datasets
+
+    from drafter_train.data.batches import token_counts
+    from drafter_train.data.training_data import report_cut
+
+    data = datasets.Dataset.from_list([
+        {"prompt_ids": [1, 2], "response_ids": [5, 6, 7, 5], "response_mask": [1, 0, 0, 1]},
+        {"prompt_ids": [1], "response_ids": [6, 7], "response_mask": [0, 1]},
+    ])
+    assert token_counts(data, "response_ids", 8).tolist() == [0, 0, 0, 0, 0, 2, 0, 1]  # user-turn tokens not counted
+    with caplog.at_level(logging.WARNING):
+        assert report_cut(data, "response_ids", 5) == 1
+    assert "1 of 2 training records are longer than train.max_seq_len=5" in caplog.text
