@@ -50,14 +50,24 @@ _EMBEDDED = {
 def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """The target model (eval mode, frozen, in ``cfg.dtype``, with ``cfg.cpu_kernels``) and its tokenizer (with a pad
     token)."""
-    path, gguf_file = cfg.path, cfg.gguf_file
-    if path.startswith(EMBEDDED_PREFIX):
-        # The embedded model is loaded from its dequantised cache folder, never from the GGUF file again.
-        path, gguf_file = str(embedded_folder(path, cfg.cache_dir)), None
+    path, gguf_file = resolved_path(cfg)
     model = load_causal_lm(path, cfg.dtype, gguf_file)
     use_onednn_linears(model, cfg.cpu_kernels)
     use_grouped_attention(model, cfg.cpu_kernels)
     return model, load_tokenizer(path, gguf_file)
+
+
+def resolved_path(cfg: TargetConfig) -> tuple[str, Optional[str]]:
+    """(path, gguf_file) as the loaders read them: the embedded model is loaded from its dequantised cache folder,
+    never from the GGUF file again."""
+    if cfg.path.startswith(EMBEDDED_PREFIX):
+        return str(embedded_folder(cfg.path, cfg.cache_dir)), None
+    return cfg.path, cfg.gguf_file
+
+
+def load_target_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
+    """The target's tokenizer alone (checks that need only it run before the model loads)."""
+    return load_tokenizer(*resolved_path(cfg))
 
 
 def load_causal_lm(

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from drafter_train.data import sharegpt
-from drafter_train.data.sharegpt import first_turns, iter_records, load_sharegpt_pairs
+from drafter_train.data.sharegpt import first_turns, iter_records, load_sharegpt_conversations, load_sharegpt_pairs
 from drafter_train.errors import ConfigError
 
 
@@ -63,6 +63,14 @@ def test_file_reader_with_limit(tmp_path):
     assert list(load_sharegpt_pairs(path=path)) == EXPECTED
     assert list(load_sharegpt_pairs(limit=2, path=path)) == EXPECTED[:2]
     assert list(load_sharegpt_pairs(limit=0, path=path)) == []
+
+
+def test_whole_conversations_for_multi_turn(tmp_path):
+    """datagen.multi_turn reads whole records; only later parts of split conversations are left out here (the
+    other rules are the conversation reader's, data/chat.py, which counts what it skips)."""
+    path = tmp_path / "sharegpt.json"
+    path.write_text(truncated_json(), encoding="utf-8")
+    assert list(load_sharegpt_conversations(path)) == [r for r in RECORDS if r["id"] != "d_1"]
 
 
 def test_missing_wheel_is_one_line(monkeypatch):

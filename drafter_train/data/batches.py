@@ -1,8 +1,10 @@
 """Training batches from the distillation dataset.
 
 A record is prompt_ids + response_ids. Losses only concern the positions that predict response tokens, so a batch
-carries, per row, the positions that predict each response token (`resp_pos`); the models' LM heads run on those
-positions only (the prompt can be longer than the response and the vocabulary is large).
+carries, per row, the positions that predict each learned response token (`resp_pos`); the models' LM heads run on
+those positions only (the prompt can be longer than the response and the vocabulary is large). Multi-turn records
+(datagen.multi_turn) also carry a mask column: only the assistant tokens are learned, so `resp_pos` then has gaps
+(the user turns), and kinds that need runs of consecutive tokens (draft blocks) check for them.
 """
 
 from __future__ import annotations
@@ -43,32 +45,46 @@ class Batch:
         return dataclasses.replace(self, **{k: v.to(device) for k, v in moved.items() if isinstance(v, Tensor)})
 
 
-def _fit(prompt: list[int], response: list[int], max_seq_len: int) -> tuple[list[int], list[int]]:
-    """Drop prompt tokens from the left (the response is what is learned), keeping at least one."""
-    response = response[: max_seq_len - 1]
-    return prompt[max(0, len(prompt) - (max_seq_len - len(response))) :] or prompt[-1:], response
+def mask_key(response_key: str) -> str:
+    """The column marking which tokens of `response_key` are learned (multi-turn data: the assistant tokens;
+    data/chat.py). Single-turn data has none: every response token is learned."""
+    return response_key.replace("_ids", "_mask")
+
+
+def _fit(prompt: list[int], response: list[int], mask: list[int], max_seq_len: int
+         ) -> tuple[list[int], list[int], list[int]]:
+    """Drop prompt tokens from the left (the response is what is learned), keeping at least one; then cut the
+    response (and its mask) from the right."""
+    response, mask = response[: max_seq_len - 1], mask[: max_seq_len - 1]
+    return prompt[max(0, len(prompt) - (max_seq_len - len(response))) :] or prompt[-1:], response, mask
 
 
 def collate(records: Sequence[dict], response_key: str, max_seq_len: int, pad_id: int, topk: bool = False) -> Batch:
-    pairs = [_fit(list(r["prompt_ids"]), list(r[response_key]), max_seq_len) for r in records]
-    seq_len = max(len(p) + len(r) for p, r in pairs)
-    resp_len = max(max(len(r) for _, r in pairs), 1)
-    b = len(pairs)
+    """Records -> a Batch whose response fields hold the learned tokens: all response tokens, or those its mask
+    column marks (multi-turn: the assistant turns, not the user turns between them)."""
+    masked = mask_key(response_key) in records[0]
+    rows = [_fit(list(r["prompt_ids"]), list(r[response_key]),
+                 list(r[mask_key(response_key)]) if masked else [1] * len(r[response_key]), max_seq_len)
+            for r in records]
+    learned = [[j for j, m in enumerate(mask) if m] for _, _, mask in rows]  # response indices learned
+    seq_len = max(len(p) + len(r) for p, r, _ in rows)
+    resp_len = max(max(len(js) for js in learned), 1)
+    b = len(rows)
     input_ids = torch.full((b, seq_len), pad_id, dtype=torch.long)
     attention_mask = torch.zeros(b, seq_len, dtype=torch.long)
     resp_pos = torch.zeros(b, resp_len, dtype=torch.long)
     labels = torch.zeros(b, resp_len, dtype=torch.long)
     resp_mask = torch.zeros(b, resp_len, dtype=torch.bool)
-    for i, (prompt, response) in enumerate(pairs):
-        n_p, n_r = len(prompt), len(response)
-        input_ids[i, : n_p + n_r] = torch.tensor(prompt + response)
-        attention_mask[i, : n_p + n_r] = 1
-        resp_pos[i, :n_r] = torch.arange(n_p - 1, n_p + n_r - 1)  # logits at t predict token t + 1
-        labels[i, :n_r] = torch.tensor(response, dtype=torch.long)
+    for i, ((prompt, response, _), js) in enumerate(zip(rows, learned)):
+        n_p, n_r, index = len(prompt), len(js), torch.tensor(js, dtype=torch.long)
+        input_ids[i, : n_p + len(response)] = torch.tensor(prompt + response)
+        attention_mask[i, : n_p + len(response)] = 1
+        resp_pos[i, :n_r] = n_p - 1 + index  # logits at t predict token t + 1
+        labels[i, :n_r] = torch.tensor(response, dtype=torch.long)[index]
         resp_mask[i, :n_r] = True
     batch = Batch(input_ids, attention_mask, resp_pos, resp_mask, labels)
     if topk:
-        batch.topk_ids, batch.topk_logits = _stack_topk(records, [len(r) for _, r in pairs], resp_len)
+        batch.topk_ids, batch.topk_logits = _stack_topk(records, [len(r) for _, r, _ in rows], resp_len)
     return batch
 
 
@@ -83,14 +99,18 @@ def _stack_topk(records: Sequence[dict], lengths: list[int], resp_len: int) -> t
 
 
 def token_counts(records, column: str, vocab_size: int, chunk: int = 1024) -> Tensor:
-    """[vocab_size] occurrences of each token id in `column` over all records of a dataset."""
+    """[vocab_size] occurrences of each token id in `column` over all records of a dataset (only the learned
+    ones where the dataset has a mask column: multi-turn data)."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
-    if hasattr(records, "select_columns"):  # a datasets.Dataset: read only the one column
-        records = records.select_columns([column])
+    masked = mask_key(column) in records.column_names if hasattr(records, "column_names") else False
+    if hasattr(records, "select_columns"):  # a datasets.Dataset: read only the columns needed
+        records = records.select_columns([column, mask_key(column)] if masked else [column])
     for start in range(0, len(records), chunk):
-        rows = records[start : start + chunk][column]
+        part = records[start : start + chunk]
+        rows = part[column]
+        masks = part[mask_key(column)] if masked else [[1] * len(row) for row in rows]
         if rows:
-            ids = torch.tensor([t for row in rows for t in row], dtype=torch.long)
+            ids = torch.tensor([t for row, mask in zip(rows, masks) for t, m in zip(row, mask) if m], dtype=torch.long)
             counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
     return counts
 

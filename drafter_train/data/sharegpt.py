@@ -57,6 +57,19 @@ def load_sharegpt_pairs(limit: Optional[int] = None, path: Optional[Path] = None
     return _limited(file, limit)
 
 
+def load_sharegpt_conversations(path: Optional[Path] = None) -> Iterator[dict]:
+    """Whole records in file order (datagen.multi_turn), later parts of split conversations skipped (module doc)."""
+    file = path or sharegpt_json_path()
+    return _first_parts(file)
+
+
+def _first_parts(file: Path) -> Iterator[dict]:
+    with open(file, encoding="utf-8") as stream:
+        for record in iter_records(stream):
+            if not (isinstance(record, dict) and _is_later_part(str(record.get("id", "")))):
+                yield record
+
+
 def _limited(file: Path, limit: Optional[int]) -> Iterator[tuple[str, str]]:
     if limit is not None and limit <= 0:
         return

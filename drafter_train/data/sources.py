@@ -60,7 +60,7 @@ def open_source(cfg: DatagenConfig) -> Iterator[tuple[str, str]]:
     """(prompt, reference) pairs in source order. Files and hub datasets are read (and checked) at the call."""
     if cfg.prompts is None:
         return load_sharegpt_pairs()  # lazy: only as much of the file as the selection needs is parsed
-    rows = _read_local(cfg.prompts) if _is_local(cfg.prompts) else _read_hub(cfg.prompts)
+    rows = _read_local(cfg.prompts) if is_local(cfg.prompts) else read_hub(cfg.prompts)
     where = cfg.prompts
     text_col = find_column(rows.column_names, cfg.prompt_field, TEXT_COLUMNS, where, "datagen", "prompt_field")
     ref_col = find_column(
@@ -84,7 +84,7 @@ def exclusion_index(cfg: DatagenConfig) -> Optional[OverlapIndex]:
     return OverlapIndex(texts)
 
 
-def _is_local(prompts: str) -> bool:
+def is_local(prompts: str) -> bool:
     """Existing paths and anything with a prompt-file suffix are local (a typo must not become a hub look-up)."""
     path = Path(prompts).expanduser()
     return path.exists() or path.suffix.lower() in BUILDERS or prompts.startswith(("/", ".", "~"))
@@ -94,7 +94,7 @@ def _read_local(path: str) -> datasets.Dataset:
     return read_prompt_table(path, "datagen")
 
 
-def _read_hub(name: str) -> datasets.Dataset:
+def read_hub(name: str) -> datasets.Dataset:
     try:
         return datasets.load_dataset(name, split="train")
     except (OSError, ValueError, datasets.exceptions.DatasetsError) as err:  # offline, unknown id, no train split
@@ -132,7 +132,7 @@ def select_prompts(
         _add(selection, cfg, text, prompt_ids, _reference_ids(tokenizer, reference, cfg.max_new_tokens))
         if len(selection.eval_prompts) + len(selection.train) >= wanted:
             break
-    _check_enough(selection, cfg)
+    check_enough(selection, cfg)
     return selection
 
 
@@ -150,11 +150,12 @@ def _reference_ids(tokenizer: PreTrainedTokenizerBase, reference: str, max_new_t
     return list(tokenizer(reference, add_special_tokens=False).input_ids[:max_new_tokens])
 
 
-def _check_enough(selection: Selection, cfg: DatagenConfig) -> None:
+def check_enough(selection: Selection, cfg: DatagenConfig, what: str = "training prompts") -> None:
+    """One line when the source leaves nothing to train on, with what was skipped and why."""
     if selection.train:
         return
     skipped = ", ".join(f"{n} {why}" for why, n in selection.skipped.items() if n) or "none skipped"
     raise ConfigError(
-        f"datagen.prompts: no training prompts left in {cfg.prompts or 'ShareGPT'} after "
+        f"datagen.prompts: no {what} left in {cfg.prompts or 'ShareGPT'} after "
         f"{len(selection.eval_prompts)} eval prompts ({skipped}; max_prompt_tokens={cfg.max_prompt_tokens})"
     )

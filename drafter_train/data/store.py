@@ -42,8 +42,9 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}"
 
 
-def features(store_topk: int) -> datasets.Features:
-    """Column types, explicit so that empty lists (no reference answer) still get a type."""
+def features(store_topk: int, multi_turn: bool = False) -> datasets.Features:
+    """Column types, explicit so that empty lists (no reference answer) still get a type. Multi-turn folders
+    (datagen.multi_turn, data/conversations.py) add the assistant masks and what regeneration kept and dropped."""
     ids = datasets.List(datasets.Value("int32"))
     columns = {
         "prompt_index": datasets.Value("int64"),  # position among the training prompts
@@ -55,6 +56,11 @@ def features(store_topk: int) -> datasets.Features:
     if store_topk:
         columns["topk_ids"] = datasets.List(ids)  # [T][k]
         columns["topk_logits"] = datasets.List(datasets.List(datasets.Value("float32")))  # [T][k]
+    if multi_turn:
+        mask = datasets.List(datasets.Value("int8"))
+        columns.update(response_mask=mask, reference_mask=mask,  # 1: an assistant token, learned
+                       conversation=datasets.Value("string"),  # the kept messages as JSON
+                       dropped_turns=datasets.Value("int32"), cut_turns=datasets.Value("int32"))
     return datasets.Features(columns)
 
 
@@ -104,14 +110,17 @@ class DatagenStore:
     def finished_shards(self) -> set[str]:
         return {path.name for path in self._shard_paths()}
 
-    def write_shard(self, index: int, records: list[dict], store_topk: int) -> None:
+    def write_shard(self, index: int, records: list[dict], store_topk: int, multi_turn: bool = False) -> None:
         """Save one shard: temporary folder first, then a rename (atomic on one file system)."""
         name = shard_name(index)
         tmp = self.root / SHARDS / f".{name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         with quiet_datasets():  # its "Saving the dataset" bar would break up datagen's own progress bar
-            datasets.Dataset.from_list(records, features=features(store_topk)).save_to_disk(str(tmp))
+            datasets.Dataset.from_list(records, features=features(store_topk, multi_turn)).save_to_disk(str(tmp))
         os.rename(tmp, self.root / SHARDS / name)
+        for side in (self.root / SHARDS).glob(f".{name}.*"):  # e.g. its multi-turn progress file: done with
+            if side.is_file():
+                side.unlink()
         self.manifest["shards"].append(_shard_entry(self.root / SHARDS / name))
         self._save()
 
@@ -121,6 +130,10 @@ class DatagenStore:
 
     def response_tokens(self) -> int:
         return sum(entry["response_tokens"] for entry in self.manifest["shards"])
+
+    def total(self, key: str) -> int:
+        """A per-shard count summed over the finished shards (0 where shards do not have it)."""
+        return sum(entry.get(key, 0) for entry in self.manifest["shards"])
 
     def _shard_paths(self) -> list[Path]:
         return sorted(p for p in (self.root / SHARDS).glob("shard-*") if p.is_dir() and _SHARD_NAME.match(p.name))
@@ -184,8 +197,14 @@ def _datagen_folder(data_dir: str | Path, problem: str) -> Path:
 
 def _shard_entry(path: Path) -> dict:
     """Counted from the shard itself: a run killed between the rename and the datagen.json update loses nothing."""
-    responses = datasets.load_from_disk(str(path))["response_ids"]
-    return {"name": path.name, "prompts": len(responses), "response_tokens": sum(len(r) for r in responses)}
+    shard = datasets.load_from_disk(str(path))
+    responses = shard["response_ids"]
+    entry = {"name": path.name, "prompts": len(responses), "response_tokens": sum(len(r) for r in responses)}
+    if "dropped_turns" in shard.column_names:  # multi-turn: what the length rules took away, never silently
+        dropped = shard["dropped_turns"]
+        entry.update(truncated_conversations=sum(n > 0 for n in dropped), dropped_turns=sum(dropped),
+                     cut_turns=sum(shard["cut_turns"]))
+    return entry
 
 
 def _differences(old: dict, new: dict) -> list[str]:

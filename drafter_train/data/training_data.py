@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from drafter_train.config import TrainJobConfig
@@ -10,6 +11,8 @@ from drafter_train.data.prompts import load_prompt_records
 from drafter_train.data.store import check_tokenizer, load_distill_dataset
 from drafter_train.errors import ConfigError
 from drafter_train.targets import encode_prompt
+
+log = logging.getLogger(__name__)
 
 
 def load_training_data(cfg: TrainJobConfig, tokenizer):
@@ -23,7 +26,21 @@ def load_training_data(cfg: TrainJobConfig, tokenizer):
         raise ConfigError(f"train.data_dir: {cfg.train.data_dir} has no records with {column}")
     if cfg.loss.uses_stored_logits and "topk_ids" not in data.column_names:
         raise ConfigError("loss.teacher=offline: the dataset has no stored logits (run datagen with store_topk > 0)")
+    report_cut(data, column, cfg.train.max_seq_len)
     return data, column
+
+
+def report_cut(data, column: str, max_seq_len: int) -> int:
+    """Records longer than train.max_seq_len are cut (batches.collate: the prompt from the left, the response from
+    the right, so later turns of a long conversation go first); say how many, once, instead of cutting silently."""
+    columns, cut = data.select_columns(["prompt_ids", column]), 0
+    for start in range(0, len(columns), 1024):  # read in chunks: no cache files written into the data folder
+        part = columns[start:start + 1024]
+        cut += sum(len(p) + len(r) > max_seq_len for p, r in zip(part["prompt_ids"], part[column]))
+    if cut:
+        log.warning("drafter-train: %d of %d training records are longer than train.max_seq_len=%d and are cut to "
+                    "it (the prompt from the left, the response from the right)", cut, len(columns), max_seq_len)
+    return cut
 
 
 def eval_prompts_path(cfg: TrainJobConfig) -> str:

@@ -11,9 +11,10 @@ Consumers read the result with ``load_distill_dataset(dir)`` and ``load_eval_pro
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
-from typing import Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Sequence, TypeVar
 
 import hydra
 import torch
@@ -25,13 +26,17 @@ from drafter_train.config import CONF_DIR, DatagenConfig, DatagenJobConfig
 from drafter_train.recipes.cli import register_configs
 from drafter_train.preflight import check_inputs
 from drafter_train.recipes.cli import one_line_errors
+from drafter_train.data.chat import ChatTemplate
+from drafter_train.data.conversations import (TrainConversation, conversation_record, open_conversations,
+                                              select_conversations)
 from drafter_train.data.generation import Continuation, HFBackend
+from drafter_train.data.regenerate import progress_path, regenerate
 from drafter_train.data.sources import (Selection, TrainPrompt, exclusion_index, open_source, select_prompts,
                                         source_name)
-from drafter_train.data.store import (FORMAT, DatagenStore, features, load_distill_dataset, load_eval_prompts, shard_name,
-                                      tokenizer_fingerprint)
+from drafter_train.data.store import (FORMAT, SHARDS, DatagenStore, features, load_distill_dataset, load_eval_prompts,
+                                      shard_name, tokenizer_fingerprint)
 from drafter_train.data.vllm_backend import VllmBackend
-from drafter_train.targets import eos_token_ids, load_target, model_identity
+from drafter_train.targets import eos_token_ids, load_target, load_target_tokenizer, model_identity
 
 __all__ = ["run_datagen", "load_distill_dataset", "load_eval_prompts", "main"]
 T = TypeVar("T")
@@ -60,16 +65,25 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     store = DatagenStore.open(dg.output_dir)  # an unwritable folder fails before the target is loaded
     settings = data_settings(cfg)
     store.check_settings(settings)
-    pairs = open_source(dg)  # a missing or empty prompt file fails here, also before the target
-    exclude = exclusion_index(dg)  # so does a bad datagen.exclude file
+    # A missing or empty prompt file fails here, also before the target; so does a bad datagen.exclude file.
+    source = open_conversations(dg) if dg.multi_turn else open_source(dg)
+    exclude = exclusion_index(dg)
     check_inputs(cfg)  # the target's path, before it loads
+    if dg.multi_turn:  # and its chat template
+        ChatTemplate(load_target_tokenizer(cfg.target), [], dg.thinking)
     backend = open_backend(cfg)
-    selection = select_prompts(pairs, backend.tokenizer, dg, cfg.target.chat_template, exclude)
+    if dg.multi_turn:
+        chat = ChatTemplate(backend.tokenizer, backend.eos_token_ids, dg.thinking)
+        selection = select_conversations(source, chat, dg, exclude)
+        make_shard = functools.partial(_conversation_shard, backend, chat, dg, store)
+    else:
+        selection = select_prompts(source, backend.tokenizer, dg, cfg.target.chat_template, exclude)
+        make_shard = functools.partial(_prompt_shard, backend, dg)
     settings["prompts"]["sha256"] = selection.fingerprint()
     store.check_settings(settings)  # same source name, different content: refuse too
     store.start(_manifest(cfg, settings, selection, backend), selection.eval_prompts)
     with backend:
-        meter = _generate_missing_shards(backend, selection.train, dg, store, progress)
+        meter = _generate_missing_shards(selection.train, dg, store, progress, make_shard)
     store.finish()
     if progress:
         print(_summary(store, meter), file=sys.stderr)
@@ -97,6 +111,8 @@ def data_settings(cfg: DatagenJobConfig) -> dict:
     prompts.update(source=source_name(dg), max_prompt_tokens=dg.max_prompt_tokens, shard_size=dg.shard_size)
     if dg.exclude:  # only when set: folders written before the option still resume
         prompts["exclude"] = list(dg.exclude)
+    if dg.multi_turn:  # likewise: single-turn folders compare as before
+        prompts.update(multi_turn=True, thinking=dg.thinking)
     target = dict(model_identity(cfg.target), chat_template=cfg.target.chat_template)
     return {"format": FORMAT, "target": target, "generation": generation, "prompts": prompts}
 
@@ -112,29 +128,46 @@ def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, backe
         settings,
         counts=counts,
         run=dict(run, **backend.run_info()),
-        columns=list(features(cfg.datagen.store_topk)),
+        columns=list(features(cfg.datagen.store_topk, cfg.datagen.multi_turn)),
         complete=False,
         config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),
     )
 
 
-def _generate_missing_shards(
-    backend: HFBackend | VllmBackend, train: list[TrainPrompt], dg: DatagenConfig, store: DatagenStore, progress: bool
-) -> Throughput:
+def _generate_missing_shards(train: list, dg: DatagenConfig, store: DatagenStore, progress: bool,
+                             make_shard: Callable[[int, Sequence, Throughput], list[dict]]) -> Throughput:
     shards = list(_chunks(train, dg.shard_size))
     finished = store.finished_shards()
     done = sum(len(shard) for index, shard in enumerate(shards) if shard_name(index) in finished)
     meter = Throughput(len(train), done, progress)
-    for index, prompts in enumerate(shards):
+    for index, items in enumerate(shards):
         if shard_name(index) in finished:
             continue
-        # Seeded per shard, so a resumed run samples exactly what an uninterrupted one would have (the vLLM
-        # backend seeds each prompt instead).
-        torch.manual_seed(dg.seed + index)
-        records = generate_shard(backend, prompts, dg, meter)
-        store.write_shard(index, records, dg.store_topk)
+        store.write_shard(index, make_shard(index, items, meter), dg.store_topk, dg.multi_turn)
     meter.bar.close()
     return meter
+
+
+def _prompt_shard(backend: HFBackend | VllmBackend, dg: DatagenConfig, index: int, prompts: Sequence[TrainPrompt],
+                  meter: Throughput) -> list[dict]:
+    # Seeded per shard, so a resumed run samples exactly what an uninterrupted one would have (the vLLM
+    # backend seeds each prompt instead).
+    torch.manual_seed(dg.seed + index)
+    return generate_shard(backend, prompts, dg, meter)
+
+
+def _conversation_shard(backend: HFBackend | VllmBackend, chat: ChatTemplate, dg: DatagenConfig,
+                        store: DatagenStore, index: int, convs: Sequence[TrainConversation],
+                        meter: Throughput) -> list[dict]:
+    """datagen.multi_turn: every assistant turn regenerated turn by turn (data/regenerate.py), resumable
+    mid-conversation through the shard's progress file; generate=false keeps the source's answers."""
+    if not dg.generate:
+        meter.update(len(convs), 0, 0.0)
+        return [conversation_record(chat, c, None, dg.max_prompt_tokens) for c in convs]
+    progress = progress_path(store.root / SHARDS, index)
+    dialogues = regenerate(backend, chat, convs, dg, index, progress, lambda n, s: meter.update(0, n, s))
+    meter.update(len(convs), 0, 0.0)
+    return [conversation_record(chat, d.conv, d.messages, dg.max_prompt_tokens, d.cut) for d in dialogues]
 
 
 def generate_shard(
@@ -186,7 +219,14 @@ def _summary(store: DatagenStore, meter: Throughput) -> str:
         f"drafter-datagen: {counts['train_prompts']} training prompts in {shards}/{counts['shards_total']} shards, "
         f"{store.response_tokens()} response tokens ({meter.tokens} generated now at {meter.tokens_per_s:.1f} "
         f"tokens/s), {counts['eval_prompts']} eval prompts held out -> {store.root}"
+        + (f"; {store.total('truncated_conversations')} conversations cut short by datagen.max_prompt_tokens "
+           f"({store.total('dropped_turns')} assistant turns dropped), {store.total('cut_turns')} turns cut at "
+           f"max_new_tokens" if is_multi_turn(store) else "")
     )
+
+
+def is_multi_turn(store: DatagenStore) -> bool:
+    return bool(store.manifest["prompts"].get("multi_turn"))
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="datagen")

@@ -39,7 +39,8 @@ def sample_block_starts(resp_mask: Tensor, blocks_per_sequence: int) -> Tensor:
 def block_batch(batch: Batch, starts: Tensor, draft_len: int) -> Batch:
     """The batch with its response fields gathered block by block ([B, n * k]) and `context_lens` [B, n] set.
 
-    Position r of block m is response index starts[m] + r; it counts only inside the response, so the batch's
+    Position r of block m is response index starts[m] + r; it counts only inside the response and while the
+    positions run on without a gap (multi-turn masks: not across a user turn), so the batch's
     `num_tokens` is the number of tokens the blocks predict (known before the forward, as accumulation needs).
     """
     resp_len = batch.resp_mask.shape[1]
@@ -53,6 +54,10 @@ def block_batch(batch: Batch, starts: Tensor, draft_len: int) -> Batch:
 
     names = ("resp_pos", "resp_mask", "labels", "topk_ids", "topk_logits", "target_hidden")
     gathered = {name: take(getattr(batch, name)) for name in names if getattr(batch, name) is not None}
+    # A block is a run of consecutive positions: with multi-turn masks the learned tokens have gaps (user turns),
+    # and a block stops at the end of its assistant turn.
+    pos = gathered["resp_pos"].view(*index.shape)
+    valid &= pos == pos[..., :1] + torch.arange(draft_len, device=pos.device)
     gathered["resp_mask"] = gathered["resp_mask"] & valid.flatten(1)
     context_lens = gathered["resp_pos"][:, ::draft_len] + 1  # the logits predicting token s sit at s - 1
     return dataclasses.replace(batch, context_lens=context_lens, **gathered)

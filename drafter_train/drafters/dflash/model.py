@@ -253,7 +253,10 @@ def to_anchor_blocks(batch: Batch, cfg: DFlashDrafterConfig) -> Batch:
     blocks: the batch's response fields hold, per block, the B - 1 tokens after its anchor (nar_distill.block_batch,
     whose `context_lens` is then anchor position + 1). An anchor is a response token with one after it."""
     after_first = batch.resp_mask.clone()
-    after_first[:, 0] = False  # the first response token is predicted from the last prompt token, never an anchor
+    # The first learned token of a turn is predicted from the token before it (the prompt's or the turn header's
+    # last), which is not learned: never an anchor. Single-turn data: just response index 0.
+    after_first[:, 1:] &= batch.resp_pos[:, 1:] == batch.resp_pos[:, :-1] + 1
+    after_first[:, 0] = False
     starts = sample_block_starts(after_first, cfg.blocks_per_sequence)  # first predicted response index
     return block_batch(batch, starts, cfg.block_size - 1)
 
