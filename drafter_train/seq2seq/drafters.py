@@ -128,7 +128,7 @@ class SpecDrafter(PreTrainedModel):
         drafter = cls(SpecDrafterConfig(seq2seq.config.to_dict(), draft_len)).to(target.device, target.dtype)
         drafter.seq2seq.load_state_dict(seq2seq.state_dict())  # after construction, which initialises every weight
         drafter.seq2seq.generation_config = seq2seq.generation_config
-        with torch.no_grad():  # as the decoder embeds tokens (scaled, for BART and Marian)
+        with torch.no_grad():  # in the space the queries live in: the decoder's token embeddings (block_logits)
             vocab = torch.arange(seq2seq.config.vocab_size, device=target.device)
             table = drafter.seq2seq.get_decoder().embed_tokens(vocab).float()
         noise = torch.randn(draft_len, table.shape[1], generator=torch.Generator().manual_seed(0)) * table.std() * 0.1
@@ -141,7 +141,7 @@ class SpecDrafter(PreTrainedModel):
         the k queries placed right after each row's prefix (what is after them, padding, the causal mask hides)."""
         batch, k = prefix_ids.shape[0], self.draft_len
         ids = torch.cat([prefix_ids, prefix_ids.new_zeros(batch, k)], dim=1)  # room for the queries
-        embeds = self.seq2seq.get_decoder().embed_tokens(ids)  # [B, P + k, H], scaled as the decoder scales
+        embeds = self.seq2seq.get_decoder().embed_tokens(ids)  # [B, P + k, H]: what input_ids would become
         slots = prefix_lens[:, None] + torch.arange(k, device=ids.device)  # [B, k] the queries' positions
         queries = self.mask_embeds.to(embeds.dtype).expand(batch, -1, -1)
         embeds = embeds.scatter(1, slots[..., None].expand(-1, -1, embeds.shape[-1]), queries)
