@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSeq2SeqLM
 
-from benchmarks.common import command_line, write_result
+from benchmarks.common import RESULTS_DIR, command_line, write_result
 from drafter_train.config import LossConfig
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.seq2seq.data import read_pairs, regenerate
@@ -89,14 +89,16 @@ def assisted_row(target, assistant_dir: Path, sources: list[Source], max_new_tok
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work-dir", default=None, help="where data, target and drafters go (default: a temp dir)")
-    parser.add_argument("--target-steps", type=int, default=900)
+    parser.add_argument("--target-steps", type=int, default=450)
     parser.add_argument("--train-sources", type=int, default=600, help="sources the target regenerates")
-    parser.add_argument("--drafter-steps", type=int, default=300)
+    parser.add_argument("--drafter-steps", type=int, default=400)
+    parser.add_argument("--drafter-lr", type=float, default=3e-3)
     parser.add_argument("--draft-len", type=int, default=4)
     parser.add_argument("--loss", default="fkl", help="losses.py name for both drafters")
     parser.add_argument("--test-sources", type=int, default=48)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=int, default=40)
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     began = time.perf_counter()
     torch.manual_seed(0)
@@ -118,7 +120,8 @@ def main(argv=None) -> int:
     rows, notes = [], []
     for name, build in models.items():
         untrained, trained = build(), build()
-        losses = train_drafter(trained, target, examples, args.drafter_steps, loss, args.draft_len, pad_id=0)
+        losses = train_drafter(trained, target, examples, args.drafter_steps, loss, args.draft_len, pad_id=0,
+                              lr=args.drafter_lr)
         counts = parameter_counts(trained, Seq2SeqDrafter(trained, target).shares_encoder)
         notes.append(f"{name}: {counts['parameters']:,} parameters ({counts['encoder_parameters']:,} in the encoder, "
                      f"shared with the target: {counts['encoder_shared']}); {args.loss} loss "
@@ -154,7 +157,7 @@ def main(argv=None) -> int:
         split=f"toy translation test split, first {args.test_sources} sources (drafter_train/seq2seq/toy.py, seed 0)",
         baseline="plain decoding of the same target in this project's decoder, same process, interleaved (the "
                  "last row: transformers' plain greedy generate)",
-        columns=COLUMNS, rows=rows, notes="\n\n".join(notes))
+        columns=COLUMNS, rows=rows, notes="\n\n".join(notes), results_dir=args.results_dir)
     print(Path(path).read_text())
     return 0
 

@@ -23,7 +23,7 @@ from drafter_train.seq2seq.decoding import (evaluate_seq2seq, generate_seq2seq_a
 from drafter_train.seq2seq.drafters import Seq2SeqDrafter, SpecDrafter, cut_from_target, small_from_target
 from drafter_train.seq2seq.export import export_assistant
 from drafter_train.seq2seq.target import Source, encode, load_seq2seq
-from drafter_train.seq2seq.toy import _dictionary, make_pairs, toy_tokenizer, translate
+from drafter_train.seq2seq.toy import make_dictionary, make_pairs, toy_tokenizer, translate
 from drafter_train.seq2seq.training import Example, train_drafter
 from tests.test_sampling_exactness import chi2_pvalue
 
@@ -219,13 +219,28 @@ def test_regenerate_writes_target_outputs_and_resumes(tmp_path):
 
 
 def test_toy_translation_rules(tmp_path):
-    dictionary = _dictionary(0)
+    dictionary = make_dictionary(0)
     source = "de1 da3 da5 dn7 dv2 de0 dn5 db1"
     expected = dictionary["de1"] + dictionary["dn7"] + dictionary["da5"] + dictionary["da3"] + dictionary["de0"] + \
         dictionary["dn5"] + dictionary["dv2"] + dictionary["db1"]
     assert translate(source, dictionary).split() == expected and "tx" in expected  # dn5: a two-word noun
+    second = dictionary["de2"] + dictionary["dn1"] + dictionary["de3"] + dictionary["dn2"] + dictionary["dv0"]
+    assert translate(source + " dc1 de2 dn1 dv0 de3 dn2", dictionary).split() == expected + dictionary["dc1"] + second
     paths = make_pairs(tmp_path, sizes={"train": 5, "test": 2})
     row = json.loads(paths["train"].read_text().splitlines()[0])
     tokenizer = toy_tokenizer()
     assert tokenizer.decode(tokenizer(row["target"])["input_ids"], skip_special_tokens=True) == row["target"]
     assert tokenizer.unk_token_id not in tokenizer(row["source"] + " " + row["target"])["input_ids"]
+
+
+def test_toy_benchmark_runs_end_to_end(tmp_path):
+    """The one-command pipeline on a few steps and sources (the figures come from the full run, not from here)."""
+    from benchmarks.seq2seq_toy import COLUMNS, main
+
+    main(["--work-dir", str(tmp_path / "work"), "--results-dir", str(tmp_path), "--target-steps", "3",
+          "--train-sources", "4", "--drafter-steps", "2", "--test-sources", "2", "--repeats", "1",
+          "--max-new-tokens", "6"])
+    result = json.loads((tmp_path / "seq2seq_toy.json").read_text())
+    assert result["columns"] == COLUMNS and len(result["rows"]) == 7  # AR, NAR: untrained, trained, sampled; HF
+    assert all(row[-1] == 1.0 for row in result["rows"] if row[2] == "greedy")  # lossless, HF's assistant too
+    assert (tmp_path / "work" / "assistant" / "config.json").is_file()

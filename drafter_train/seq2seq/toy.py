@@ -1,10 +1,11 @@
 """A rule-based toy translation and a tiny Marian target trained on it in-process (no pretrained weights offline).
 
-Source grammar (SVO, adjectives before the noun):   S = NP VERB NP [ADV];   NP = DET ADJ{0,2} NOUN
-Translation (SOV, adjectives after the noun, in reverse order; a dictionary maps every word, some nouns to two
-target words):                                       S' = NP' NP' VERB' [ADV'];  NP' = DET' NOUN' ADJ'{reversed}
+Source grammar (SVO, adjectives before the noun):   S = CLAUSE [CONJ CLAUSE];   CLAUSE = NP VERB NP [ADV];
+                                                    NP = DET ADJ{0,2} NOUN
+Translation, clause by clause (SOV, adjectives after the noun in reverse order; a dictionary maps every word, some
+nouns to two target words):                          CLAUSE' = NP' NP' VERB' [ADV'];  NP' = DET' NOUN' ADJ'{reversed}
 
-    "de1 ja3 jn7 dv2 de0 dn4 da1"  ->  "te1 tn7 ta3 te0 tn4 tv2 tb1"   (tn7 may be "tn7 tx")
+    "de1 da3 dn7 dv2 de0 dn4 db1"  ->  "te. tn. ta. te. tn. tv. tb."   (each index through the dictionary)
 
 Everything is deterministic given a seed: `make_pairs` writes the train/dev/test splits as jsonl (source, target),
 `toy_tokenizer` is a word-level tokenizer over both vocabularies, `train_toy_target` fits the target to the
@@ -23,12 +24,13 @@ from transformers import MarianConfig, MarianMTModel, PreTrainedModel, PreTraine
 from drafter_train.seq2seq.training import optimizer_step
 
 # Source word classes (prefix, count); the target word for class c, index i is t<c>[perm(i)].
-CLASSES = {"e": 4, "a": 10, "n": 24, "v": 10, "b": 6}  # determiners, adjectives, nouns, verbs, adverbs
+# determiners, adjectives, nouns, verbs, adverbs, conjunctions
+CLASSES = {"e": 4, "a": 10, "n": 24, "v": 10, "b": 6, "c": 3}
 SPECIALS = ["<pad>", "</s>", "<unk>"]  # Marian's: pad 0 (also the decoder start), EOS 1
 SPLITS = {"train": 4000, "dev": 64, "test": 64}
 
 
-def _dictionary(seed: int) -> dict[str, list[str]]:
+def make_dictionary(seed: int) -> dict[str, list[str]]:
     rng, words = random.Random(seed), {}
     for cls, count in CLASSES.items():
         perm = list(range(count))
@@ -38,9 +40,8 @@ def _dictionary(seed: int) -> dict[str, list[str]]:
     return words
 
 
-def translate(source: str, dictionary: dict[str, list[str]]) -> str:
-    """The reference translation of a source sentence (module doc)."""
-    words, nps, current = source.split(), [], []
+def _clause(words: list[str], dictionary: dict[str, list[str]]) -> list[str]:
+    nps, current = [], []
     for word in words:  # cut into noun phrases; a verb or adverb stands alone
         current.append(word)
         if word[1] in "nvb":
@@ -50,7 +51,18 @@ def translate(source: str, dictionary: dict[str, list[str]]) -> str:
     out = []
     for det, *adjs, noun in (subject, obj):
         out += dictionary[det] + dictionary[noun] + [w for a in reversed(adjs) for w in dictionary[a]]
-    out += dictionary[verb[0]] + [w for a in adverb for w in dictionary[a[0]]]
+    return out + dictionary[verb[0]] + [w for a in adverb for w in dictionary[a[0]]]
+
+
+def translate(source: str, dictionary: dict[str, list[str]]) -> str:
+    """The reference translation of a source sentence (module doc)."""
+    out, clause = [], []
+    for word in source.split() + ["dc"]:  # a conjunction (and the end) closes a clause
+        if word.startswith("dc"):
+            out += _clause(clause, dictionary) + (dictionary[word] if word != "dc" else [])
+            clause = []
+        else:
+            clause.append(word)
     return " ".join(out)
 
 
@@ -61,13 +73,16 @@ def random_sentence(rng: random.Random) -> str:
     def noun_phrase() -> list[str]:
         return [pick("e")] + [pick("a") for _ in range(rng.choice([0, 0, 1, 2]))] + [pick("n")]
 
-    words = noun_phrase() + [pick("v")] + noun_phrase() + ([pick("b")] if rng.random() < 0.5 else [])
+    def clause() -> list[str]:
+        return noun_phrase() + [pick("v")] + noun_phrase() + ([pick("b")] if rng.random() < 0.5 else [])
+
+    words = clause() + ([pick("c")] + clause() if rng.random() < 0.6 else [])
     return " ".join(words)
 
 
 def make_pairs(out_dir: str | Path, seed: int = 0, sizes: dict = SPLITS) -> dict[str, Path]:
     """Write <out_dir>/<split>.jsonl with {"source", "target"} rows; returns split -> path."""
-    rng, dictionary, paths = random.Random(seed), _dictionary(seed), {}
+    rng, dictionary, paths = random.Random(seed), make_dictionary(seed), {}
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     for split, size in sizes.items():
         sources = [random_sentence(rng) for _ in range(size)]
@@ -89,7 +104,7 @@ def toy_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
 
-def toy_target(vocab_size: int, d_model: int = 128, encoder_layers: int = 2, decoder_layers: int = 4,
+def toy_target(vocab_size: int, d_model: int = 96, encoder_layers: int = 2, decoder_layers: int = 4,
                seed: int = 0) -> MarianMTModel:
     """A fresh Marian model sized for the toy task (no dropout: the toy has no noise to regularise against)."""
     torch.manual_seed(seed)
@@ -104,7 +119,7 @@ def toy_target(vocab_size: int, d_model: int = 128, encoder_layers: int = 2, dec
     return model
 
 
-def train_toy_target(model: PreTrainedModel, tokenizer, pairs_path: str | Path, steps: int, batch_size: int = 64,
+def train_toy_target(model: PreTrainedModel, tokenizer, pairs_path: str | Path, steps: int, batch_size: int = 48,
                      lr: float = 3e-3, seed: int = 0) -> list[float]:
     """Cross-entropy on the reference translations; returns each step's loss. The model is left in eval mode."""
     rows = [json.loads(line) for line in Path(pairs_path).read_text().splitlines()]

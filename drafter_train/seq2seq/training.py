@@ -101,7 +101,7 @@ def optimizer_step(loss: Tensor, optimizer: torch.optim.Optimizer, schedule=None
     if schedule is not None:
         schedule.step()
     optimizer.zero_grad()
-    return float(loss)
+    return loss.item()
 
 
 def train_drafter(drafter: PreTrainedModel, target: PreTrainedModel, examples: Sequence[Example], steps: int,
