@@ -189,6 +189,19 @@ def test_export_works_as_transformers_assistant(tmp_path):
         export_assistant(SpecDrafter.from_target(target, 3), str(tmp_path / "nar"), 3)
 
 
+def test_spec_drafter_folder_reloads_the_same_drafter(tmp_path):
+    target = tiny("bart")
+    drafter = SpecDrafter.from_target(target, draft_len=3)
+    drafter.save_pretrained(tmp_path)
+    reloaded = SpecDrafter.from_pretrained(tmp_path).eval()
+    source = source_for(target)
+    encoded, prefix, lens = encode(target, source), torch.tensor([[2, 5, 7]]), torch.tensor([3])
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.block_logits(encoded, source.attention_mask, prefix, lens),
+                                   drafter.block_logits(encoded, source.attention_mask, prefix, lens))
+    assert reloaded.draft_len == 3 and Seq2SeqDrafter(reloaded, target).shares_encoder
+
+
 def test_read_pairs_formats_and_one_line_errors(tmp_path):
     import datasets
 
