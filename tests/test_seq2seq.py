@@ -87,6 +87,22 @@ def test_plain_decoding_matches_transformers_generate(saved):
     assert ours == theirs and len(ours) > 3
 
 
+def test_forced_decoder_prefix_is_fed_and_not_generated(saved):
+    """Whisper's language/task tokens, NLLB's target language: forced after the decoder start, as generate's
+    decoder_input_ids; speculative decoding stays lossless after them."""
+    family, target = saved
+    source = source_for(target)
+    source.decoder_prefix = (5, 6)
+    ours = generate_seq2seq_autoregressive(target, source, 10).tokens
+    spec = generate_seq2seq_speculative(target, Seq2SeqDrafter(cut_from_target(target, 1), target), source, 3,
+                                        make_verifier("greedy", SamplingParams()), 10)
+    assert spec.tokens == ours != generate_seq2seq_autoregressive(target, source_for(target), 10).tokens
+    if family != "whisper":  # Whisper's generate builds its own prompt
+        theirs = target.generate(**source.inputs, decoder_input_ids=torch.tensor([[2, 5, 6]]), max_new_tokens=10,
+                                 do_sample=False)[0, 3:].tolist()
+        assert ours == (theirs[: theirs.index(1) + 1] if 1 in theirs else theirs)
+
+
 @pytest.mark.parametrize("kind", ["ar", "nar", "ar-small"])
 def test_greedy_speculative_is_lossless(saved, kind):
     """Random drafters reject often: the self-attention cache is cropped on every step, the cross-attention one kept."""

@@ -33,7 +33,7 @@ def generate_seq2seq_autoregressive(target: PreTrainedModel, source: Source, max
                                     params: SamplingParams = SamplingParams(),
                                     generator: Optional[torch.Generator] = None) -> DecodeResult:
     """Plain decoding of one request: one encoder pass, then one decoder pass per token. Stops after EOS (kept)."""
-    return generate_autoregressive(bind(target, source), decoder_prompt(target), max_new_tokens, params,
+    return generate_autoregressive(bind(target, source), decoder_prompt(target, source), max_new_tokens, params,
                                    eos_ids(target), generator)
 
 
@@ -47,7 +47,7 @@ def generate_seq2seq_speculative(target: PreTrainedModel, drafter: Seq2SeqDrafte
     session = drafter.for_source(source, encoding)
     drafter_encode = time.perf_counter() - began
     result = generate_speculative(BoundSeq2Seq(target, encoding, source.attention_mask), session,
-                                  decoder_prompt(target), draft_len, verifier, max_new_tokens, params,
+                                  decoder_prompt(target, source), draft_len, verifier, max_new_tokens, params,
                                   eos_ids(target), generator)
     result.stats.draft_seconds += drafter_encode
     result.stats.drafter_call_seconds += drafter_encode

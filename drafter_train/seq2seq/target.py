@@ -62,14 +62,17 @@ def load_seq2seq(path: str, dtype: str = "float32", device: str = "cpu") -> PreT
 
 @dataclass
 class Source:
-    """One request's encoder input, batch size 1: {input_ids, attention_mask} for text, {input_features} for speech."""
+    """One request's encoder input, batch size 1: {input_ids, attention_mask} for text, {input_features} for speech;
+    and the decoder tokens the request forces after the decoder start token (Whisper's language / task / no-timestamps
+    tokens, NLLB's target-language token), which are not counted as generated."""
 
     inputs: dict[str, Tensor]
+    decoder_prefix: tuple[int, ...] = ()
 
     @classmethod
-    def text(cls, token_ids: Sequence[int], device="cpu") -> "Source":
+    def text(cls, token_ids: Sequence[int], device="cpu", decoder_prefix: Sequence[int] = ()) -> "Source":
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device).view(1, -1)
-        return cls({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+        return cls({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tuple(decoder_prefix))
 
     @property
     def attention_mask(self) -> Optional[Tensor]:
@@ -81,13 +84,14 @@ def encode(model: PreTrainedModel, source: Source):
     return model.get_encoder()(**source.inputs)
 
 
-def decoder_prompt(model: PreTrainedModel) -> list[int]:
-    """What the decoder starts from: the decoder start token (what `generate` puts first)."""
+def decoder_prompt(model: PreTrainedModel, source: Optional[Source] = None) -> list[int]:
+    """What the decoder starts from: the decoder start token (what `generate` puts first), then the source's forced
+    decoder prefix."""
     start = getattr(model.generation_config, "decoder_start_token_id", None)
     start = model.config.decoder_start_token_id if start is None else start
     if start is None:
         raise ConfigError(f"target.path: this {model.config.model_type} model has no decoder_start_token_id")
-    return [int(start)]
+    return [int(start)] + list(source.decoder_prefix if source is not None else ())
 
 
 def eos_ids(model: PreTrainedModel) -> list[int]:
