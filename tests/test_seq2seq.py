@@ -76,6 +76,16 @@ def saved(request, tmp_path_factory):
     return request.param, load_seq2seq(str(folder))
 
 
+def test_loading_refuses_a_missing_folder_and_a_decoder_only_model_in_one_line(tmp_path):
+    from tests.conftest import tiny_llama
+
+    with pytest.raises(ConfigError, match="target.path: .* is not a model folder"):
+        load_seq2seq(str(tmp_path / "missing"))
+    tiny_llama().save_pretrained(tmp_path / "llama")
+    with pytest.raises(ConfigError, match="target.path: a llama model is not an encoder-decoder"):
+        load_seq2seq(str(tmp_path / "llama"))
+
+
 def test_plain_decoding_matches_transformers_generate(saved):
     family, target = saved
     if family == "whisper":
