@@ -231,6 +231,16 @@ def test_embedded_cache_is_written_once(tmp_path, fake_embedded, tiny_gguf):
     assert sorted(p.name for p in tmp_path.iterdir()) == [folder.name]  # no temporary folders left behind
 
 
+def test_target_tokenizer_alone_reads_the_embedded_cache(tmp_path, fake_embedded):
+    """Start-up checks that need only the tokenizer (multi-turn datagen's template check) resolve embedded: paths
+    as load_target does: the embedded:smollm2 string is not a folder, the dequantised cache is."""
+    tokenizer = targets.load_target_tokenizer(TargetConfig(cache_dir=str(tmp_path)))
+    assert tokenizer.chat_template == GGUF_TEMPLATE
+    assert len(fake_embedded) == 1  # dequantised once, and load_target then reuses it
+    load_target(TargetConfig(cache_dir=str(tmp_path)))
+    assert len(fake_embedded) == 1
+
+
 def test_embedded_cache_killed_midway_leaves_nothing(tmp_path, monkeypatch, tiny_gguf):
     def crash(gguf_path, out):
         (out / "config.json").write_text("{}")  # half a folder ...
