@@ -14,6 +14,7 @@ import datasets
 import pytest
 import torch
 from omegaconf import OmegaConf
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from drafter_train.config import DatagenConfig
 from drafter_train.data import regenerate
@@ -26,6 +27,7 @@ from drafter_train.recipes.train import train
 from drafter_train.targets import load_target
 from tests.chat_templates import family_tokenizer
 from tests.conftest import tiny_llama
+from tests.test_vllm_backend import cpu_kv_cache, needs_vllm, vllm_python  # noqa: F401  (a fixture)
 from tests.stubs import WORDS, compose_cfg
 
 FAKE_VLLM = Path(__file__).with_name("fake_vllm")
@@ -242,3 +244,30 @@ def test_every_kind_trains_on_multi_turn_data(folders, greedy_data, tmp_path, ki
         assert len(cached) == len(data)
         for row, record in zip(cached, data):
             assert len(row["target_hidden"]) // 2 // hidden == sum(record["response_mask"])
+
+
+@pytest.mark.slow
+@needs_vllm
+def test_real_vllm_regenerates_conversations_as_the_hf_backend_does(tmp_path, cpu_kv_cache):
+    """Opt-in: where scripts/setup_vllm.sh built the environment. Real vLLM regenerates every assistant turn, round
+    by round, to the HF backend's data (greedy). The target has heads of 32, which vLLM's CPU attention needs."""
+    tokenizer = family_tokenizer("smollm2", WORDS)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                         initializer_range=0.3, bos_token_id=1, pad_token_id=0,
+                         eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # some turns end on EOS, others are cut at max_new_tokens
+        model.lm_head.weight[config.eos_token_id] *= 2.5
+    model.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    (tmp_path / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in RECORDS))
+    hf = run_datagen(datagen_job(tmp_path, tmp_path / "hf"), progress=False)
+    real = run_datagen(datagen_job(tmp_path, tmp_path / "vllm", "datagen.backend=vllm",
+                                   f"datagen.vllm_python={vllm_python()}", "datagen.vllm.enforce_eager=true"),
+                       progress=False)
+    columns = ("prompt_ids", "response_ids", "response_mask", "conversation")
+    assert load_distill_dataset(real).select_columns(columns).to_list() == \
+        load_distill_dataset(hf).select_columns(columns).to_list()
+    assert json.loads((real / "datagen.json").read_text())["run"]["vllm"]["version"] != "unknown"
