@@ -239,3 +239,41 @@ def test_two_ddp_ranks_train_one_spec_drafter(tiny_data, tmp_path):
     run_dir = tmp_path / "out" / RUN
     assert_one_job_of_two_ranks(run_dir, DistributedType.MULTI_CPU.value)
     assert json.loads((run_dir / "latest" / "drafter" / "config.json").read_text())["model_type"] == "spec_drafter"
+
+
+# ---- the launch configs, as accelerate reads them ------------------------------------------------------------------
+
+
+def launch_env(config: Path):
+    """The processes `accelerate launch --config_file config` starts, and the environment it gives each one
+    (accelerate's own parsing)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(config), "x.py"]))
+    return args.num_processes, prepare_deepspeed_cmd_env(args)[1] if args.use_deepspeed else prepare_multi_gpu_env(args)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in ACCELERATE_CONF.glob("*.yaml")))
+def test_every_launch_config_gives_the_launch_its_name_says(name, monkeypatch):
+    """ddp / zero2 / zero3 / fsdp, on cpu (2 processes, fp32) or gpu (8 processes, bf16): what accelerate makes of
+    each file, down to the plugin its Accelerator would build; and the run's own precision must match it."""
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    processes, env = launch_env(ACCELERATE_CONF / f"{name}.yaml")
+    launch, device = name.split("_")[:2]
+    assert processes == (8 if device == "gpu" else 2)
+    assert env["ACCELERATE_MIXED_PRECISION"] == ("bf16" if device == "gpu" else "no")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if launch.startswith("zero"):
+        assert DeepSpeedPlugin().zero_stage == int(launch[-1])
+    elif launch == "fsdp":
+        plugin = FullyShardedDataParallelPlugin()
+        assert plugin.fsdp_version == 2 and plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+        assert plugin.cpu_offload.offload_params is False
+    else:
+        assert "ACCELERATE_USE_FSDP" not in env and "ACCELERATE_USE_DEEPSPEED" not in env
+    check_launch_precision("bf16" if device == "gpu" else "no")
+    with pytest.raises(ConfigError, match="train.mixed_precision"):
+        check_launch_precision("no" if device == "gpu" else "bf16")
