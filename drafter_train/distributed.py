@@ -87,6 +87,10 @@ def check_launch(accelerator: Accelerator) -> None:
     if asks_for_deepspeed() and not uses_deepspeed(accelerator):
         raise ConfigError("accelerate launch: DeepSpeed was asked for but accelerate runs "
                           f"{accelerator.distributed_type} (unset ACCELERATE_USE_CPU for DeepSpeed launches)")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not uses_fsdp(accelerator):
+        raise ConfigError("accelerate launch: FSDP was asked for but accelerate runs "
+                          f"{accelerator.distributed_type.value} (accelerate runs FSDP on GPUs only; on CPUs use a "
+                          "DDP or DeepSpeed config)")
 
 
 def asks_for_deepspeed() -> bool:

@@ -213,6 +213,10 @@ def test_ranks_that_did_not_join_one_job_are_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # DeepSpeed config + ACCELERATE_USE_CPU: plain DDP
     with pytest.raises(ConfigError, match="DeepSpeed was asked for"):
         check_launch(SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU))
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # an FSDP config on CPUs: accelerate silently runs DDP
+    with pytest.raises(ConfigError, match="FSDP was asked for but accelerate runs MULTI_CPU"):
+        check_launch(SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU))
 
 
 def test_launch_precision_must_match_the_run(monkeypatch):
