@@ -84,14 +84,20 @@ def test_an_unknown_attention_is_refused_in_one_line():
 
 
 def test_flash_attention_is_refused_before_loading_where_it_cannot_run(tiny_data, tmp_path):
-    from tests.stubs import run_cli
+    from omegaconf import OmegaConf
+
+    from drafter_train.recipes.evaluate import run_eval_job
+    from tests.stubs import compose_cfg
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: flash_attention_2 may load")
-    done = run_cli("drafter_train.recipes.evaluate", f"target.path={tiny_data / 'target'}", "drafter.path=truncated:1",
-                   "target.attn_implementation=flash_attention_2", f"eval.output={tmp_path / 'm.json'}", cwd=tmp_path)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
-    assert "target.attn_implementation=flash_attention_2 needs a CUDA GPU and the flash-attn package" in done.stderr
+    cfg = OmegaConf.to_object(compose_cfg("eval", [
+        f"target.path={tiny_data / 'target'}", "drafter.path=truncated:1", "target.attn_implementation=flash_attention_2",
+        f"eval.output={tmp_path / 'm.json'}"]))
+    with pytest.raises(ConfigError, match="^target.attn_implementation=flash_attention_2 needs a CUDA GPU and the "
+                                          "flash-attn package") as err:
+        run_eval_job(cfg)
+    assert "\n" not in str(err.value)
 
 
 def test_flash_attention_is_refused_for_draft_trees(monkeypatch):
@@ -114,6 +120,7 @@ def test_bf16_autocast_trains_fp32_master_weights_through_drafter_train(tiny_dat
     autocast while its weights, their gradients and the optimizer's state stay fp32, and the loss falls; with a bf16
     target too (the GPU recipe's), whose new drafter would otherwise be built, and trained, in bf16."""
     from safetensors.torch import load_file
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
     from drafter_train.recipes.train import train
     from tests.test_eagle3 import eagle3_cfg
@@ -131,7 +138,7 @@ def test_bf16_autocast_trains_fp32_master_weights_through_drafter_train(tiny_dat
                        for group in optimizer.param_groups for p in group["params"] if p.grad is not None)
 
     hooks = [torch.nn.modules.module.register_module_forward_hook(on_forward),
-             torch.optim.optimizer.register_optimizer_step_pre_hook(on_step)]
+             register_optimizer_step_pre_hook(on_step)]
     try:
         cfg = eagle3_cfg(tiny_data, tmp_path, "train.mixed_precision=bf16", "train.max_steps=8", "train.save_every=8",
                          "train.eval_at_start=false", f"target.dtype={target_dtype}")
