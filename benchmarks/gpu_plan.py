@@ -14,7 +14,8 @@ Nothing here runs on a GPU. What each figure rests on:
   (torch's FlopCounterMode, on the CPU at the real widths, extended to the run's length the same way). Operation
   counts do not depend on the device; seconds do, so no GPU speed is claimed from CPU timings: docs/gpu.md turns
   the count into tokens per second only under a stated hardware peak and utilisation;
-- the offline feature cache stores 3 target layers x hidden x 2 bytes (bf16) per token.
+- the offline feature cache stores 3 target layers x hidden x 2 bytes (bf16) per token, and hidden x 2 bytes more
+  per response token (the target's final hidden state).
 
     python -m benchmarks.gpu_plan                      # Llama-3.1-8B, 8 GPUs, 2 sequences of 2048 tokens per GPU
     python -m benchmarks.gpu_plan --gpus 4 --seq-len 4096 --batch-size 1
@@ -100,9 +101,11 @@ def memory_plan(sizes: Sizes, launch: str, gpus: int, activations: int = 0, targ
     return {**plan, "total": sum(plan.values())}
 
 
-def feature_bytes_per_token(sizes: Sizes, dtype_bytes: int = 2) -> int:
-    """The offline feature cache (data/feature_cache.py): the target's hidden states at the drafter's feature layers."""
-    return sizes.feature_layers * sizes.hidden * dtype_bytes
+def feature_bytes_per_token(sizes: Sizes, response: bool = False, dtype_bytes: int = 2) -> int:
+    """The offline feature cache (data/feature_cache.py) per token: the target's hidden states at the drafter's
+    feature layers, and at a response token also the target's final hidden state (its logits over any draft
+    vocabulary come from it)."""
+    return (sizes.feature_layers + response) * sizes.hidden * dtype_bytes
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -230,7 +233,8 @@ def main(argv=None) -> None:
     flops = at_length(lambda t: eagle3_step_flops(config, args.draft_vocab_size, layers, t), args.lengths,
                       args.seq_len)
     print(f"Llama-3.1-8B target: {sizes.target / 1e9:.2f}B parameters; EAGLE-3 drafter: {sizes.drafter / 1e6:.0f}M "
-          f"({sizes.trainable / 1e6:.0f}M trained); feature cache: {feature_bytes_per_token(sizes)} bytes per token")
+          f"({sizes.trainable / 1e6:.0f}M trained); feature cache: {feature_bytes_per_token(sizes)} bytes per prompt "
+          f"token, {feature_bytes_per_token(sizes, response=True)} per response token")
     print(f"work per trained token at {args.seq_len} tokens: {flops / (args.seq_len - 1) / 1e9:.2f} GFLOP (EAGLE-3 "
           f"loss forward and backward); the target's feature pass: {2 * sizes.target / 1e9:.2f} GFLOP per token "
           "(2 x parameters, attention not counted)")

@@ -27,6 +27,7 @@ def test_llama_31_8b_sizes_and_its_feature_cache_per_token():
     sizes = model_sizes(LlamaConfig(**LLAMA_31_8B), 32000, [2, 16, 29])
     assert sizes.target == 8_030_261_248  # Llama-3.1-8B's published parameter count
     assert feature_bytes_per_token(sizes) == 3 * 4096 * 2  # 24 KiB per token
+    assert feature_bytes_per_token(sizes, response=True) == 4 * 4096 * 2  # + the final hidden state
     plan = memory_plan(sizes, "ddp", 8)
     assert plan["target"] == 2 * 8_030_261_248 and plan["optimizer"] == 2 * plan["gradients"] == 8 * sizes.trainable
 
@@ -87,3 +88,16 @@ def test_the_command_prints_a_row_per_launch(capsys, monkeypatch):
     gpu_plan.main(["--gpus", "2", "--seq-len", "64", "--draft-vocab-size", "100", "--lengths", "8", "16", "32"])
     out = capsys.readouterr().out
     assert all(f"| {launch} |" in out for launch in ("ddp", "zero2", "zero3", "fsdp"))
+
+
+def test_docs_table_is_what_the_plan_computes():
+    """docs/gpu.md's memory table: its weight, gradient and optimizer columns are memory_plan's for Llama-3.1-8B."""
+    from tests.conftest import REPO
+
+    sizes = model_sizes(LlamaConfig(**LLAMA_31_8B), 32000, [2, 16, 29])
+    lines = (REPO / "docs" / "gpu.md").read_text().splitlines()
+    table = {cells[0]: cells[1:] for cells in (line.strip("|").replace(" ", "").split("|") for line in lines)
+             if cells[0] in gpu_plan.SHARDED}
+    assert sorted(table) == sorted(gpu_plan.SHARDED)
+    for launch, *row in gpu_plan.plan_rows(sizes, 8, 0):
+        assert table[launch][:4] == row[:4], launch  # target, drafter, gradients, optimizer (GiB)
