@@ -254,8 +254,14 @@ def launch_env(config: Path):
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    args, _, _ = _validate_launch_command(launch_command_parser().parse_args(["--config_file", str(config), "x.py"]))
-    return args.num_processes, prepare_deepspeed_cmd_env(args)[1] if args.use_deepspeed else prepare_multi_gpu_env(args)
+    args, defaults, precision_from_config = _validate_launch_command(
+        launch_command_parser().parse_args(["--config_file", str(config), "x.py"]))
+    if not args.use_deepspeed:
+        return args.num_processes, prepare_multi_gpu_env(args)
+    # as accelerate's launch_command tells its DeepSpeed launcher which fields the config file set
+    fields = [*defaults.deepspeed_config, *(["mixed_precision"] if precision_from_config else [])]
+    args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    return args.num_processes, prepare_deepspeed_cmd_env(args)[1]
 
 
 @pytest.mark.parametrize("name", sorted(p.stem for p in ACCELERATE_CONF.glob("*.yaml")))
@@ -275,7 +281,7 @@ def test_every_launch_config_gives_the_launch_its_name_says(name, monkeypatch):
     elif launch == "fsdp":
         plugin = FullyShardedDataParallelPlugin()
         assert plugin.fsdp_version == 2 and plugin.state_dict_type.name == "SHARDED_STATE_DICT"
-        assert plugin.cpu_offload.offload_params is False
+        assert type(plugin.cpu_offload).__name__ == "OffloadPolicy"  # FSDP2's base policy: no offloading
     else:
         assert "ACCELERATE_USE_FSDP" not in env and "ACCELERATE_USE_DEEPSPEED" not in env
     check_launch_precision("bf16" if device == "gpu" else "no")
