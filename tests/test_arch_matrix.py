@@ -256,15 +256,18 @@ def test_eagle3_exports_carry_engine_layer_ids_and_norm_flags(arch, tmp_path):
 
     model = drafter(arch, "eagle3", False, "drafter.target_layers=[0,1,2]", "drafter.fc_norm=false")
     model.save_pretrained(tmp_path / "drafter")
+    target(arch).save_pretrained(tmp_path / "target")  # its config.json names its architecture
     for name, write in FORMATS.items():
         if name == "gguf":  # llama.cpp's converter: tests/test_gguf.py (it needs the setup script's build)
             continue
-        write(tmp_path / "drafter", tmp_path / name, 4, "target", False)
+        write(tmp_path / "drafter", tmp_path / name, 4, str(tmp_path / "target"), False)
     vllm = json.loads((tmp_path / "vllm" / "config.json").read_text())
     sglang = json.loads((tmp_path / "sglang" / "config.json").read_text())
     assert vllm["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert vllm["norm_before_fc"] is False and vllm["fc_norm"] is False
     assert vllm["transformer_layer_config"]["model_type"] == "llama"
+    # the verifier is the target's architecture (speculators refuses a config without one), not the drafter layer's
+    assert vllm["speculators_config"]["verifier"]["architectures"] == [type(target(arch)).__name__]
     assert vllm["transformer_layer_config"]["hidden_size"] == target(arch).config.hidden_size
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert sglang["architectures"] == ["LlamaForCausalLMEagle3"]
