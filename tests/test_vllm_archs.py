@@ -9,17 +9,11 @@ tolerance, and be above zero. The cells that do not pass are strict xfails with 
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from omegaconf import OmegaConf
 
-from drafter_train.recipes.train import train
 from tests.archs import ARCHS, tiny_target
-from tests.stubs import SENTENCES, WORDS, compose_cfg, save_tiny
-from tests.test_train import train_cfg
 from tests.test_vllm_backend import needs_vllm
-from tests.test_vllm_check import check
+from tests.test_vllm_check import check, trained_eagle3
 
 pytestmark = [pytest.mark.slow, needs_vllm]
 HEADS = dict(num_attention_heads=2, num_key_value_heads=1, head_dim=32)
@@ -36,27 +30,9 @@ CELLS = [pytest.param(arch, marks=pytest.mark.xfail(strict=True, reason=KNOWN[ar
          for arch in ARCHS]
 
 
-def trained_eagle3(arch: str, root):
-    """`arch`'s tiny target (heads of 32), its drafter-datagen data, and an EAGLE-3 run on it (as e3_run)."""
-    from drafter_train.recipes.datagen import run_datagen
-
-    save_tiny(tiny_target(arch, **HEADS), root / "target")
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"{s} {w}"}) + "\n" for s in SENTENCES for w in WORDS))
-    run_datagen(OmegaConf.to_object(compose_cfg("datagen", [
-        f"target.path={root / 'target'}", "target.chat_template=false", f"datagen.prompts={prompts}",
-        "datagen.num_prompts=96", "datagen.num_eval_prompts=4", "datagen.max_new_tokens=24",
-        f"datagen.output_dir={root / 'data'}", "datagen.store_topk=8"])), progress=False)
-    cfg = train_cfg(root, root / "runs", "drafter=eagle3", "drafter.path=new", "drafter.draft_vocab_size=16",
-                    "drafter.target_layers=[0,1,2]", "loss=fkl", "train.max_steps=150", "train.save_every=150",
-                    "train.batch_size=8")
-    train(cfg)
-    return root / "runs" / cfg.train.run_name
-
-
 @pytest.mark.parametrize("arch", CELLS)
 def test_vllm_serves_an_eagle3_drafter_of_every_architecture_with_our_acceptance(arch, tmp_path):
-    run = trained_eagle3(arch, tmp_path)
+    run = trained_eagle3(tiny_target(arch, **HEADS), tmp_path)
     status, result = check(tmp_path, run, tmp_path / "check")
     ours, theirs = result["ours"], result["vllm"]
     assert result["method"] == "eagle3" and theirs["implied_acceptance_length"] > 1.0, theirs
