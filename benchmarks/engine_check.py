@@ -193,7 +193,8 @@ def run_vllm(vllm_python: str, request: dict, folder: Path, name: str) -> dict:
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     env.pop("PYTHONPATH", None)  # the worker imports vLLM's own packages only
     env.pop("LD_PRELOAD", None)  # libiomp made spec decoding 2-3x slower here
-    subprocess.run([vllm_python, str(Path(__file__).resolve()), "--worker", str(folder / f"{name}_request.json")],
+    # -P: benchmarks/ stays off the worker's path, or its kernels.py shadows the `kernels` package transformers probes
+    subprocess.run([vllm_python, "-P", str(Path(__file__).resolve()), "--worker", str(folder / f"{name}_request.json")],
                    check=True, env=env)
     return json.loads((folder / f"{name}_raw.json").read_text())
 

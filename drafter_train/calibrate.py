@@ -39,6 +39,7 @@ from drafter_train.config import CalibrationConfig, EvalConfig, TreeConfig
 from drafter_train.decoding.cached_lm import CachedLM, as_tensor
 from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.tree import TreeSpec, attention_mask
+from drafter_train.devices import device_name, synchronize
 
 
 @dataclass
@@ -76,7 +77,7 @@ def machine_info(device: torch.device, dtype: str) -> dict:
     """What the costs were measured on."""
     info = {"cpu": _cpu_model(), "cpu_features": _cpu_features(), "logical_cores": os.cpu_count(),
             "torch_threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "dtype": dtype,
+            "device": device_name(device), "dtype": dtype,
             "torch": torch.__version__, "platform": platform.platform(),
             "load_average": [round(x, 2) for x in os.getloadavg()]}
     return info
@@ -106,11 +107,6 @@ def _cpu_features() -> list[str]:
     return [f for f in _FEATURES if f in flags]
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def verify_cost_curve(target: PreTrainedModel, prefix: Sequence[int], plain: Sequence[int], tree: Sequence[int],
                       repeats: int) -> dict[str, dict[int, float]]:
@@ -128,13 +124,13 @@ def verify_cost_curve(target: PreTrainedModel, prefix: Sequence[int], plain: Seq
         for kind, n in jobs:
             mask = attention_mask(torch.ones(n, n, dtype=torch.bool, device=lm.device).tril(), past, target.dtype)
             positions = torch.arange(past, past + n, device=lm.device)[None]
-            _sync(lm.device)
+            synchronize(lm.device)
             start = time.perf_counter()
             if kind == "plain":
                 lm.forward(tokens[:n], num_logits=n)
             else:
                 lm.forward_tree(tokens[:n], mask, positions)
-            _sync(lm.device)
+            synchronize(lm.device)
             if r:  # round 0 is the warm-up
                 times[kind, n].append(1000 * (time.perf_counter() - start))
             lm.keep(keep)

@@ -29,6 +29,9 @@ _EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
 EXPORT_FORMATS = ("hf", "vllm", "sglang", "gguf")
 GGUF_TYPES = ("f32", "f16", "q8_0")
 DTYPES = ("float32", "bfloat16")
+# transformers' attention implementations a target can load with; auto: the model's own default (sdpa where the
+# architecture supports it, eager otherwise, e.g. gpt-oss with its attention sinks).
+ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2")
 EMBEDDED_TARGET = "embedded:smollm2"
 # The package's conf/ folder (package data) as an absolute path: found the same way from a checkout, an editable
 # install or a wheel. Users add their own config folders with hydra.searchpath (docs/train.md).
@@ -66,9 +69,15 @@ class TargetConfig:
     # grouped-query attention without copying its key/value heads on multi-token passes
     # (cpu_kernels.use_grouped_attention; CPU only, same numbers).
     cpu_kernels: str = "auto"
+    # Attention kernel of the target: auto (transformers' default for the architecture), eager, sdpa, or
+    # flash_attention_2 (GPU with the flash-attn package, checked before loading; its kernel takes no custom masks, so
+    # draft trees (eval.tree) and eval.calibration, which verify trees, are refused with it: use sdpa there).
+    attn_implementation: str = "auto"
 
     def __post_init__(self) -> None:
         check_field(bool(self.path), "target.path", "must name a hub id, a local folder or a .gguf file")
+        check_field(self.attn_implementation in ATTN_IMPLEMENTATIONS, "target.attn_implementation",
+                    f"must be one of {ATTN_IMPLEMENTATIONS}, got {self.attn_implementation!r}")
         check_field(self.dtype in DTYPES, "target.dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         check_field(self.cpu_kernels in CPU_KERNELS, "target.cpu_kernels",
                f"must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
@@ -535,7 +544,7 @@ class TrainConfig:
     warmup_steps: int = 10
     # Gradient-norm clipping (0 = off).
     max_grad_norm: float = 1.0
-    # no | bf16 (autocast through accelerate).
+    # no | bf16 (autocast through accelerate, over fp32 master weights whatever target.dtype: docs/gpu.md).
     mixed_precision: str = "no"
     # Sequences (prompt + response) longer than this lose prompt tokens from the left.
     max_seq_len: int = 512

@@ -49,6 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafter_train.devices import on_cpu
+
 log = logging.getLogger(__name__)
 
 CPU_KERNELS = ("auto", "onednn", "default")
@@ -167,7 +169,7 @@ def use_onednn_linears(model: nn.Module, kernels: str = "auto", min_elements: in
         elif kernels == "default" and type(layer) is OneDNNLinear:
             layer.__class__ = nn.Linear
             layer.__dict__.pop("row_policy", None)
-    if kernels == "auto" and layers and layers[0].weight.device.type == "cpu" and layers[0].weight.dtype == torch.float32:
+    if kernels == "auto" and layers and on_cpu(layers[0].weight.device) and layers[0].weight.dtype == torch.float32:
         policy = calibrate_rows(layers)
         for layer in layers:
             layer.row_policy = policy
@@ -276,7 +278,7 @@ def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Te
                            attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' sdpa attention, except for masked passes of grouped-query heads on the CPU: those attend with
     SDPA's `enable_gqa` instead of transformers' copies of the key/value heads. Returns [B, q, heads, D], None."""
-    plain = (query.device.type != "cpu" or attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1
+    plain = (not on_cpu(query.device) or attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1
              or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "cache")))
     if plain:  # transformers' own path (it already uses enable_gqa where no mask is given)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

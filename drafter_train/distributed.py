@@ -1,13 +1,16 @@
-"""What differs between launches (one process, DDP, DeepSpeed ZeRO-2/3), so that train.py stays one loop for all.
+"""What differs between launches (one process, DDP, DeepSpeed ZeRO-2/3, FSDP2), so that train.py stays one loop for
+all.
 
 - The Accelerator: gloo on CPU, and the trainer's batch size, accumulation and clipping written into DeepSpeed's
   config (train.* is the single source of these numbers; an accelerate config's own values for them are replaced).
-- Models load whole (transformers is not told about ZeRO-3): the target is never prepared and keeps its weights.
-- The drafter's full weights on the main process, for evaluation and saving: under ZeRO-3 every rank holds a slice,
+- Models load whole (transformers is not told about ZeRO-3): the target is never prepared and keeps its weights, a
+  frozen full copy on every rank under every launch (only the drafter is sharded).
+- The drafter's full weights on the main process, for evaluation and saving: under ZeRO-3 and FSDP every rank holds a
+  slice,
   so all ranks gather and the main process works on a plain copy (evaluating the partitioned model on one rank
   would wait forever for the others).
 - The optimizer state of a checkpoint: one state_dict (DDP and single process: identical on all ranks) or
-  DeepSpeed's partitioned files, written by every rank into the checkpoint's temporary folder.
+  DeepSpeed's / FSDP's partitioned files, written by every rank into the checkpoint's temporary folder.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 from drafter_train.config import TrainConfig
 from drafter_train.errors import ConfigError
 
-# Inside step-<N>/: DeepSpeed's model and optimizer partitions (accelerator.save_state), one file set per rank.
+# Inside step-<N>/: DeepSpeed's or FSDP's model and optimizer partitions (accelerator.save_state), one set per rank.
 SHARDED_STATE = "sharded_state"
 
 
@@ -84,6 +87,10 @@ def check_launch(accelerator: Accelerator) -> None:
     if asks_for_deepspeed() and not uses_deepspeed(accelerator):
         raise ConfigError("accelerate launch: DeepSpeed was asked for but accelerate runs "
                           f"{accelerator.distributed_type} (unset ACCELERATE_USE_CPU for DeepSpeed launches)")
+    if os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and not uses_fsdp(accelerator):
+        raise ConfigError("accelerate launch: FSDP was asked for but accelerate runs "
+                          f"{accelerator.distributed_type.value} (accelerate runs FSDP on GPUs only; on CPUs use a "
+                          "DDP or DeepSpeed config)")
 
 
 def asks_for_deepspeed() -> bool:
@@ -99,17 +106,31 @@ def is_zero3(accelerator: Accelerator) -> bool:
     return uses_deepspeed(accelerator) and accelerator.state.deepspeed_plugin.zero_stage == 3
 
 
+def uses_fsdp(accelerator: Accelerator) -> bool:
+    return accelerator.distributed_type == DistributedType.FSDP
+
+
+def shards_weights(accelerator: Accelerator) -> bool:
+    """Whether each rank holds only a slice of the drafter's weights (ZeRO-3, FSDP)."""
+    return is_zero3(accelerator) or uses_fsdp(accelerator)
+
+
+def partitions_state(accelerator: Accelerator) -> bool:
+    """Whether the optimizer state is partitioned over the ranks (DeepSpeed, FSDP): saved by every rank."""
+    return uses_deepspeed(accelerator) or uses_fsdp(accelerator)
+
+
 def full_drafter(accelerator: Accelerator, module: nn.Module,
                  hf_model: Callable[[nn.Module], PreTrainedModel]) -> Optional[PreTrainedModel]:
     """The HF drafter with all its weights on the main process, None elsewhere. Call it on ALL ranks.
 
-    Without ZeRO-3 that is the live model itself. Under ZeRO-3 the weights are gathered (a collective) and the main
-    process gets a plain copy, which evaluates and saves like any HF model. `hf_model` is the drafter kind's inverse
-    of its training module (drafters/registry.py).
+    Without sharding that is the live model itself. Under ZeRO-3 and FSDP the weights are gathered (a collective)
+    and the main process gets a plain copy, which evaluates and saves like any HF model. `hf_model` is the drafter
+    kind's inverse of its training module (drafters/registry.py).
     """
     unwrapped = accelerator.unwrap_model(module)
     drafter = hf_model(unwrapped)
-    if not is_zero3(accelerator):
+    if not shards_weights(accelerator):
         return drafter if accelerator.is_main_process else None
     state = accelerator.get_state_dict(module)  # keys of the training module; filled on the main process only
     if not accelerator.is_main_process:
@@ -122,21 +143,21 @@ def full_drafter(accelerator: Accelerator, module: nn.Module,
 
 
 def optimizer_state(accelerator: Accelerator, optimizer) -> Optional[dict]:
-    """What training_state.pt holds of the optimizer: its state_dict, or None where DeepSpeed partitions it."""
-    return None if uses_deepspeed(accelerator) else optimizer.state_dict()
+    """What training_state.pt holds of the optimizer: its state_dict, or None where DeepSpeed / FSDP partition it."""
+    return None if partitions_state(accelerator) else optimizer.state_dict()
 
 
 def save_sharded_state(accelerator: Accelerator, partial_step_dir: Path) -> None:
-    """All ranks: write DeepSpeed's partitioned model and optimizer state into the checkpoint being written."""
-    if uses_deepspeed(accelerator):
+    """All ranks: write DeepSpeed's / FSDP's partitioned model and optimizer state into the checkpoint being written."""
+    if partitions_state(accelerator):
         accelerator.save_state(str(partial_step_dir / SHARDED_STATE))
 
 
 def load_sharded_state(accelerator: Accelerator, step_dir: Path, saved: dict) -> None:
-    """After prepare, on all ranks: restore DeepSpeed's partitions; refuse a checkpoint of the other kind."""
+    """After prepare, on all ranks: restore DeepSpeed's / FSDP's partitions; refuse a checkpoint of the other kind."""
     sharded = (step_dir / SHARDED_STATE).is_dir()
-    if uses_deepspeed(accelerator) != sharded or (saved["optimizer"] is None) != sharded:
-        kind = "a DeepSpeed" if sharded else "a non-DeepSpeed"
+    if partitions_state(accelerator) != sharded or (saved["optimizer"] is None) != sharded:
+        kind = "a DeepSpeed or FSDP" if sharded else "a DDP or one-process"
         raise ConfigError(f"train.resume: {step_dir} was written by {kind} launch; resume it with the same kind "
                           "of launch, or start a new train.run_name")
     if sharded:

@@ -26,6 +26,7 @@ from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.tree import TreeSpec
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier
 from drafter_train.decoding.lookup import lookup_first
+from drafter_train.devices import on_cpu, synchronize
 from drafter_train.cpu_kernels import CPU_KERNELS, apply_kernel_state, kernel_states, kernels_in_use
 from drafter_train.errors import ConfigError
 from drafter_train.targets import check_full_cache
@@ -83,12 +84,10 @@ def speculative_runner(target: PreTrainedModel, drafter: Drafter, cfg: EvalConfi
 
 
 def _timed(fn, device: torch.device) -> tuple[DecodeResult, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return result, time.perf_counter() - start
 
 
@@ -129,7 +128,7 @@ def make_draft_exit(cfg: EvalConfig, drafter: Drafter) -> Optional[DraftExit]:
 def baseline_settings(target: PreTrainedModel, cfg: EvalConfig, kernels: str) -> tuple[str, ...]:
     """The CPU kernel settings plain decoding is timed on, `kernels` (the speculative run's own) first: every setting
     with eval.baseline_kernels=all on a CPU target, else `kernels` alone (off the CPU the setting changes nothing)."""
-    if cfg.baseline_kernels == "same" or target.device.type != "cpu":
+    if cfg.baseline_kernels == "same" or not on_cpu(target.device):
         return (kernels,)
     return (kernels, *(k for k in CPU_KERNELS if k != kernels))
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -20,6 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from drafter_train.config import TargetConfig
+from drafter_train.devices import default_device
 from drafter_train.cpu_kernels import use_grouped_attention, use_onednn_linears
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
 
@@ -48,10 +50,10 @@ _EMBEDDED = {
 
 
 def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """The target model (eval mode, frozen, in ``cfg.dtype``, with ``cfg.cpu_kernels``) and its tokenizer (with a pad
-    token)."""
+    """The target model (eval mode, frozen, in ``cfg.dtype``, on accelerate's device, with ``cfg.attn_implementation``
+    and ``cfg.cpu_kernels``) and its tokenizer (with a pad token)."""
     path, gguf_file = resolved_path(cfg)
-    model = load_causal_lm(path, cfg.dtype, gguf_file)
+    model = load_causal_lm(path, cfg.dtype, gguf_file, attention(cfg)).to(default_device())
     use_onednn_linears(model, cfg.cpu_kernels)
     use_grouped_attention(model, cfg.cpu_kernels)
     return model, load_tokenizer(path, gguf_file)
@@ -71,7 +73,8 @@ def load_target_tokenizer(cfg: TargetConfig) -> PreTrainedTokenizerBase:
 
 
 def load_causal_lm(
-    path: str, dtype: Union[str, torch.dtype] = "float32", gguf_file: Optional[str] = None
+    path: str, dtype: Union[str, torch.dtype] = "float32", gguf_file: Optional[str] = None,
+    attn_implementation: Optional[str] = None,
 ) -> PreTrainedModel:
     """A causal LM from a local HF folder, a .gguf file, a folder/hub id plus ``gguf_file``, or a hub id.
 
@@ -80,7 +83,8 @@ def load_causal_lm(
     """
     source, gguf_file = _locate(path, gguf_file)
     torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
-    model = _from_pretrained(AutoModelForCausalLM, source, gguf_file, dtype=torch_dtype)
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = _from_pretrained(AutoModelForCausalLM, source, gguf_file, dtype=torch_dtype, **kwargs)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -151,6 +155,28 @@ def eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
     if tokenizer.eos_token_id is not None:
         ids.add(tokenizer.eos_token_id)
     return sorted(ids)
+
+
+def attention(cfg: TargetConfig) -> Optional[str]:
+    """The attn_implementation to load the target with (None: transformers' default for the architecture)."""
+    return None if cfg.attn_implementation == "auto" else cfg.attn_implementation
+
+
+def flash_attention_available() -> bool:
+    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def check_attention(cfg: TargetConfig, eval_cfg=None) -> None:
+    """Refuse, before anything loads, an attention kernel this machine or this evaluation cannot use."""
+    if cfg.attn_implementation != "flash_attention_2":
+        return
+    if not flash_attention_available():
+        raise ConfigError("target.attn_implementation=flash_attention_2 needs a CUDA GPU and the flash-attn package "
+                          f"(here: GPU {'yes' if torch.cuda.is_available() else 'none'}, flash-attn "
+                          f"{'yes' if importlib.util.find_spec('flash_attn') else 'not installed'}); use sdpa")
+    if eval_cfg is not None and (eval_cfg.tree.enabled or eval_cfg.calibration.enabled):
+        raise ConfigError("target.attn_implementation=flash_attention_2 takes no tree masks, which eval.tree and "
+                          "eval.calibration verify with; use sdpa")
 
 
 def model_identity(cfg: TargetConfig) -> dict:

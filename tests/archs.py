@@ -48,18 +48,19 @@ QK_NORM = ("qwen3", "qwen3_moe", "olmo2")
 INIT = {"gemma2": (0.1, 1 / 8), "gemma3_text": (0.1, 1 / 8)}
 
 
-def arch_config(name: str):
+def arch_config(name: str, **overrides):
     class_name, extra = ARCHS[name]
-    config = getattr(transformers, class_name)(**{**COMMON, **extra})
+    config = getattr(transformers, class_name)(**{**COMMON, **extra, **overrides})
     config._attn_implementation = "eager"  # what the decoders' tree masks are checked against (RECIPES.md)
     return config
 
 
-def tiny_target(name: str, seed: int = 0):
+def tiny_target(name: str, seed: int = 0, **overrides):
     """A random `name` target in eval mode, its weights drawn larger than the default init so that greedy has few
-    near-ties and a random drafter sometimes agrees with it."""
+    near-ties and a random drafter sometimes agrees with it. `overrides`: config fields (vLLM's CPU attention needs
+    head_dim >= 32, say)."""
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(arch_config(name), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(arch_config(name, **overrides), dtype=torch.float32)
     scale, embedding_factor = INIT.get(name, (0.3, 1.0))
     with torch.no_grad():
         for param_name, p in model.named_parameters():

@@ -2,8 +2,10 @@
 
 Per cell: the captured features are transformers' hidden states at the configured ids, a few training steps lower
 the kind's own loss, greedy speculative decoding equals greedy decoding computed WITHOUT a KV cache (so a cache that
-forgets a sliding window's keys cannot hide behind a baseline that forgets them too), and the export formats write
-what their engine reads. Cells that are refused are refused in one line at start-up, and tested as such.
+forgets a sliding window's keys cannot hide behind a baseline that forgets them too), and so does greedy decoding with
+draft trees on every target without sliding layers, and the export formats write what their engine reads. Sampling
+is checked by chi-square on one cell per kind. Cells that are refused are refused in one line at start-up, and tested
+as such.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from drafter_train.features import FeatureTap
 from tests.archs import ARCHS, MOES, QK_NORM, SLIDING, TIED, tiny_target
 from tests.stubs import compose_cfg, word_tokenizer
 from tests.test_sampling_exactness import chi2_pvalue, enumerate_marginals, sampled_counts
+from tests.test_tree_sampling import tree_counts
 
 GREEDY = make_verifier("greedy", SamplingParams())
 PROMPT = [1, 5, 9, 12, 7, 4]  # + 24 new tokens: far past the sliding window (4)
@@ -45,6 +48,12 @@ TRAINED = ("ar", "nar", "eagle3", "dflash")  # layerskip's skip set is searched,
 # cell -> the start-up refusal's reason (docs/targets.md)
 REFUSED = {(arch, "layerskip"): "needs a full KV cache" for arch in SLIDING}
 CELLS = [(arch, kind) for arch in ARCHS for kind in KINDS]
+TREE = TreeSpec(2, 3, 6)
+TREE_CELLS = [(arch, kind) for arch in ARCHS if arch not in SLIDING for kind in KINDS]
+# cells whose sampling is checked by chi-square -> the sampled tree (None: a chain)
+SAMPLED = {("gpt_oss", "eagle3"): None, ("gemma2", "nar"): None, ("phi3", "ar"): None,
+           ("qwen3", "dflash"): TreeSpec(2, 2, 4), ("olmo2", "eagle3"): TreeSpec(3, 2, None, "iid"),
+           ("qwen3_moe", "layerskip"): TreeSpec(2, 2, 4)}
 
 
 @functools.lru_cache(maxsize=None)
@@ -93,6 +102,16 @@ def test_captured_features_are_the_hidden_states_at_the_configured_ids(arch):
 
 
 # ---- greedy is lossless, or the cell is refused at start-up -----------------------------------------------------
+
+
+@pytest.mark.parametrize("arch,kind", TREE_CELLS)
+def test_greedy_tree_decoding_equals_greedy_decoding(arch, kind):
+    """Draft trees (EAGLE-2's top-k trees: one target pass over a 4-D tree mask, then the cache keeps one path) on
+    every target that supports them (sliding-window ones refuse trees: test_sliding_window_targets_refuse_...)."""
+    out = generate_tree_speculative(target(arch), make_drafter(drafter(arch, kind).eval()), PROMPT, TREE,
+                                    make_tree_verifier("greedy", SamplingParams()), NEW_TOKENS)
+    assert out.tokens == uncached_greedy(arch)
+    assert out.stats.target_forward_passes + out.stats.accepted == NEW_TOKENS  # each pass: its path + 1 token
 
 
 @pytest.mark.parametrize("arch,kind", CELLS)
@@ -207,14 +226,21 @@ def test_attention_variants_are_present_in_the_tiny_targets(arch, attr):
     assert hasattr(model.model.layers[0].self_attn, attr)
 
 
-def test_sampling_on_gpt_oss_with_eagle3_passes_the_chi_square_test():
-    """The riskiest target (sliding + full layers, attention sinks, MoE) with a target-feature drafter: speculative
-    samples follow the target's own distribution (exact marginals by enumeration)."""
-    model = target("gpt_oss")
-    params, prompt, num_tokens = SamplingParams(temperature=1.0), [1, 5, 3, 8, 9, 4], 2
-    counts = sampled_counts(model, drafter("gpt_oss", "eagle3").eval(), prompt, model.config.vocab_size,
-                            make_verifier("sample", params), params, 500, num_tokens, 2)
-    exact = enumerate_marginals(model, prompt, num_tokens, model.config.vocab_size, params)
+@pytest.mark.parametrize("arch,kind", list(SAMPLED))
+def test_speculative_sampling_passes_the_chi_square_test(arch, kind):
+    """Speculative samples follow the target's own distribution (exact marginals of the first two tokens by
+    enumeration), one cell per kind, chains and both kinds of sampled trees: the riskiest target (gpt-oss: sliding +
+    full layers, attention sinks, MoE) with EAGLE-3, and the other traits with the other kinds."""
+    model, tree = target(arch), SAMPLED[arch, kind]
+    params, prompt, num_tokens, vocab = SamplingParams(temperature=1.0), [1, 5, 3, 8, 9, 4], 2, model.config.vocab_size
+    model_d = drafter(arch, kind).eval()
+    if tree is None:
+        counts = sampled_counts(model, model_d, prompt, vocab, make_verifier("sample", params), params, 400,
+                                num_tokens, 2)
+    else:
+        counts = tree_counts(model, lambda: make_drafter(model_d), prompt, vocab, "sample", tree, params, 400,
+                             num_tokens)
+    exact = enumerate_marginals(model, prompt, num_tokens, vocab, params)
     pvalues = [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)]
     assert min(pvalues) > 1e-3, pvalues
 
@@ -230,15 +256,18 @@ def test_eagle3_exports_carry_engine_layer_ids_and_norm_flags(arch, tmp_path):
 
     model = drafter(arch, "eagle3", False, "drafter.target_layers=[0,1,2]", "drafter.fc_norm=false")
     model.save_pretrained(tmp_path / "drafter")
+    target(arch).save_pretrained(tmp_path / "target")  # its config.json names its architecture
     for name, write in FORMATS.items():
         if name == "gguf":  # llama.cpp's converter: tests/test_gguf.py (it needs the setup script's build)
             continue
-        write(tmp_path / "drafter", tmp_path / name, 4, "target", False)
+        write(tmp_path / "drafter", tmp_path / name, 4, str(tmp_path / "target"), False)
     vllm = json.loads((tmp_path / "vllm" / "config.json").read_text())
     sglang = json.loads((tmp_path / "sglang" / "config.json").read_text())
     assert vllm["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert vllm["norm_before_fc"] is False and vllm["fc_norm"] is False
     assert vllm["transformer_layer_config"]["model_type"] == "llama"
+    # the verifier is the target's architecture (speculators refuses a config without one), not the drafter layer's
+    assert vllm["speculators_config"]["verifier"]["architectures"] == [type(target(arch)).__name__]
     assert vllm["transformer_layer_config"]["hidden_size"] == target(arch).config.hidden_size
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert sglang["architectures"] == ["LlamaForCausalLMEagle3"]

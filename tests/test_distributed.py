@@ -213,6 +213,10 @@ def test_ranks_that_did_not_join_one_job_are_refused(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")  # DeepSpeed config + ACCELERATE_USE_CPU: plain DDP
     with pytest.raises(ConfigError, match="DeepSpeed was asked for"):
         check_launch(SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU))
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # an FSDP config on CPUs: accelerate silently runs DDP
+    with pytest.raises(ConfigError, match="FSDP was asked for but accelerate runs MULTI_CPU"):
+        check_launch(SimpleNamespace(num_processes=2, distributed_type=DistributedType.MULTI_CPU))
 
 
 def test_launch_precision_must_match_the_run(monkeypatch):
@@ -239,3 +243,47 @@ def test_two_ddp_ranks_train_one_spec_drafter(tiny_data, tmp_path):
     run_dir = tmp_path / "out" / RUN
     assert_one_job_of_two_ranks(run_dir, DistributedType.MULTI_CPU.value)
     assert json.loads((run_dir / "latest" / "drafter" / "config.json").read_text())["model_type"] == "spec_drafter"
+
+
+# ---- the launch configs, as accelerate reads them ------------------------------------------------------------------
+
+
+def launch_env(config: Path):
+    """The processes `accelerate launch --config_file config` starts, and the environment it gives each one
+    (accelerate's own parsing)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
+
+    args, defaults, precision_from_config = _validate_launch_command(
+        launch_command_parser().parse_args(["--config_file", str(config), "x.py"]))
+    if not args.use_deepspeed:
+        return args.num_processes, prepare_multi_gpu_env(args)
+    # as accelerate's launch_command tells its DeepSpeed launcher which fields the config file set
+    fields = [*defaults.deepspeed_config, *(["mixed_precision"] if precision_from_config else [])]
+    args.deepspeed_fields_from_accelerate_config = ",".join(fields)
+    return args.num_processes, prepare_deepspeed_cmd_env(args)[1]
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in ACCELERATE_CONF.glob("*.yaml")))
+def test_every_launch_config_gives_the_launch_its_name_says(name, monkeypatch):
+    """ddp / zero2 / zero3 / fsdp, on cpu (2 processes, fp32) or gpu (8 processes, bf16): what accelerate makes of
+    each file, down to the plugin its Accelerator would build; and the run's own precision must match it."""
+    from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin
+
+    processes, env = launch_env(ACCELERATE_CONF / f"{name}.yaml")
+    launch, device = name.split("_")[:2]
+    assert processes == (8 if device == "gpu" else 2)
+    assert env["ACCELERATE_MIXED_PRECISION"] == ("bf16" if device == "gpu" else "no")
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    if launch.startswith("zero"):
+        assert DeepSpeedPlugin().zero_stage == int(launch[-1])
+    elif launch == "fsdp":
+        plugin = FullyShardedDataParallelPlugin()
+        assert plugin.fsdp_version == 2 and plugin.state_dict_type.name == "SHARDED_STATE_DICT"
+        assert type(plugin.cpu_offload).__name__ == "OffloadPolicy"  # FSDP2's base policy: no offloading
+    else:
+        assert "ACCELERATE_USE_FSDP" not in env and "ACCELERATE_USE_DEEPSPEED" not in env
+    check_launch_precision("bf16" if device == "gpu" else "no")
+    with pytest.raises(ConfigError, match="train.mixed_precision"):
+        check_launch_precision("no" if device == "gpu" else "bf16")

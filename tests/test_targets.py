@@ -403,7 +403,7 @@ def test_embedded_smollm2(monkeypatch):
     loaded, load = [], targets.load_causal_lm
     monkeypatch.setattr(targets, "load_causal_lm", lambda *args: loaded.append(args) or load(*args))
     model, tokenizer = load_target(TargetConfig(dtype="bfloat16"))
-    assert loaded == [(str(folder), "bfloat16", None)]  # the cached HF folder, not the GGUF file
+    assert loaded == [(str(folder), "bfloat16", None, None)]  # the cached HF folder, not the GGUF file; auto attention
     assert model.dtype == torch.bfloat16
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
     ids = encode_prompt(tokenizer, "Hi", chat_template=True)

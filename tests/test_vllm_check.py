@@ -32,14 +32,19 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 @pytest.fixture(scope="module")
 def e3_run(tmp_path_factory):
     """A target vLLM's CPU kernels accept (head_dim 32), its drafter-datagen data, and an EAGLE-3 run on it."""
-    from drafter_train.recipes.datagen import run_datagen
-
     root = tmp_path_factory.mktemp("vllm")
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, max_position_embeddings=512, initializer_range=0.1,
         bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    return root, trained_eagle3(target, root)
+
+
+def trained_eagle3(target, root: Path) -> Path:
+    """`target` saved in root/target, its drafter-datagen data, and the run folder of an EAGLE-3 run on it."""
+    from drafter_train.recipes.datagen import run_datagen
+
     save_tiny(target, root / "target")
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{s} {w}"}) + "\n" for s in SENTENCES for w in WORDS))
@@ -51,7 +56,7 @@ def e3_run(tmp_path_factory):
                     "drafter.target_layers=[0,1,2]", "loss=fkl", "train.max_steps=150", "train.save_every=150",
                     "train.batch_size=8")
     train(cfg)
-    return root, root / "runs" / cfg.train.run_name
+    return root / "runs" / cfg.train.run_name
 
 
 def check(root: Path, run: Path, out: Path, *extra: str) -> tuple[int, dict]:

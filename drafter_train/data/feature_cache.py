@@ -74,7 +74,7 @@ def _shard_name(index: int) -> str:
 
 
 def _to_bytes(tensor: Tensor, dtype: torch.dtype) -> bytes:
-    return tensor.detach().to("cpu", dtype).contiguous().view(torch.int16).numpy().tobytes()
+    return tensor.detach().to(dtype=dtype).cpu().contiguous().view(torch.int16).numpy().tobytes()
 
 
 def _from_bytes(raw: bytes, dtype: torch.dtype, width: int) -> Tensor:

@@ -39,14 +39,14 @@ from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.tree import DraftTree, TreeSpec, build_tree, lookup_tree, verify_inputs
 from drafter_train.decoding.verify import TreeVerifier, Verifier
+from drafter_train.devices import synchronize
 from drafter_train.features import tap_for
 from drafter_train.targets import check_full_cache
 
 
 def _clock(device: torch.device) -> float:
     """Wall-clock seconds, after the device's queued work (GPU kernels run asynchronously)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.perf_counter()
 
 

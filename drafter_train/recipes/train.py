@@ -59,6 +59,12 @@ def next_micro_batches(data, stream: BatchStream, response_key: str, cfg: TrainJ
     return micro
 
 
+def master_dtype(cfg: TrainJobConfig) -> str:
+    """The dtype the drafter's weights train in: fp32 master weights under bf16 autocast, whatever the target's dtype
+    (the optimizer updates fp32, autocast computes in bf16); without autocast, the target's dtype."""
+    return "float32" if cfg.train.mixed_precision == "bf16" else cfg.target.dtype
+
+
 def evaluate_checkpoint(cfg, target, model, prompts, eos, overlap=None) -> dict:
     """Real speculative decoding with the current drafter (full weights, see full_drafter) on the held-out prompts
     ((ids, categories); main process only), naming their split and what the overlap check found."""
@@ -143,8 +149,10 @@ def train(cfg: TrainJobConfig) -> dict:
     if resume_from is not None:
         drafter_cfg = dataclasses.replace(cfg.drafter, path=str(resume_from / "drafter"))
     counts = lambda: token_counts(data, response_key, model_vocab_size(target))  # noqa: E731  (a new EAGLE-3 head)
-    drafter = kind.training_module(load_drafter(drafter_cfg, target, tokenizer, cfg.target.dtype, for_training=True,
+    drafter = kind.training_module(load_drafter(drafter_cfg, target, tokenizer, master_dtype(cfg), for_training=True,
                                                 token_counts=counts))
+    if tcfg.mixed_precision == "bf16":
+        drafter.float()  # a new drafter is built in the target's dtype
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     scheduler = get_scheduler(tcfg.lr_schedule, optimizer, tcfg.warmup_steps, tcfg.max_steps)

@@ -60,6 +60,16 @@ def write_speculators(drafter_dir: Path, out: Path, draft_len: int, verifier: st
     _speculators_folder(config, drafter_dir, out, draft_len, verifier, keep_embeddings)
 
 
+def verifier_architectures(verifier: str, config: dict) -> list:
+    """The target's own architectures (speculators refuses a config without them): from its config.json when the
+    target is a local folder, else the drafter layer's (a Llama target's own config; a non-Llama target's drafter
+    layer is a Llama layer that names none, and a hub id is not looked up offline)."""
+    local = Path(verifier) / "config.json"
+    if local.is_file():
+        return json.loads(local.read_text()).get("architectures") or []
+    return config["backbone"].get("architectures") or []
+
+
 def _speculators_folder(config: dict, drafter_dir: Path, out: Path, draft_len: int, verifier: str,
                         keep_embeddings: bool) -> None:
     spec = {
@@ -78,7 +88,7 @@ def _speculators_folder(config: dict, drafter_dir: Path, out: Path, draft_len: i
             "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": draft_len,
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "verifier": {"name_or_path": verifier, "architectures": config["backbone"].get("architectures")},
+            "verifier": {"name_or_path": verifier, "architectures": verifier_architectures(verifier, config)},
         },
         "dtype": config.get("dtype") or config.get("torch_dtype") or "float32",
     }

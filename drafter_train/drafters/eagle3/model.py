@@ -191,16 +191,23 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
                     draft_len: int, norm_before_fc: bool = False) -> "Eagle3Model":
         """A new drafter for `target`: frozen copy of its embeddings, LM head rows and final norm of the draft
         vocabulary; fc and the layer freshly initialised."""
-        tconfig = target.config
-        vocab = target.get_input_embeddings().num_embeddings
-        config = Eagle3Config(backbone=layer_backbone(tconfig), target_layers=list(layer_ids),
-                              target_num_layers=num_layers(target), target_hidden_size=tconfig.hidden_size,
-                              draft_vocab_size=draft_ids.numel(), fc_norm=fc_norm, draft_len=draft_len,
-                              norm_before_fc=norm_before_fc, vocab_size=vocab, eos_token_id=tconfig.eos_token_id, bos_token_id=tconfig.bos_token_id,
-                              pad_token_id=getattr(tconfig, "pad_token_id", None), tie_word_embeddings=False)
+        config = new_config(target, layer_ids, draft_ids.numel(), fc_norm, draft_len, norm_before_fc)
         drafter = cls(config).to(target.dtype)
         drafter.copy_from_target(target, draft_ids)
         return drafter.to(target.device)
+
+
+def new_config(target: PreTrainedModel, layer_ids: Sequence[int], draft_vocab_size: int, fc_norm: bool,
+               draft_len: int, norm_before_fc: bool = False) -> Eagle3Config:
+    """The config of a new drafter for `target` (read from its config and module shapes only: a target on the meta
+    device will do, drafter_train/memory.py sizes GPU runs that way)."""
+    tconfig = target.config
+    return Eagle3Config(backbone=layer_backbone(tconfig), target_layers=list(layer_ids),
+                        target_num_layers=num_layers(target), target_hidden_size=tconfig.hidden_size,
+                        draft_vocab_size=draft_vocab_size, fc_norm=fc_norm, draft_len=draft_len,
+                        norm_before_fc=norm_before_fc, vocab_size=target.get_input_embeddings().num_embeddings,
+                        eos_token_id=tconfig.eos_token_id, bos_token_id=tconfig.bos_token_id,
+                        pad_token_id=getattr(tconfig, "pad_token_id", None), tie_word_embeddings=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------
