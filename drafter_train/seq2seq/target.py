@@ -23,6 +23,7 @@ from transformers import (AutoConfig, AutoModelForSeq2SeqLM, AutoModelForSpeechS
                           EncoderDecoderCache, PretrainedConfig, PreTrainedModel)
 from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
 
+from drafter_train.devices import default_device
 from drafter_train.errors import ConfigError
 
 # Config fields holding the encoder's and the decoder's layer counts, per family (T5 names them its own way).
@@ -50,13 +51,13 @@ def model_class(config: PretrainedConfig):
     return AutoModelForSeq2SeqLM
 
 
-def load_seq2seq(path: str, dtype: str = "float32", device: str = "cpu") -> PreTrainedModel:
-    """A local seq2seq model folder -> the model in eval mode, gradients off. One-line errors for a missing folder or
+def load_seq2seq(path: str, dtype: str = "float32", device: Optional[torch.device] = None) -> PreTrainedModel:
+    """A local seq2seq model folder -> the model in eval mode, gradients off, on `device` (default: accelerate's). One-line errors for a missing folder or
     a decoder-only model, before the weights load."""
     if not (Path(path) / "config.json").is_file():
         raise ConfigError(f"target.path: {path} is not a model folder (no config.json)")
     config = AutoConfig.from_pretrained(path)
-    model = model_class(config).from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    model = model_class(config).from_pretrained(path, dtype=getattr(torch, dtype)).to(device or default_device()).eval()
     return model.requires_grad_(False)
 
 
@@ -70,7 +71,7 @@ class Source:
     decoder_prefix: tuple[int, ...] = ()
 
     @classmethod
-    def text(cls, token_ids: Sequence[int], device="cpu", decoder_prefix: Sequence[int] = ()) -> "Source":
+    def text(cls, token_ids: Sequence[int], device: Optional[torch.device] = None, decoder_prefix: Sequence[int] = ()) -> "Source":
         ids = torch.as_tensor(list(token_ids), dtype=torch.long, device=device).view(1, -1)
         return cls({"input_ids": ids, "attention_mask": torch.ones_like(ids)}, tuple(decoder_prefix))
 

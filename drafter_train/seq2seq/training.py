@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -54,7 +54,7 @@ def _pad(rows: Sequence[Sequence[int]], value: int) -> Tensor:
     return torch.tensor([list(row) + [value] * (width - len(row)) for row in rows], dtype=torch.long)
 
 
-def collate(examples: Sequence[Example], start_id: int, pad_id: int, device="cpu") -> Seq2SeqBatch:
+def collate(examples: Sequence[Example], start_id: int, pad_id: int, device: Optional[torch.device] = None) -> Seq2SeqBatch:
     sources = _pad([e.source_ids for e in examples], pad_id)
     outputs = [e.output_ids for e in examples]
     lengths = torch.tensor([len(o) for o in outputs])
