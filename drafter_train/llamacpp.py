@@ -116,3 +116,20 @@ def convert_typed(root: Path, model_dir: Path, out_file: Path, gguf_type: str, t
         return quantize(root, f16, out_file, gguf_type)
     finally:
         f16.unlink(missing_ok=True)
+
+
+def write_lookup_cache(root: Path, target_gguf: Path, corpus: Path, out: Path, tokenizer) -> Path:
+    """A drafter-datagen folder's responses (the corpus our corpus lookup reads) as llama.cpp's static n-gram cache
+    (llama-lookup-create; served with --spec-type ngram-cache --lookup-cache-static OUT). llama.cpp tokenizes text,
+    so the responses go in decoded, one per paragraph."""
+    from drafter_train.data.store import load_distill_dataset
+
+    create = tool(root, "llama-lookup-create", "--lookup-corpus")
+    data = load_distill_dataset(corpus)
+    texts = [tokenizer.decode(own or reference, skip_special_tokens=True)
+             for own, reference in zip(data["response_ids"], data["reference_ids"])]
+    text_file = out.with_suffix(".txt")
+    text_file.write_text("\n\n".join(texts))
+    _run([str(create), "-m", str(target_gguf), "-f", str(text_file), "-lcs", str(out)],
+         f"llama-lookup-create on {corpus}")
+    return out
