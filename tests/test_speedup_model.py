@@ -39,7 +39,7 @@ def test_engine_predictions_by_hand():
     curves = engine_costs(record)
     assert curves[0]["relative"] == {1: 1.0, 2: 1.5, 4: 2.0}
     rows = engine_predictions([chain1, chain3, chain8, tree], ar_ms, curves)
-    assert [r["name"] for r in rows] == ["chain draft_len=3", "chain draft_len=1"]  # best first, no tree, no n=9
+    assert [r["name"] for r in rows] == ["chain draft_len=1", "chain draft_len=3"]  # best first, no tree, no n=9
     by_len = {r["draft_len"]: r for r in rows}
     assert by_len[1]["predicted_speedup"] == pytest.approx(1.5 / (1.5 + 0.1))  # 0.9375
     assert by_len[3]["predicted_speedup"] == pytest.approx(1.9 / (2.0 + 0.3))  # 0.8261
@@ -79,3 +79,31 @@ def test_predicted_steps_speedup_by_hand():
     tokens = round(tau * steps)
     assert predicted_steps_speedup(tokens, 0, [2] * steps, relative, 0.1 * steps) == pytest.approx(
         predicted_speedup(tau, 1.5, 0.1))
+
+
+def test_engine_costs_file_is_refused_in_one_line_and_printed(tmp_path):
+    import json
+
+    from rich.console import Console
+
+    from drafter_train.errors import ConfigError
+    from drafter_train.evaluation import print_engine_predictions
+    from drafter_train.recipes.evaluate import engine_curves
+
+    assert engine_curves(None) == []
+    with pytest.raises(ConfigError, match=r"eval\.calibration\.engine_costs: no such file"):
+        engine_curves(str(tmp_path / "missing.json"))
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({"data": {}}))
+    with pytest.raises(ConfigError, match=r"eval\.calibration\.engine_costs: .* holds no cost curves"):
+        engine_curves(str(empty))
+    good = tmp_path / "engines.json"
+    good.write_text(json.dumps({"data": {"cost_curves": [{"engine": "llama.cpp", "precision": "f16", "ms_1": 7.6,
+                                                          "relative": {"1": 1.0, "2": 1.25}}]}}))
+    curves = engine_curves(str(good))
+    rows = engine_predictions([Candidate(1, None, 1, 0.3, 1.0, 11.0)], 10.0, curves)
+    console = Console(record=True, width=200)
+    print_engine_predictions(rows, console)
+    text = console.export_text()
+    # tau 1.3 over 1.25 + 0.1: 0.963; break-even 1.35 needs acceptance 0.35 at draft length 1
+    assert "llama.cpp f16" in text and "0.963" in text and "1.35" in text and "0.35" in text

@@ -69,7 +69,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     cal = cfg.eval.calibration
     if cal.enabled:
         refuse_test_split(cfg.eval.prompts, "eval.prompts", "eval.calibration")
-        curves = _engine_curves(cal.engine_costs)
+        curves = engine_curves(cal.engine_costs)
     _check_writable(output)
     _check_intact(cfg.drafter.path)
     check_inputs(cfg)
@@ -114,7 +114,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     return metrics
 
 
-def _engine_curves(path: Optional[str]) -> list[dict]:
+def engine_curves(path: Optional[str]) -> list[dict]:
     """eval.calibration.engine_costs' cost curves; refused in one line, before anything loads, when the file is
     missing or holds none."""
     if not path:
