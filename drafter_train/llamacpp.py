@@ -10,11 +10,12 @@ renames) stay llama.cpp's business, and a newer llama.cpp is a new pin, not new 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from drafter_train.errors import ConfigError, DrafterTrainError
 
@@ -96,6 +97,18 @@ def convert(root: Path, model_dir: Path, out_file: Path, outtype: str, target_di
         command += ["--target-model-dir", str(target_dir)]
     _run(command, f"convert_hf_to_gguf.py on {model_dir.name}", env)
     return out_file
+
+
+def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[Path], None]) -> None:
+    """drafter.gguf from the engine folder write_folder(staging) writes (staged in out/<stage>: the converter names
+    general.finetune after it; removed after), converted with the target's folder; then the target, if asked."""
+    staging = out / stage
+    write_folder(staging)
+    try:
+        convert(job.root, staging, out / DRAFTER_FILE, job.drafter_type, target_dir=job.target_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    job.write_target(out)
 
 
 def quantize(root: Path, src: Path, out_file: Path, gguf_type: str) -> Path:
