@@ -92,7 +92,8 @@ def pays_lines(rows: list[dict], curves: list[dict], draft_lens: tuple[int, ...]
             tau = break_even_tau(cost_at(_relative(curve), k + 1), cost)
             need = acceptance_needed(tau, k)
             needs.append(f"draft length {k}: tau {tau:.2f}" + (
-                f" (per-position acceptance {need:.2f})" if need is not None else " (out of reach)"))
+                " (out of reach)" if need is None else " (any drafter)" if tau <= 1 else
+                f" (per-position acceptance {need:.2f})"))
         lines.append(f"- **{key[0]} {key[1]}**: speculation {verdict} (best: {best['decoder']}, "
                      f"{best['speedup_over_own_plain']:.2f}x its plain decoding, tau {cell(best.get('tau'))}). To "
                      f"break even with a drafter costing {cost:.2f} one-token passes per step it needs "

@@ -86,13 +86,11 @@ def run_llamacpp(decoder: dict, bin_dir: Path, prompts: list[list[int]], max_new
             "draft_ms": served["draft_ms"], "outputs": served["tokens"]}
 
 
-def bench_curve(bin_dir: Path, gguf: Path, sizes: list[int], depth: int, repeats: int, threads: int,
-                f32_cache: bool) -> dict[int, float]:
-    """llama-bench: median ms of one pass over n tokens after `depth` cached tokens (its pp tests at that depth)."""
+def bench_curve(bin_dir: Path, gguf: Path, sizes: list[int], depth: int, repeats: int, threads: int) -> dict[int, float]:
+    """llama-bench: median ms of one pass over n tokens after `depth` cached tokens (its pp tests at that depth).
+    llama-bench takes no f32 KV cache, so its caches are f16 at every precision (the server's are f32 at f32)."""
     command = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", ",".join(map(str, sizes)), "-n", "0",
                "-d", str(depth), "-r", str(repeats), "-t", str(threads), "-o", "json"]
-    if f32_cache:
-        command += ["-ctk", "f32", "-ctv", "f32"]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return {test["n_prompt"]: median(test["samples_ns"]) / 1e6 for test in json.loads(done.stdout)}
 
@@ -117,7 +115,7 @@ class Ours:
         from benchmarks.common import load_target_and_prompts
 
         self.target, self.tokenizer, self.eos, self.prompts, _ = load_target_and_prompts(
-            TargetConfig(), args.prompts, args.num_prompts)
+            TargetConfig(path=args.target), args.prompts, args.num_prompts)
         self.states = kernel_states(self.target, "auto", ("auto", "default"))
         k = args.draft_len
         siblings = TreeConfig(top_k=k, depth=1, total_tokens=k)
@@ -300,6 +298,7 @@ def table_rows(rows: list[dict]) -> list[list]:
 
 
 def main(argv=None) -> int:
+    from drafter_train.config import EMBEDDED_TARGET
     from drafter_train.llamacpp import llamacpp_dir
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -307,6 +306,7 @@ def main(argv=None) -> int:
     parser.add_argument("--drafter", required=True, help="the same EAGLE-3 drafter's folder, for our decoder")
     parser.add_argument("--corpus", required=True, help="the drafter-datagen folder corpus lookup reads")
     parser.add_argument("--llamacpp", default=None, help="default: $DRAFTER_TRAIN_LLAMACPP, else .llamacpp")
+    parser.add_argument("--target", default=EMBEDDED_TARGET, help="the target the exports were made from")
     parser.add_argument("--ngram-modes", default=NGRAM_MODES, help="llama.cpp's free n-gram modes to time")
     parser.add_argument("--draft-len", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
@@ -339,8 +339,7 @@ def main(argv=None) -> int:
                                                          args.threads, args.output / "server.log"))
         for precision in {d["precision"]: d for d in decoders}:
             target = args.exports.absolute() / precision / "target.gguf"
-            curves[("llama.cpp", precision)] = bench_curve(bin_dir, target, sizes, args.depth, 3, args.threads,
-                                                           precision == "f32")
+            curves[("llama.cpp", precision)] = bench_curve(bin_dir, target, sizes, args.depth, 3, args.threads)
         for name, setting in ours.settings.items():
             print(f"engines: round {r + 1}/{args.rounds}: ours {name}", file=sys.stderr)
             found[f"ours {name}"] = ours_record(name, setting, ours.run(name))
@@ -383,8 +382,9 @@ def median_curves(curve_rounds: list[dict]) -> list[dict]:
 
 def write_engines_result(record: dict, args) -> None:
     fastest = record["rows"][0]["fastest_plain"]
+    target = "SmolLM2-135M-Instruct" if args.target.startswith("embedded:") else Path(args.target).name
     write_result(
-        "engines", title="Engines on this machine: plain and speculative decoding, SmolLM2-135M-Instruct",
+        "engines", title=f"Engines on this machine: plain and speculative decoding of {target}",
         question="Which decoder is fastest here in any engine, and does speculation pay inside each engine?",
         command=command_line("engines"), split=split_name(args.prompts, args.num_prompts),
         baseline=f"the fastest plain decoder measured in this run ({fastest}); the 'over own plain' column divides "
