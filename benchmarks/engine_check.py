@@ -441,7 +441,9 @@ def check_llamacpp(args) -> int:
     if args.result:
         write_llamacpp_result(result, args)
     mismatched = len(record.get("output_mismatches", []))
-    print(f"engine_check: {'AGREE' if ok else 'DISAGREE'}: per-position acceptance ours "
+    verdict = "SIDE BY SIDE (lookups differ: not compared)" if result["comparison"]["agree"] is None else \
+        "AGREE" if ok else "DISAGREE"
+    print(f"engine_check: {verdict}: per-position acceptance ours "
           f"{_rates(ours_acceptance)}, llama.cpp {_rates(engine_acceptance)} (tolerance {args.tolerance}); "
           f"speculative output differs from plain in {mismatched} of {len(prompts)} prompts; "
           f"llama.cpp {record['spec_tokens_per_s']:.1f} tok/s with the drafter"

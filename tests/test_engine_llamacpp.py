@@ -104,3 +104,16 @@ def test_llamacpp_serves_a_dflash_export_with_our_acceptance(runs, tmp_path):
     assert result["method"] == "draft-dflash" and engine["drafting_steps"] > 0
     assert ours["per_position_acceptance"][0] > 0.1, ours  # accepted (0.13 at 120 steps): a wrong export shows
     assert status == 0 and result["comparison"]["agree"], result["comparison"]
+
+
+def test_llamacpp_runs_the_product_with_the_corpus_as_its_ngram_cache(runs, tmp_path):
+    """--lookups ngram-cache --lookup-corpus: llama.cpp's n-gram cache (the corpus through llama-lookup-create) ahead
+    of EAGLE-3 in one --spec-type list, our lookups ahead of ours; acceptance side by side, output equal to plain."""
+    root, found = runs
+    status, result = check(root, found["eagle3"], tmp_path / "product", "--lookups", "ngram-cache",
+                           "--lookup-corpus", str(root / "data"))
+    assert status == 0 and result["method"] == "ngram-cache,draft-eagle3"
+    assert result["comparison"]["agree"] is None and result["llamacpp"]["drafting_steps"] > 0
+    assert (tmp_path / "product" / "corpus.lookup").stat().st_size > 0
+    log = (tmp_path / "product" / "llamacpp_spec.log").read_text(errors="replace")
+    assert "called impl ngram-cache" in log and "called impl draft-eagle3" in log
