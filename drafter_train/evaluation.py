@@ -369,13 +369,15 @@ def print_calibration(record: dict, console: Optional[Console] = None, rows: int
 
 def print_engine_predictions(rows: Sequence[dict], console: Console) -> None:
     """The chain candidates' predicted speedup in other engines (their cost curves, this drafter's tau)."""
-    table = Table(title="predicted in other engines (their verify-cost curves; speedup over their own plain decoding)")
-    for column in ("engine", "setting", "predicted tau", "verify cost", "drafter cost", "break-even tau",
-                   "acceptance needed", "predicted speedup"):
-        table.add_column(column, justify="left" if column in ("engine", "setting") else "right")
+    table = Table(title="other engines: predicted speedup over their plain decoding")
+    table.add_column("engine", no_wrap=True)
+    # draft_len; predicted tau; verify and drafter cost in 1-token passes; the tau that breaks even and the
+    # per-position acceptance that gives it ("-": beyond a chain of that length)
+    for column in ("k", "tau", "verify", "drafter", "even at", "needs", "speedup"):
+        table.add_column(column, justify="right")
     for r in rows:
-        need = "unreachable" if r["acceptance_needed"] is None else f"{r['acceptance_needed']:.2f}"
-        table.add_row(escape(f"{r['engine']} {r['precision'] or ''}".strip()), r["name"], f"{r['predicted_tau']:.2f}",
-                      f"{r['verify_cost']:.2f}", f"{r['draft_cost']:.2f}", f"{r['break_even_tau']:.2f}", need,
-                      f"{r['predicted_speedup']:.3f}")
+        need = "-" if r["acceptance_needed"] is None else f"{r['acceptance_needed']:.2f}"
+        table.add_row(escape(f"{r['engine']} {r['precision'] or ''}".strip()), str(r["draft_len"]),
+                      f"{r['predicted_tau']:.2f}", f"{r['verify_cost']:.2f}", f"{r['draft_cost']:.2f}",
+                      f"{r['break_even_tau']:.2f}", need, f"{r['predicted_speedup']:.3f}")
     console.print(table)
