@@ -32,7 +32,9 @@ llama.cpp (--engine llamacpp; benchmarks/llamacpp_engine.py): the checkpoint is 
 prompt token ids, --spec-type the kind's: draft-eagle3 / draft-simple) with and without the drafter. Compared:
 per-position acceptance from the server's per-step log against ours (same tolerance), the engine's speculative
 output against its own plain output token by token (mismatches are listed: rounding at near-ties in the engine,
-reported rather than hidden), and llama.cpp's tokens/s with and without the drafter. Results:
+reported rather than hidden), and llama.cpp's tokens/s with and without the drafter. --lookups puts llama.cpp's
+n-gram modes ahead of the drafter in one --spec-type list (the product; --lookup-corpus adds the corpus as a static
+n-gram cache) and our lookups ahead of ours; the two acceptances are then reported side by side, not compared. Results:
 <output>/llamacpp_check.json (with --result also benchmarks/results/engine_llamacpp.json). The build:
 scripts/setup_llamacpp.sh.
 
