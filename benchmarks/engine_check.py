@@ -32,7 +32,9 @@ llama.cpp (--engine llamacpp; benchmarks/llamacpp_engine.py): the checkpoint is 
 prompt token ids, --spec-type the kind's: draft-eagle3 / draft-simple) with and without the drafter. Compared:
 per-position acceptance from the server's per-step log against ours (same tolerance), the engine's speculative
 output against its own plain output token by token (mismatches are listed: rounding at near-ties in the engine,
-reported rather than hidden), and llama.cpp's tokens/s with and without the drafter. Results:
+reported rather than hidden), and llama.cpp's tokens/s with and without the drafter. --lookups puts llama.cpp's
+n-gram modes ahead of the drafter in one --spec-type list (the product; --lookup-corpus adds the corpus as a static
+n-gram cache) and our lookups ahead of ours; the two acceptances are then reported side by side, not compared. Results:
 <output>/llamacpp_check.json (with --result also benchmarks/results/engine_llamacpp.json). The build:
 scripts/setup_llamacpp.sh.
 
@@ -230,6 +232,13 @@ def main(argv=None) -> int:
                                                            "(f32, f16, q8_0; the drafter is f32 with f32, else f16)")
     parser.add_argument("--spec-type", default=None, help="llama.cpp --spec-type (default: the kind's, e.g. "
                                                           "draft-eagle3); a comma list combines drafters")
+    parser.add_argument("--lookups", default=None,
+                        help="llama.cpp: the product, n-gram modes ahead of the drafter (e.g. ngram-cache or "
+                             "ngram-simple; llama.cpp tries n-gram types first); ours then runs prompt lookup "
+                             "(min_ngram 2) and, with --lookup-corpus, corpus lookup ahead of the drafter")
+    parser.add_argument("--lookup-corpus", default=None,
+                        help="with --lookups ngram-cache: a drafter-datagen folder whose responses become llama.cpp's "
+                             "static n-gram cache (llama-lookup-create) and our corpus lookup")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     parser.add_argument("--draft-len", type=int, default=None, help="default: the run's drafter.draft_len")
     parser.add_argument("--prompts", default=None, help="prompt file (default: the evaluator's built-in prompts)")
@@ -288,7 +297,8 @@ def _ours(args, step_dir: Path, info, draft_len: int):
     records = load_prompt_records(args.prompts, args.num_prompts, None)
     prompts = [encode_prompt(tokenizer, text, target_cfg.chat_template) for text, _ in records]
     drafter = load_drafter(DrafterConfig(path=str(step_dir / "drafter")), target, tokenizer, "float32")
-    eval_cfg = EvalConfig(draft_len=draft_len, max_new_tokens=args.max_new_tokens, warmup=1)
+    eval_cfg = EvalConfig(draft_len=draft_len, max_new_tokens=args.max_new_tokens, warmup=1,
+                          lookup=our_lookups(args.lookups, args.lookup_corpus))
     ours = evaluate_decoding(target, make_drafter(drafter), prompts, eval_cfg, eos, progress=True)
     acceptance = {"mean_acceptance_length": 1 + ours["accepted_draft_tokens"] / max(ours["proposals"], 1),
                   "implied_acceptance_length": implied_acceptance_length(ours["per_position_acceptance"]),
@@ -297,6 +307,24 @@ def _ours(args, step_dir: Path, info, draft_len: int):
     record = dict(acceptance, greedy_match=ours["greedy_match"], spec_tokens_per_s=ours["spec_tokens_per_s"],
                   ar_tokens_per_s=ours["ar_tokens_per_s"], speedup=ours["speedup"])
     return target_cfg, target, prompts, eos, acceptance, record
+
+
+def _tokenizer(target_cfg):
+    """The target's tokenizer alone (the embedded target's cached folder for an embedded: path)."""
+    from drafter_train.targets import embedded_folder, load_tokenizer
+
+    path = target_cfg.path
+    if path.startswith("embedded:"):
+        path = str(embedded_folder(path, target_cfg.cache_dir))
+    return load_tokenizer(path, target_cfg.gguf_file)
+
+
+def our_lookups(lookups: Optional[str], corpus: Optional[str]):
+    """Our lookups beside llama.cpp's --lookups: prompt lookup (min_ngram 2, the main job's), and corpus lookup on
+    the same corpus; off without --lookups."""
+    from drafter_train.config import CorpusLookupConfig, LookupConfig
+
+    return LookupConfig(min_ngram=2, corpus=CorpusLookupConfig(path=corpus)) if lookups else LookupConfig()
 
 
 def check_vllm(args) -> int:
@@ -362,7 +390,7 @@ def check_llamacpp(args) -> int:
     """The llama.cpp engine (benchmarks/llamacpp_engine.py): the gguf export served by llama-server with and
     without the drafter, against our evaluator on the same prompt ids."""
     from benchmarks import llamacpp_engine as engine
-    from drafter_train.llamacpp import DRAFTER_FILE, TARGET_FILE, llamacpp_dir
+    from drafter_train.llamacpp import DRAFTER_FILE, TARGET_FILE, llamacpp_dir, write_lookup_cache
 
     root = llamacpp_dir(args.llamacpp)
     if not (root / "build" / "bin" / "llama-server").is_file():
@@ -371,17 +399,21 @@ def check_llamacpp(args) -> int:
     export_cfg, step_dir, info = _checkpoint(args, "gguf", gguf_type=args.gguf_type, llamacpp=str(root))
     if "gguf" not in info.kind.export_formats:
         sys.exit(f"engine_check: {info.kind.description} (drafter kind {info.kind.name}) has no GGUF export")
-    spec_type = args.spec_type or info.kind.engine_methods["gguf"]
+    spec_type = llamacpp_spec_type(args.spec_type or info.kind.engine_methods["gguf"], args.lookups,
+                                   args.lookup_corpus)
     out = Path(args.output or step_dir.parent / "llamacpp").absolute()
     out.mkdir(parents=True, exist_ok=True)
     exported = _exported(args, export_cfg, out)
     draft_len = args.draft_len or info.draft_len
     target_cfg, _, prompts, _, ours_acceptance, ours_record = _ours(args, step_dir, info, draft_len)
+    cache = None if not args.lookup_corpus else write_lookup_cache(
+        root, exported / TARGET_FILE, Path(args.lookup_corpus), out / "corpus.lookup", _tokenizer(target_cfg))
 
     def serve(drafter: Optional[Path], name: str) -> dict:
         port = engine.free_port()
-        command = engine.server_command(root / "build" / "bin", exported / TARGET_FILE, drafter, spec_type,
-                                        draft_len, args.threads, port, f32_cache=args.gguf_type == "f32")
+        command = engine.server_command(root / "build" / "bin", exported / TARGET_FILE, drafter,
+                                        spec_type if drafter else None, draft_len, args.threads, port,
+                                        f32_cache=args.gguf_type == "f32", lookup_cache=cache if drafter else None)
         return engine.decode_prompts(command, out / f"{name}.log", prompts, args.max_new_tokens)
 
     served = serve(exported / DRAFTER_FILE, "llamacpp_spec")
@@ -404,18 +436,40 @@ def check_llamacpp(args) -> int:
         "comparison": compare(ours_acceptance, engine_acceptance, args.tolerance),
         "load_avg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
+    if args.lookups:  # two lookup rules: acceptance is reported side by side, not expected to agree
+        result["comparison"]["agree"] = None
     (out / "llamacpp_check.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, indent=2))
-    ok = result["comparison"]["agree"] and engine_acceptance["drafting_steps"] > 0
+    ok = result["comparison"]["agree"] is not False and engine_acceptance["drafting_steps"] > 0
     if args.result:
         write_llamacpp_result(result, args)
     mismatched = len(record.get("output_mismatches", []))
-    print(f"engine_check: {'AGREE' if ok else 'DISAGREE'}: per-position acceptance ours "
+    verdict = "SIDE BY SIDE (lookups differ: not compared)" if result["comparison"]["agree"] is None else \
+        "AGREE" if ok else "DISAGREE"
+    print(f"engine_check: {verdict}: per-position acceptance ours "
           f"{_rates(ours_acceptance)}, llama.cpp {_rates(engine_acceptance)} (tolerance {args.tolerance}); "
           f"speculative output differs from plain in {mismatched} of {len(prompts)} prompts; "
           f"llama.cpp {record['spec_tokens_per_s']:.1f} tok/s with the drafter"
           + (f", {record['plain_tokens_per_s']:.1f} without" if "plain_tokens_per_s" in record else ""))
     return 0 if ok else 1
+
+
+NGRAM_TYPES = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+
+
+def llamacpp_spec_type(drafter_type: str, lookups: Optional[str], lookup_corpus: Optional[str] = None) -> str:
+    """llama-server's --spec-type: the drafter's type, with the --lookups n-gram modes ahead of it in one comma
+    list (the product: lookups first, the drafter where they find nothing). Unknown modes, and a corpus without the
+    ngram-cache mode that reads it, are refused in one line."""
+    if lookup_corpus and "ngram-cache" not in (lookups or "").split(","):
+        sys.exit("engine_check: --lookup-corpus is read by llama.cpp's ngram-cache mode: add --lookups ngram-cache")
+    if not lookups:
+        return drafter_type
+    modes = [m for m in lookups.split(",") if m]
+    unknown = [m for m in modes if m not in NGRAM_TYPES]
+    if unknown:
+        sys.exit(f"engine_check: --lookups {','.join(unknown)}: not a llama.cpp n-gram mode ({', '.join(NGRAM_TYPES)})")
+    return ",".join(modes + [drafter_type])
 
 
 def _rates(acceptance: dict) -> str:

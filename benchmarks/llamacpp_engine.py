@@ -25,6 +25,9 @@ from typing import Iterator, Optional
 
 # llama-server's debug line for every verify step (also the last one of a request, unlike its "accepted a/d" line)
 STEP = re.compile(r"add accepted tokens: sampled=-?\d+, ids\.size=(\d+), n_draft=(\d+)")
+# llama-server's running totals per drafter (printed after every request): calls and ms of begin, draft, accept
+DRAFT_STATS = re.compile(r"statistics\s+(\S+): #calls\(b,g,a\) =\s*\d+\s+(\d+)\s+\d+.*?"
+                         r"dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
 
 
 def free_port() -> int:
@@ -33,17 +36,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def server_command(bin_dir: Path, target: Path, drafter: Optional[Path], spec_type: str, draft_len: int,
-                   threads: int, port: int, f32_cache: bool) -> list[str]:
+def server_command(bin_dir: Path, target: Path, drafter: Optional[Path], spec_type: Optional[str], draft_len: int,
+                   threads: int, port: int, f32_cache: bool, lookup_cache: Optional[Path] = None) -> list[str]:
     """llama-server for one user (-np 1), debug log (the per-step acceptance lines), optionally float32 KV caches
-    (the default f16 caches round differently from our float32 decoder)."""
+    (the default f16 caches round differently from our float32 decoder).
+
+    spec_type: llama.cpp's --spec-type, a comma list (n-gram types are always tried before a draft model, whatever
+    the order); None: plain decoding. An n-gram type needs no drafter file; lookup_cache: a static n-gram cache
+    (llama-lookup-create) for the ngram-cache type."""
     command = [str(bin_dir / "llama-server"), "-m", str(target), "--host", "127.0.0.1", "--port", str(port),
                "-t", str(threads), "-tb", str(threads), "-c", "2048", "-np", "1", "-lv", "5"]
     if f32_cache:
         command += ["-ctk", "f32", "-ctv", "f32"]
+    if spec_type:
+        command += ["--spec-type", spec_type, "--spec-draft-n-max", str(draft_len), "--spec-draft-n-min", "0"]
+    if lookup_cache is not None:
+        command += ["--lookup-cache-static", str(lookup_cache)]
     if drafter is not None:
-        command += ["-md", str(drafter), "--spec-type", spec_type, "--spec-draft-n-max", str(draft_len),
-                    "--spec-draft-n-min", "0", "-td", str(threads)]
+        command += ["-md", str(drafter), "-td", str(threads)]
         if f32_cache:
             command += ["-ctkd", "f32", "-ctvd", "f32"]
     return command
@@ -95,15 +105,25 @@ def decode_prompts(command: list[str], log: Path, prompts: list[list[int]], max_
     (accepted, drafted) the server logged for them."""
     with running_server(command, log) as url:
         complete(url, prompts[0], 8)  # warm-up, not counted
-        logged_before = len(log.read_text(errors="replace"))
+        warm = log.read_text(errors="replace")
         replies = [complete(url, ids, max_new_tokens) for ids in prompts]
-        logged = log.read_text(errors="replace")[logged_before:]
+        logged = log.read_text(errors="replace")[len(warm):]
         steps = [(int(size) - 1, int(drafted)) for size, drafted in STEP.findall(logged)]
     generated = sum(r["timings"].get("predicted_n", 0) for r in replies)
     seconds = sum(r["timings"].get("predicted_ms", 0.0) for r in replies) / 1000
     return {"tokens": [r["tokens"] for r in replies], "steps": steps, "tokens_per_s": generated / max(seconds, 1e-9),
+            "generated": generated, "draft_ms": drafting_ms(warm + logged) - drafting_ms(warm),
             "draft_n": sum(r["timings"].get("draft_n", 0) for r in replies),
             "draft_n_accepted": sum(r["timings"].get("draft_n_accepted", 0) for r in replies)}
+
+
+def drafting_ms(log_text: str) -> float:
+    """Milliseconds all drafters spent (begin + draft + accept, also calls that proposed nothing) by the end of
+    `log_text`: the last running total each drafter printed, summed."""
+    last = {}
+    for name, _calls, begin, draft, accept in DRAFT_STATS.findall(log_text):
+        last[name] = float(begin) + float(draft) + float(accept)
+    return sum(last.values())
 
 
 def acceptance_from_steps(steps: list[tuple[int, int]], draft_len: int) -> dict:

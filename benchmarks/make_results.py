@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks.common import RESULTS_DIR, markdown_table
+from benchmarks.engine_table import engine_section
 from drafter_train.io import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,9 +49,13 @@ def machine_line(machine: dict) -> str:
 
 
 def section(name: str, result: dict) -> str:
-    lines = [f"## {result['title']}", "", result["question"], "", markdown_table(result["columns"], result["rows"]), ""]
-    if result.get("notes"):
-        lines += [result["notes"], ""]
+    if (result.get("data") or {}).get("engine_rows"):  # benchmarks/engines.py: the engine table, built from its data
+        lines = engine_section(name, result)
+    else:
+        lines = [f"## {result['title']}", "", result["question"], "", markdown_table(result["columns"],
+                                                                                     result["rows"]), ""]
+        if result.get("notes"):
+            lines += [result["notes"], ""]
     lines += [f"- command: `{result['command']}`", f"- split: {result['split']}", f"- baseline: {result['baseline']}",
               f"- machine: {machine_line(result.get('machine') or {})}", f"- date: {result['date']}",
               f"- result file: `benchmarks/results/{name}.json`", ""]

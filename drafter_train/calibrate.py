@@ -11,11 +11,18 @@ not monotonically in n, on a GPU 1 to 32 tokens cost about the same. Calibration
    smaller sizes: in every step, a greedy verifier would have accepted exactly the path's nodes that rank below n
    (DecodeStats.accepted_within). That is an estimate only in which contexts are visited (a smaller tree advances
    less per step, so its own run would verify other steps);
-3. predicts each candidate's speedup over AR decoding:
-       speedup = (1 + accepted drafts per step) * cost(1) / (drafter ms per proposal + cost(drafts + 1))
-   (per-step bookkeeping of both decoders is left out);
+3. predicts each candidate's speedup over AR decoding on the same kernels (predicted_speedup):
+       speedup = tau / (verify cost at drafts + 1 + drafter cost),   tau = 1 + accepted drafts per step,
+   both costs relative to one 1-token pass (cost(n) / cost(1), drafter ms per proposal / cost(1)); per-step
+   bookkeeping of both decoders is left out;
 4. picks the best; evaluate.py then decodes the evaluation prompts with it for real and prints predicted next to
    measured, and calibration.json records the pick and the machine (drafter-export puts both in the model card).
+   Predicted and measured divide by the same plain decoding: the target's own kernels (target.cpu_kernels), on
+   which the cost curve was measured. The speedup over the fastest plain decoding (eval.baseline_kernels) is
+   recorded beside them, with the prediction rescaled by the two plain decoders' measured ratio.
+
+The same formula predicts other engines from their own cost curves (benchmarks/engines.py measures llama.cpp's):
+break_even_tau says what tau speculation needs there, acceptance_needed what per-position acceptance gives it.
 
 Nothing is cached between runs: the curve takes seconds to measure, and a stored one goes stale silently when the
 load, the thread count or the libraries change.
@@ -29,7 +36,7 @@ import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
-from typing import Callable, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -140,6 +147,65 @@ def verify_cost_curve(target: PreTrainedModel, prefix: Sequence[int], plain: Seq
     return curve
 
 
+def relative_costs(curve_ms: Mapping[int, float]) -> dict[int, float]:
+    """A verify-cost curve (n -> ms of one target pass over n tokens) relative to its 1-token pass."""
+    return {n: ms / curve_ms[1] for n, ms in sorted(curve_ms.items())}
+
+
+def predicted_speedup(tau: float, verify_cost: float, draft_cost: float) -> float:
+    """Speculative decoding's speedup over plain decoding in the same engine.
+
+    tau: tokens per target pass (1 + accepted drafts per step); verify_cost: one pass over the step's draft tokens
+    + 1, relative to a 1-token pass (the engine's cost curve); draft_cost: the drafter's work per step relative to
+    a 1-token pass. Plain decoding makes 1 token per 1-token pass."""
+    return tau / (verify_cost + draft_cost)
+
+
+def cost_at(relative: Mapping[int, float], n: int) -> float:
+    """The relative cost of a pass over n tokens: measured, or linear between the nearest measured sizes (flat beyond
+    the largest)."""
+    if n in relative:
+        return relative[n]
+    below = max((m for m in relative if m < n), default=min(relative))
+    above = min((m for m in relative if m > n), default=None)
+    if above is None:
+        return relative[below]
+    return relative[below] + (relative[above] - relative[below]) * (n - below) / (above - below)
+
+
+def predicted_steps_speedup(tokens: int, plain_passes: int, drafted: Sequence[int], relative: Mapping[int, float],
+                            draft_cost: float) -> float:
+    """predicted_speedup for a run whose steps differ (lookups that found nothing, drafts cut at the end): `tokens`
+    made by `plain_passes` one-token passes plus one pass over d + 1 tokens per drafting step (d in `drafted`), and
+    `draft_cost` of drafting over the whole run, in 1-token passes. With every step drafting k it is
+    tau / (cost(k + 1) + draft_cost per step)."""
+    cost = plain_passes + sum(cost_at(relative, d + 1) for d in drafted) + draft_cost
+    return tokens / cost
+
+
+def break_even_tau(verify_cost: float, draft_cost: float) -> float:
+    """The tau at which predicted_speedup is 1: below it speculation loses to plain decoding in that engine."""
+    return verify_cost + draft_cost
+
+
+def chain_tau(acceptance: float, draft_len: int) -> float:
+    """tau of a chain of draft_len drafts when each draft is accepted with probability `acceptance` given the ones
+    before it were: 1 + a + a^2 + ... + a^draft_len."""
+    return sum(acceptance ** i for i in range(draft_len + 1))
+
+
+def acceptance_needed(tau: float, draft_len: int) -> Optional[float]:
+    """The per-position acceptance (the same at every position) at which a chain of draft_len reaches `tau`; None
+    when no acceptance can (tau > draft_len + 1). chain_tau rises with acceptance, so bisection finds it."""
+    if tau > draft_len + 1:
+        return None
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if chain_tau(mid, draft_len) < tau else (low, mid)
+    return (low + high) / 2
+
+
 def chain_candidate(k: int, stats: DecodeStats, curve: dict) -> Candidate:
     return Candidate(k, None, k, stats.accepted / max(stats.proposals, 1), _draft_ms(stats), curve["plain"][k + 1])
 
@@ -197,9 +263,40 @@ def calibrate(target: PreTrainedModel, prompts: Sequence[Sequence[int]], cfg: Ev
             candidates.append(chain_candidate(k, stats, curve))
     ar_ms = curve["plain"][1]
     for c in candidates:
-        c.predicted_speedup = c.predicted_tau * ar_ms / (c.draft_ms + c.verify_ms)
+        c.predicted_speedup = predicted_speedup(c.predicted_tau, c.verify_ms / ar_ms, c.draft_ms / ar_ms)
     candidates.sort(key=lambda c: -c.predicted_speedup)
     return candidates, {"prefix_len": len(prefix), "verify_cost_ms": curve, "ar_ms_per_token": ar_ms}
+
+
+def engine_costs(record: dict) -> list[dict]:
+    """The verify-cost curves in a benchmarks/engines.py result file (its data.cost_curves): engine, precision,
+    ms of a 1-token pass and the relative cost by n (JSON's string keys made ints)."""
+    return [dict(c, relative={int(n): v for n, v in c["relative"].items()})
+            for c in (record.get("data") or {}).get("cost_curves", [])]
+
+
+def engine_predictions(candidates: Sequence[Candidate], ar_ms: float, curves: Sequence[dict]) -> list[dict]:
+    """Each chain candidate's predicted speedup in every engine whose cost curve covers its pass (engines verify
+    chains, not trees): this drafter's measured tau, the engine's verify cost at draft_len + 1, and the drafter's
+    cost taken as the same share of a 1-token target pass as measured here. Also the tau that would break even
+    there and the per-position acceptance that reaches it (None: beyond a chain of that length). Best first per
+    engine."""
+    out = []
+    for curve in curves:
+        rows = []
+        for c in candidates:
+            verify = curve["relative"].get(c.draft_tokens + 1)
+            if c.tree is not None or verify is None:
+                continue
+            draft = c.draft_ms / ar_ms
+            need = break_even_tau(verify, draft)
+            rows.append({"engine": curve["engine"], "precision": curve.get("precision"), "name": c.name,
+                         "draft_len": c.draft_len, "predicted_tau": c.predicted_tau, "verify_cost": verify,
+                         "draft_cost": draft, "break_even_tau": need,
+                         "acceptance_needed": acceptance_needed(need, c.draft_len),
+                         "predicted_speedup": predicted_speedup(c.predicted_tau, verify, draft)})
+        out += sorted(rows, key=lambda r: -r["predicted_speedup"])
+    return out
 
 
 def calibration_record(candidates: list[Candidate], costs: dict, measured: dict, info: dict) -> dict:
@@ -213,6 +310,24 @@ def calibration_record(candidates: list[Candidate], costs: dict, measured: dict,
         "candidates": [{"name": c.name, **asdict(c), "predicted_tau": c.predicted_tau} for c in candidates],
         "pick": {"name": pick.name, "draft_len": pick.draft_len, "tree": pick.tree,
                  "predicted_speedup": pick.predicted_speedup, "predicted_tau": pick.predicted_tau,
-                 "measured_speedup": measured["speedup"], "measured_tau": measured["tau"],
+                 "measured_tau": measured["tau"], **measured_speedups(pick.predicted_speedup, measured),
                  "measured_on": f"{measured['num_prompts']} prompts x up to {measured['max_new_tokens']} new tokens"},
     }
+
+
+def measured_speedups(predicted: float, measured: dict) -> dict:
+    """The pick's measured speedup over the baseline its prediction models (plain decoding on the target's own
+    kernels, where the cost curve was measured), and both figures over the fastest plain decoding timed (the
+    prediction rescaled by the measured ratio of the two plain decoders)."""
+    kernels = measured.get("spec_kernels")
+    baseline = measured.get("baseline") or {}
+    by_kernels = baseline.get("by_kernels") or {}
+    if kernels not in by_kernels:  # one plain decoding timed: it is both baselines
+        return {"measured_speedup": measured["speedup"], "baseline": "plain decoding, the same kernels",
+                "measured_speedup_over_fastest": measured["speedup"], "predicted_speedup_over_fastest": predicted}
+    ratio = by_kernels[kernels]["tokens_per_s"] / baseline["tokens_per_s"]
+    return {"measured_speedup": measured["speedup_same_kernels"],
+            "baseline": f"plain decoding on {kernels} kernels (the target's own, where the cost curve was measured)",
+            "measured_speedup_over_fastest": measured["speedup"],
+            "predicted_speedup_over_fastest": predicted * ratio,
+            "fastest_baseline": f"plain decoding on {baseline['kernels']} kernels"}

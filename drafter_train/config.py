@@ -226,6 +226,9 @@ class CalibrationConfig:
     repeats: int = 5
     # Where calibration.json is written; unset: next to metrics.json.
     output: Optional[str] = None
+    # Verify-cost curves of other engines (a benchmarks/engines.py result file, e.g. benchmarks/results/engines.json):
+    # the chain candidates' predicted speedup in each of them is printed and recorded too. Unset: this decoder only.
+    engine_costs: Optional[str] = None
 
     def __post_init__(self) -> None:
         for name in ("draft_lens", "tree_top_k", "tree_depth", "tree_sizes"):

@@ -357,4 +357,26 @@ def print_calibration(record: dict, console: Optional[Console] = None, rows: int
     console.print(table)
     console.print(f"pick: {pick['name']}: predicted speedup {pick['predicted_speedup']:.3f}, measured "
                   f"{pick['measured_speedup']:.3f} (tau predicted {pick['predicted_tau']:.2f}, measured "
-                  f"{pick['measured_tau']:.2f}; AR pass {record['ar_ms_per_token']:.1f} ms)")
+                  f"{pick['measured_tau']:.2f}; AR pass {record['ar_ms_per_token']:.1f} ms; both over "
+                  f"{pick.get('baseline', 'plain decoding')})")
+    if "fastest_baseline" in pick:
+        console.print(f"over {pick['fastest_baseline']}, the fastest timed: predicted "
+                      f"{pick['predicted_speedup_over_fastest']:.3f}, measured {pick['measured_speedup_over_fastest']:.3f}")
+    if record.get("engines"):
+        print_engine_predictions(record["engines"], console)
+
+
+def print_engine_predictions(rows: Sequence[dict], console: Console) -> None:
+    """The chain candidates' predicted speedup in other engines (their cost curves, this drafter's tau)."""
+    table = Table(title="other engines: predicted speedup over their plain decoding")
+    table.add_column("engine", no_wrap=True)
+    # draft_len; predicted tau; verify and drafter cost in 1-token passes; the tau that breaks even and the
+    # per-position acceptance that gives it ("-": beyond a chain of that length)
+    for column in ("k", "tau", "verify", "drafter", "even at", "needs", "speedup"):
+        table.add_column(column, justify="right")
+    for r in rows:
+        need = "-" if r["acceptance_needed"] is None else f"{r['acceptance_needed']:.2f}"
+        table.add_row(escape(f"{r['engine']} {r['precision'] or ''}".strip()), str(r["draft_len"]),
+                      f"{r['predicted_tau']:.2f}", f"{r['verify_cost']:.2f}", f"{r['draft_cost']:.2f}",
+                      f"{r['break_even_tau']:.2f}", need, f"{r['predicted_speedup']:.3f}")
+    console.print(table)

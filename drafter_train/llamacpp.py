@@ -10,11 +10,12 @@ renames) stay llama.cpp's business, and a newer llama.cpp is a new pin, not new 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from drafter_train.errors import ConfigError, DrafterTrainError
 
@@ -98,6 +99,18 @@ def convert(root: Path, model_dir: Path, out_file: Path, outtype: str, target_di
     return out_file
 
 
+def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[Path], None]) -> None:
+    """drafter.gguf from the engine folder write_folder(staging) writes (staged in out/<stage>: the converter names
+    general.finetune after it; removed after), converted with the target's folder; then the target, if asked."""
+    staging = out / stage
+    write_folder(staging)
+    try:
+        convert(job.root, staging, out / DRAFTER_FILE, job.drafter_type, target_dir=job.target_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    job.write_target(out)
+
+
 def quantize(root: Path, src: Path, out_file: Path, gguf_type: str) -> Path:
     _run([str(tool(root, "llama-quantize")), str(src), str(out_file), gguf_type.upper()], f"llama-quantize {src.name}")
     return out_file
@@ -116,3 +129,20 @@ def convert_typed(root: Path, model_dir: Path, out_file: Path, gguf_type: str, t
         return quantize(root, f16, out_file, gguf_type)
     finally:
         f16.unlink(missing_ok=True)
+
+
+def write_lookup_cache(root: Path, target_gguf: Path, corpus: Path, out: Path, tokenizer) -> Path:
+    """A drafter-datagen folder's responses (the corpus our corpus lookup reads) as llama.cpp's static n-gram cache
+    (llama-lookup-create; served with --spec-type ngram-cache --lookup-cache-static OUT). llama.cpp tokenizes text,
+    so the responses go in decoded, one per paragraph."""
+    from drafter_train.data.store import load_distill_dataset
+
+    create = tool(root, "llama-lookup-create", "--lookup-corpus")
+    data = load_distill_dataset(corpus)
+    texts = [tokenizer.decode(own or reference, skip_special_tokens=True)
+             for own, reference in zip(data["response_ids"], data["reference_ids"])]
+    text_file = out.with_suffix(".txt")
+    text_file.write_text("\n\n".join(texts))
+    _run([str(create), "-m", str(target_gguf), "-f", str(text_file), "-lcs", str(out)],
+         f"llama-lookup-create on {corpus}")
+    return out

@@ -25,6 +25,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     not (llamacpp_dir() / "build" / "bin" / "llama-server").is_file(),
     reason=f"llama.cpp is not built in {llamacpp_dir()} (scripts/setup_llamacpp.sh)")]
 TOLERANCE = 0.05
+# a DFlash drafter with Qwen3 layers (llama.cpp's dflash architecture) on two of stories260K's five layers
+STORIES_DFLASH = ["drafter=dflash", "drafter.path=new", "drafter.draft_vocab_size=0", "drafter.draft_len=4",
+                  "drafter.block_size=5", "drafter.fc_norm=false", "drafter.blocks_per_sequence=2",
+                  "drafter.target_layers=[1,3]"]
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +39,7 @@ def runs(stories_path, tmp_path_factory):
     found = train_on_stories(stories_path, root, {
         "eagle3": [*STORIES_EAGLE3, "train.lr=3e-3"],
         "ar": ["drafter=ar", "drafter.path=truncated:4"],
+        "dflash": [*STORIES_DFLASH, "train.lr=3e-3", "loss=fkl"],
     }, steps=120, num_prompts=32)
     return root, found
 
@@ -88,3 +93,27 @@ def test_llamacpp_serves_an_ar_drafter_with_our_acceptance(runs, tmp_path):
     ours, engine = result["ours"], result["llamacpp"]
     assert result["method"] == "draft-simple" and ours["per_position_acceptance"][0] > 0.3 + TOLERANCE, ours
     assert status == 0 and result["comparison"]["agree"], result["comparison"]
+
+
+def test_llamacpp_serves_a_dflash_export_with_our_acceptance(runs, tmp_path):
+    """DFlash through the vendored converter (its DFlashDraftModel conversion, learned mask embedding included) as
+    llama.cpp's dflash architecture: the same per-position acceptance as ours (measured equal at every position)."""
+    root, found = runs
+    status, result = check(root, found["dflash"], tmp_path / "ok")
+    ours, engine = result["ours"], result["llamacpp"]
+    assert result["method"] == "draft-dflash" and engine["drafting_steps"] > 0
+    assert ours["per_position_acceptance"][0] > 0.1, ours  # accepted (0.13 at 120 steps): a wrong export shows
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
+
+
+def test_llamacpp_runs_the_product_with_the_corpus_as_its_ngram_cache(runs, tmp_path):
+    """--lookups ngram-cache --lookup-corpus: llama.cpp's n-gram cache (the corpus through llama-lookup-create) ahead
+    of EAGLE-3 in one --spec-type list, our lookups ahead of ours; acceptance side by side, output equal to plain."""
+    root, found = runs
+    status, result = check(root, found["eagle3"], tmp_path / "product", "--lookups", "ngram-cache",
+                           "--lookup-corpus", str(root / "data"))
+    assert status == 0 and result["method"] == "ngram-cache,draft-eagle3"
+    assert result["comparison"]["agree"] is None and result["llamacpp"]["drafting_steps"] > 0
+    assert (tmp_path / "product" / "corpus.lookup").stat().st_size > 0
+    log = (tmp_path / "product" / "llamacpp_spec.log").read_text(errors="replace")
+    assert "called impl ngram-cache" in log and "called impl draft-eagle3" in log

@@ -172,20 +172,33 @@ def test_calibration_mode_picks_measures_and_records(tiny_run, tmp_path):  # noq
     root, drafter_dir = tiny_run.parent.parent, tiny_run / "best" / "drafter"
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("the cat sat\nthe dog ran\na big red house\nthe sun\nhappy day\nsmall blue tree\n")
+    engines = tmp_path / "engines.json"  # another engine's cost curve: its prediction is printed and recorded too
+    engines.write_text(json.dumps({"data": {"cost_curves": [{"engine": "llama.cpp", "precision": "q8_0", "ms_1": 5.0,
+                                                             "relative": {"1": 1.0, "2": 1.5, "3": 2.0}}]}}))
     result = run_cli(
         "drafter_train.recipes.evaluate", f"target.path={root / 'target'}", "target.chat_template=false",
         "drafter=path", f"drafter.path={drafter_dir}", f"eval.prompts={prompts}", "eval.num_prompts=3",
         "eval.max_new_tokens=10", "eval.warmup=0", f"eval.output={tmp_path / 'metrics.json'}",
         "eval.calibration.enabled=true", "eval.calibration.num_prompts=2", "eval.calibration.draft_lens=[1,2]",
         "eval.calibration.tree_top_k=[2]", "eval.calibration.tree_depth=[2]", "eval.calibration.tree_sizes=[2,4]",
-        "eval.calibration.repeats=2", cwd=tmp_path)
+        "eval.calibration.repeats=2", f"eval.calibration.engine_costs={engines}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "pick:" in result.stderr and "predicted speedup" in result.stderr and "measured" in result.stderr
     record = json.loads((tmp_path / "calibration.json").read_text())
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     pick = record["pick"]
     assert pick["name"] == record["candidates"][0]["name"] and len(record["candidates"]) == 4
-    assert pick["measured_speedup"] == metrics["speedup"] and metrics["calibration"]["name"] == pick["name"]
+    # measured over the baseline the prediction models (the target's own kernels), and over the fastest beside it
+    assert pick["measured_speedup"] == metrics["speedup_same_kernels"] and metrics["calibration"]["name"] == pick["name"]
+    assert pick["measured_speedup_over_fastest"] == metrics["speedup"]
+    chains = {c["draft_len"]: c for c in record["candidates"] if c["tree"] is None}
+    assert sorted(r["draft_len"] for r in record["engines"]) == [1, 2]  # the chains; trees are ours only
+    for r in record["engines"]:
+        c = chains[r["draft_len"]]
+        expected = c["predicted_tau"] / ({1: 1.5, 2: 2.0}[r["draft_len"]] + c["draft_ms"] / record["ar_ms_per_token"])
+        assert r["predicted_speedup"] == pytest.approx(expected)
+    printed = " ".join(result.stderr.split())  # rich wraps the table to the terminal width
+    assert "predicted speedup over their plain decoding" in printed and "llama.cpp q8_0" in printed, printed[-1500:]
     assert metrics["tree"] == pick["tree"] and metrics["draft_len"] == pick["draft_len"]
     assert record["calibration_prompts"] == "disjoint" and record["machine"]["logical_cores"] >= 1
     assert {"cpu", "device", "torch_threads", "dtype", "load_average"} <= set(record["machine"])

@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from drafter_train.calibrate import calibrate, calibration_record, machine_info
+from drafter_train.calibrate import (calibrate, calibration_record, engine_costs, engine_predictions,
+                                     machine_info)
 from drafter_train.checkpoint import verify_drafter_folder
 from drafter_train.evaluation import calibration_decoder, check_decoder, evaluate_decoding, print_calibration, print_table
 from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig
@@ -67,6 +69,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     cal = cfg.eval.calibration
     if cal.enabled:
         refuse_test_split(cfg.eval.prompts, "eval.prompts", "eval.calibration")
+        curves = engine_curves(cal.engine_costs)
     _check_writable(output)
     _check_intact(cfg.drafter.path)
     check_inputs(cfg)
@@ -102,12 +105,27 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
                 "calibration_prompts": "disjoint" if len(prompt_ids) > num else "the evaluated ones",
                 "split": metrics["split"]}
         record = calibration_record(candidates, costs, {**metrics, "max_new_tokens": eval_cfg.max_new_tokens}, info)
+        record["engines"] = engine_predictions(candidates, costs["ar_ms_per_token"], curves)
         path = Path(cal.output) if cal.output else output.parent / "calibration.json"
         path.write_text(json.dumps(record, indent=2))
         metrics["calibration"] = {**record["pick"], "file": str(path.resolve())}
         print_calibration(record)
     write_atomic(output, json.dumps(metrics, indent=2))  # a kill mid-write leaves the old file or none
     return metrics
+
+
+def engine_curves(path: Optional[str]) -> list[dict]:
+    """eval.calibration.engine_costs' cost curves; refused in one line, before anything loads, when the file is
+    missing or holds none."""
+    if not path:
+        return []
+    if not Path(path).is_file():
+        raise ConfigError(f"eval.calibration.engine_costs: no such file {path} (python -m benchmarks.engines writes "
+                          "benchmarks/results/engines.json)")
+    curves = engine_costs(json.loads(Path(path).read_text()))
+    if not curves:
+        raise ConfigError(f"eval.calibration.engine_costs: {path} holds no cost curves (data.cost_curves)")
+    return curves
 
 
 def to_job_config(cfg: DictConfig) -> EvalJobConfig:

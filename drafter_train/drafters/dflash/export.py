@@ -13,6 +13,8 @@ convention (features.py), so they are written as they are; the engines add 1 to 
   `mask_embedding.pt` ({"mask_token_id", "embedding"}), which vLLM substitutes for the embedding of
   `mask_token_id` in the mask slots; a reduced draft vocabulary ships `d2t`; frozen copies of the target's
   embeddings are left out (vLLM shares the target's).
+- `gguf`: llama.cpp's `dflash` architecture (`--spec-type draft-dflash`): the `vllm` folder through llama.cpp's own
+  converter (its DFlashDraftModel conversion reads mask_embedding.pt and d2t), with the target's folder.
 - `sglang`: SGLang's DFlashDraftModel takes the embeddings (mask slots included) and the LM head from the target and
   silently ignores other weights: only a drafter with the target's frozen embedding as mask (drafter.learned_mask=
   false), the whole vocabulary and the target's frozen LM head is served as trained; others are refused.
@@ -28,6 +30,7 @@ from safetensors.torch import save_file
 
 from drafter_train.drafters.common.export import drafter_weights
 from drafter_train.errors import ConfigError
+from drafter_train.llamacpp import GgufJob, convert_staged
 
 # Qwen3 fields the engines read from the layer config (the rest of the backbone's config is dropped).
 _LAYER_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -99,4 +102,13 @@ def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, ke
     _write(out, spec, weights)
 
 
-FORMATS = {"vllm": write_vllm, "sglang": write_sglang}
+def write_gguf(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep_embeddings: bool,
+               job: GgufJob) -> None:
+    """drafter.gguf (llama.cpp's dflash architecture, `--spec-type draft-dflash`) and, with job.with_target,
+    target.gguf: the vLLM folder (staged inside `out`, removed after) through llama.cpp's converter with the
+    target's folder (its vocabulary, and the embeddings a learned mask embedding is written into)."""
+    convert_staged(job, out, "dflash",
+                   lambda staging: write_vllm(drafter_dir, staging, draft_len, verifier, keep_embeddings))
+
+
+FORMATS = {"vllm": write_vllm, "sglang": write_sglang, "gguf": write_gguf}

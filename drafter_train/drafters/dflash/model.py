@@ -355,7 +355,7 @@ KIND = register(DrafterKind(
     prepare_data=conditioned.data_preparer(feature_layers),
     prepare_batch=prepare_batch,
     export_formats=dflash_export.FORMATS,
-    engine_methods={"vllm": "dflash", "sglang": "DFLASH"},
+    engine_methods={"vllm": "dflash", "sglang": "DFLASH", "gguf": "draft-dflash"},
     summary="A DFlash block drafter: one forward drafts a whole block, every layer reading the target's own fused "
             "context features as keys and values; a reduced draft vocabulary.",
     card_tags=("dflash", "target-conditioned", "non-autoregressive"),

@@ -19,13 +19,12 @@ and a fixed 3-layer fc, and silently ignores weights it does not know: such draf
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 from safetensors.torch import save_file
 
 from drafter_train.drafters.common.export import drafter_weights
 from drafter_train.errors import ConfigError
-from drafter_train.llamacpp import DRAFTER_FILE, GgufJob, convert
+from drafter_train.llamacpp import GgufJob, convert_staged
 
 # Llama-architecture fields the engines read from the layer config (the rest of the target's config is dropped).
 _LAYER_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -140,13 +139,8 @@ def write_gguf(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep
     config = json.loads((drafter_dir / "config.json").read_text())
     check_gguf(config)
     _layer_config(config)  # the architecture check, before any conversion
-    staging = out / "eagle3"  # the converter names general.finetune after this folder
-    _speculators_folder(config, drafter_dir, staging, draft_len, verifier, keep_embeddings)
-    try:
-        convert(job.root, staging, out / DRAFTER_FILE, job.drafter_type, target_dir=job.target_dir)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    job.write_target(out)
+    convert_staged(job, out, "eagle3", lambda staging: _speculators_folder(config, drafter_dir, staging, draft_len,
+                                                                           verifier, keep_embeddings))
 
 
 FORMATS = {"vllm": write_speculators, "sglang": write_sglang, "gguf": write_gguf}

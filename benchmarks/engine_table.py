@@ -1,0 +1,122 @@
+"""The engine table of docs/results.md (make_results renders it for a result file with data.engine_rows, written by
+benchmarks/engines.py): one row per engine and precision with its tokens/s and speedup over the fastest plain decoder
+measured in the same run for each decoder (plain, free n-gram, EAGLE-3, stand-alone AR drafter, the product); then
+speculation inside each engine, measured against predicted from the engine's verify-cost curve; then the curves; then
+where speculation pays, and the acceptance it would need where it does not.
+
+Nothing here measures: every figure comes from the result file.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from benchmarks.common import cell, markdown_table
+from drafter_train.calibrate import acceptance_needed, break_even_tau, cost_at
+
+DECODERS = ("plain", "free n-gram", "EAGLE-3", "AR drafter", "product")
+
+
+def _key(row: dict) -> tuple[str, str]:
+    return row["engine"], row["precision"]
+
+
+def _best(rows: list[dict], decoder: str) -> Optional[dict]:
+    """The fastest row of a decoder (several free n-gram modes: the best one)."""
+    found = [r for r in rows if r["decoder"] == decoder]
+    return max(found, key=lambda r: r["tokens_per_s"]) if found else None
+
+
+def speed_table(rows: list[dict]) -> str:
+    """Engine x precision by decoder: tokens/s and the speedup over the fastest plain decoder (x)."""
+    engines = list(dict.fromkeys(_key(r) for r in rows))
+    table = []
+    for key in engines:
+        mine = [r for r in rows if _key(r) == key]
+        cells = []
+        for decoder in DECODERS:
+            best = _best(mine, decoder)
+            cells.append("not measured" if best is None else
+                         f"{cell(best['tokens_per_s'])} ({best['speedup_over_fastest']:.2f}x)")
+        table.append([key[0], key[1], *cells])
+    return markdown_table(["engine", "precision", *(f"{d}: tok/s (x fastest plain)" for d in DECODERS)], table)
+
+
+def speculation_table(rows: list[dict]) -> str:
+    """Every speculative decoder: its setting, tau, measured and predicted speedup over its own engine's plain
+    decoding, and how far the prediction is off."""
+    table = []
+    for r in rows:
+        if r["decoder"] == "plain":
+            continue
+        predicted, measured = r.get("predicted_speedup"), r.get("speedup_over_own_plain")
+        error = None if predicted is None or not measured else f"{100 * (predicted / measured - 1):+.0f} %"
+        table.append([r["engine"], r["precision"], r["decoder"], r["setting"], r.get("tau"), measured, predicted,
+                      error])
+    return markdown_table(["engine", "precision", "decoder", "setting", "tau", "measured speedup over own plain",
+                           "predicted", "prediction error"], table)
+
+
+def curve_table(curves: list[dict]) -> str:
+    """Each engine's verify cost: ms of a 1-token pass, and a pass over n tokens relative to it."""
+    sizes = sorted({int(n) for c in curves for n in c["relative"]} - {1})
+    table = [[c["engine"], c["precision"], c["ms_1"], *(_rel(c, n) for n in sizes)] for c in curves]
+    return markdown_table(["engine", "precision", "1-token pass (ms)", *(f"n={n}" for n in sizes)], table)
+
+
+def _rel(curve: dict, n: int) -> Optional[float]:
+    return _relative(curve).get(n)
+
+
+def _relative(curve: dict) -> dict[int, float]:
+    return {int(n): v for n, v in curve["relative"].items()}
+
+
+def pays_lines(rows: list[dict], curves: list[dict], draft_lens: tuple[int, ...] = (1, 2)) -> list[str]:
+    """Per engine and precision with a drafter row: does speculation pay (its best measured speedup over its own
+    plain decoding), and the tau and per-position acceptance a drafter costing what this one measured would need at
+    each draft length to break even."""
+    lines = []
+    for curve in curves:
+        key = (curve["engine"], curve["precision"])
+        spec = [r for r in rows if _key(r) == key and r["decoder"] != "plain" and r.get("speedup_over_own_plain")]
+        if not spec:
+            continue
+        best = max(spec, key=lambda r: r["speedup_over_own_plain"])
+        verdict = "pays" if best["speedup_over_own_plain"] > 1 else "does not pay"
+        drafter = next((r for r in spec if r["decoder"] == "EAGLE-3" and r.get("draft_cost_per_step") is not None),
+                       None)
+        cost = drafter["draft_cost_per_step"] if drafter else 0.0
+        needs = []
+        for k in draft_lens:
+            tau = break_even_tau(cost_at(_relative(curve), k + 1), cost)
+            need = acceptance_needed(tau, k)
+            needs.append(f"draft length {k}: tau {tau:.2f}" + (
+                " (out of reach)" if need is None else " (any drafter)" if tau <= 1 else
+                f" (per-position acceptance {need:.2f})"))
+        lines.append(f"- **{key[0]} {key[1]}**: speculation {verdict} (best: {best['decoder']}, "
+                     f"{best['speedup_over_own_plain']:.2f}x its plain decoding, tau {cell(best.get('tau'))}). To "
+                     f"break even with a drafter costing {cost:.2f} one-token passes per step it needs "
+                     + "; ".join(needs) + ".")
+    return lines
+
+
+def engine_section(name: str, result: dict) -> list[str]:
+    """The markdown lines of the engine section (make_results adds the command, split, machine and date)."""
+    data = result["data"]
+    rows, curves = data["engine_rows"], data.get("cost_curves", [])
+    fastest = max((r for r in rows if r["decoder"] == "plain"), key=lambda r: r["tokens_per_s"])
+    lines = [f"## {result['title']}", "", result["question"], "",
+             f"Tokens/s (median of the rounds) and, in brackets, the speedup over the fastest plain decoder measured "
+             f"in this run: **{fastest['engine']} {fastest['precision']} plain, {cell(fastest['tokens_per_s'])} "
+             f"tokens/s**. Several free n-gram modes: the best one's figure.", "", speed_table(rows), "",
+             "Speculation inside each engine: measured against the same engine's plain decoding at the same "
+             "precision, and predicted from the engine's verify-cost curve, the run's own steps (tau) and its "
+             "measured drafting cost.", "", speculation_table(rows), ""]
+    if curves:
+        lines += ["Verify-cost curves: a target pass over n new tokens after a cached prefix, relative to a 1-token "
+                  "pass (llama.cpp: llama-bench; ours: the calibration's timing).", "", curve_table(curves), ""]
+        lines += ["Where speculation pays on this machine:", "", *pays_lines(rows, curves), ""]
+    if result.get("notes"):
+        lines += [result["notes"], ""]
+    return lines

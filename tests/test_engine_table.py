@@ -1,0 +1,142 @@
+"""The engine table (benchmarks/engine_table.py via make_results) on a fixture result file, and the llama.cpp
+commands benchmarks/engines.py and engine_check build: the product's comma list, the static corpus cache, plain
+decoding without any --spec-type, and the drafting time read from llama-server's log. Nothing here runs an engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import engine_check, engines, make_results
+from benchmarks.common import write_result
+from benchmarks.engine_table import pays_lines, speculation_table, speed_table
+from benchmarks.llamacpp_engine import drafting_ms, server_command
+
+
+def _row(engine, precision, decoder, tps, fastest=150.0, own=None, **extra):
+    return {"engine": engine, "precision": precision, "decoder": decoder, "setting": extra.pop("setting", decoder),
+            "tokens_per_s": tps, "speedup_over_fastest": tps / fastest,
+            "speedup_over_own_plain": None if own is None else tps / own, **extra}
+
+
+ROWS = [
+    _row("llama.cpp", "q8_0", "plain", 150.0, own=150.0),
+    _row("llama.cpp", "q8_0", "free n-gram", 140.0, own=150.0, setting="--spec-type ngram-simple", tau=1.1,
+         predicted_speedup=0.98, draft_cost_per_step=0.01),
+    _row("llama.cpp", "q8_0", "free n-gram", 120.0, own=150.0, setting="--spec-type ngram-mod", tau=1.05),
+    _row("llama.cpp", "q8_0", "EAGLE-3", 100.0, own=150.0, tau=1.3, predicted_speedup=0.7, draft_cost_per_step=0.2),
+    _row("ours", "f32", "plain", 40.0, own=40.0),
+    _row("ours", "f32", "product", 50.0, own=40.0, tau=1.6, predicted_speedup=1.2),
+    _row("HF generate", "f32", "plain", 24.0, own=24.0),
+]
+CURVES = [{"engine": "llama.cpp", "precision": "q8_0", "ms_1": 5.8, "relative": {"1": 1.0, "2": 1.9, "3": 2.2}},
+          {"engine": "ours", "precision": "f32", "ms_1": 25.0, "relative": {"1": 1.0, "2": 1.05, "3": 1.1}}]
+
+
+def test_speed_table_names_the_fastest_plain_and_each_decoder():
+    table = speed_table(ROWS).splitlines()
+    assert table[0].startswith("| engine | precision | plain: tok/s (x fastest plain) | free n-gram")
+    llama = next(line for line in table if line.startswith("| llama.cpp | q8_0"))
+    # the best n-gram mode (140, not 120); no AR drafter row: "not measured"
+    assert llama == ("| llama.cpp | q8_0 | 150.0 (1.00x) | 140.0 (0.93x) | 100.0 (0.67x) | not measured | "
+                     "not measured |")
+    ours = next(line for line in table if line.startswith("| ours |"))
+    assert "| 40.0 (0.27x) |" in ours and "50.0 (0.33x) |" in ours
+    assert "| HF generate | f32 | 24.0 (0.16x) |" in speed_table(ROWS)
+
+
+def test_speculation_table_sets_prediction_beside_measurement():
+    lines = speculation_table(ROWS).splitlines()
+    eagle = next(line for line in lines if "EAGLE-3" in line)
+    # measured 100/150 = 0.667, predicted 0.7: +5 %
+    assert eagle == "| llama.cpp | q8_0 | EAGLE-3 | EAGLE-3 | 1.300 | 0.667 | 0.700 | +5 % |"
+    product = next(line for line in lines if "product" in line)
+    assert product == "| ours | f32 | product | product | 1.600 | 1.250 | 1.200 | -4 % |"
+    assert not any("| plain |" in line for line in lines)
+
+
+def test_pays_lines_by_hand():
+    """llama.cpp q8_0 with a drafter costing 0.2 passes per step: break-even tau 1.9 + 0.2 = 2.1 at draft length 1
+    (beyond 1 + 1: out of reach) and 2.2 + 0.2 = 2.4 at 2 (1 + a + a^2 = 2.4: a = 0.78); ours (no EAGLE-3 row:
+    drafting cost 0): 1.05 (a = 0.05) and 1.1 (a = 0.09)."""
+    lines = pays_lines(ROWS, CURVES)
+    llama, ours = lines
+    assert "**llama.cpp q8_0**: speculation does not pay (best: free n-gram, 0.93x" in llama
+    assert "draft length 1: tau 2.10 (out of reach)" in llama
+    assert "draft length 2: tau 2.40 (per-position acceptance 0.78)" in llama
+    assert "**ours f32**: speculation pays (best: product, 1.25x" in ours
+    assert "draft length 1: tau 1.05 (per-position acceptance 0.05)" in ours
+    assert "draft length 2: tau 1.10 (per-position acceptance 0.09)" in ours
+
+
+def test_make_results_renders_the_engine_section_from_its_result_file(tmp_path):
+    results = tmp_path / "results"
+    write_result("engines", title="Engines on this machine", question="Which is fastest?", command="python -m x",
+                 split="test split, first 16 prompts", baseline="the fastest plain decoder (llama.cpp q8_0)",
+                 columns=["engine"], rows=[["unused"]], machine={"cpu": "Test CPU"}, results_dir=results,
+                 data={"engine_rows": ROWS, "cost_curves": CURVES})
+    docs = tmp_path / "results.md"
+    assert make_results.main(["--results-dir", str(results), "--docs", str(docs),
+                              "--readme", str(tmp_path / "none.md")]) == 0
+    page = docs.read_text()
+    assert "## Engines on this machine" in page and "**llama.cpp q8_0 plain, 150.0 tokens/s**" in page
+    assert speed_table(ROWS) in page and speculation_table(ROWS) in page
+    assert "| llama.cpp | q8_0 | 5.800 | 1.900 | 2.200 |" in page  # the cost curve, relative to n = 1
+    assert "- split: test split, first 16 prompts" in page and "- baseline: the fastest plain decoder" in page
+    assert "| unused |" not in page  # the generic table gives way to the engine table
+
+
+def test_product_spec_type_and_refusals():
+    assert engine_check.llamacpp_spec_type("draft-eagle3", None) == "draft-eagle3"
+    assert engine_check.llamacpp_spec_type("draft-eagle3", "ngram-cache") == "ngram-cache,draft-eagle3"
+    assert engine_check.llamacpp_spec_type("draft-simple", "ngram-simple,ngram-mod", None) == \
+        "ngram-simple,ngram-mod,draft-simple"
+    with pytest.raises(SystemExit, match="--lookups ngram-fancy: not a llama.cpp n-gram mode"):
+        engine_check.llamacpp_spec_type("draft-eagle3", "ngram-fancy")
+    with pytest.raises(SystemExit, match="--lookup-corpus is read by llama.cpp's ngram-cache mode"):
+        engine_check.llamacpp_spec_type("draft-eagle3", "ngram-simple", "data/x")
+
+
+def _pairs(command: list[str]) -> dict:
+    return {a: b for a, b in zip(command, command[1:]) if a.startswith("-")}
+
+
+def test_server_commands_for_plain_ngram_and_product():
+    bin_dir = Path("/opt/llama/bin")
+    plain = server_command(bin_dir, Path("t.gguf"), None, None, 2, 2, 8080, f32_cache=False)
+    assert "--spec-type" not in plain and "-md" not in plain and plain[0] == "/opt/llama/bin/llama-server"
+    ngram = server_command(bin_dir, Path("t.gguf"), None, "ngram-simple", 3, 2, 8080, f32_cache=True)
+    assert _pairs(ngram)["--spec-type"] == "ngram-simple" and _pairs(ngram)["--spec-draft-n-max"] == "3"
+    assert "-md" not in ngram and "-ctkd" not in ngram and _pairs(ngram)["-ctk"] == "f32"
+    product = server_command(bin_dir, Path("t.gguf"), Path("d.gguf"), "ngram-cache,draft-eagle3", 2, 2, 8080,
+                             f32_cache=False, lookup_cache=Path("corpus.lookup"))
+    got = _pairs(product)
+    assert got["--spec-type"] == "ngram-cache,draft-eagle3" and got["-md"] == "d.gguf"
+    assert got["--lookup-cache-static"] == "corpus.lookup" and got["--spec-draft-n-max"] == "2"
+
+
+def test_engines_lists_every_decoder_of_the_exports(tmp_path):
+    for precision in ("f16", "q8_0"):
+        (tmp_path / precision).mkdir()
+        (tmp_path / precision / "target.gguf").write_bytes(b"")
+    (tmp_path / "q8_0" / "drafter.gguf").write_bytes(b"")
+    (tmp_path / "corpus.lookup").write_bytes(b"")
+    decoders = engines.llamacpp_decoders(tmp_path, ["ngram-simple", "ngram-mod"], 2)
+    got = [(d["precision"], d["decoder"], d["spec_type"], d["draft_len"]) for d in decoders]
+    assert got == [("f16", "plain", None, 0), ("f16", "free n-gram", "ngram-simple", 2),
+                   ("f16", "free n-gram", "ngram-mod", 2), ("q8_0", "plain", None, 0),
+                   ("q8_0", "free n-gram", "ngram-simple", 2), ("q8_0", "free n-gram", "ngram-mod", 2),
+                   ("q8_0", "EAGLE-3", "draft-eagle3", 2), ("q8_0", "product", "ngram-cache,draft-eagle3", 2)]
+    assert decoders[-1]["lookup_cache"] == tmp_path / "corpus.lookup" and decoders[-1]["drafter"].name == "drafter.gguf"
+
+
+def test_drafting_ms_sums_the_last_running_total_of_each_drafter():
+    line = ("0.01.250.737 I spec common_specu: statistics     {name}: #calls(b,g,a) =    3     96     96, #gen drafts "
+            "=     96, #acc drafts =    23, #gen tokens =    373, #acc tokens =    35, #mean acc len = 1.36, #acc "
+            "rate/pos = (0.240, 0.073), dur(b,g,a) = {b}, {g}, {a} ms\n")
+    log = (line.format(name="draft-eagle3", b="0.006", g="205.778", a="0.025")
+           + line.format(name="ngram-cache", b="0.001", g="1.000", a="0.002")
+           + line.format(name="draft-eagle3", b="0.012", g="318.580", a="0.040"))
+    assert drafting_ms(log) == pytest.approx(0.012 + 318.580 + 0.040 + 0.001 + 1.0 + 0.002)
+    assert drafting_ms("no statistics here") == 0.0
