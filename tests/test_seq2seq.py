@@ -285,12 +285,15 @@ def test_toy_benchmark_runs_end_to_end(tmp_path):
     from benchmarks.seq2seq_toy import COLUMNS, main
 
     main(["--work-dir", str(tmp_path / "work"), "--results-dir", str(tmp_path), "--target-steps", "3",
-          "--train-sources", "4", "--drafter-steps", "2", "--test-sources", "2", "--repeats", "1",
+          "--train-sources", "4", "--drafter-steps", "2", "--dev-sources", "2", "--test-sources", "2", "--repeats", "1",
           "--max-new-tokens", "6"])
     result = json.loads((tmp_path / "seq2seq_toy.json").read_text())
     assert result["columns"] == COLUMNS and len(result["rows"]) == 7  # AR, NAR: untrained, trained, sampled; HF
     assert all(row[-1] == 1.0 for row in result["rows"] if row[2] == "greedy")  # lossless, HF's assistant too
     assert (tmp_path / "work" / "assistant" / "config.json").is_file()
+    for kind in ("ar", "nar"):  # trained through drafter-seq2seq's run(): checkpoints, best, test metrics
+        assert (tmp_path / "work" / "runs" / kind / "best" / "drafter").is_dir()
+        assert json.loads((tmp_path / "work" / "runs" / kind / "metrics.json").read_text())["split"] == "test"
 
 
 # plain decoding's seconds per request on each CPU kernel setting, and the speculative run's: onednn is the fastest
