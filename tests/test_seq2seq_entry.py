@@ -43,7 +43,8 @@ def test_console_script_runs_datagen_training_and_test_evaluation(inputs, tmp_pa
     done = run_cli("drafter_train.recipes.seq2seq", f"target.path={target}", f"data.path={pairs}",
                    f"train.output_root={tmp_path}", "data.max_new_tokens=6", "train.batch_size=4", "train.max_steps=4",
                    "train.save_every=2", "drafter.kind=nar", "drafter.draft_len=3", "loss.name=accepted_length",
-                   "eval.baseline_kernels=same", f"hydra.run.dir={tmp_path}/hydra", cwd=tmp_path)
+                   "eval.baseline_kernels=same", "target.cpu_kernels=default", f"hydra.run.dir={tmp_path}/hydra",
+                   cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     run_dir = tmp_path / "seq2seq"
     datagen = [json.loads(line) for line in (run_dir / "datagen" / "train.jsonl").read_text().splitlines()]
@@ -57,7 +58,8 @@ def test_console_script_runs_datagen_training_and_test_evaluation(inputs, tmp_pa
     assert metrics["split"] == "test" and metrics["num_requests"] == SIZES["test"] and metrics["greedy_match"] == 1.0
     assert metrics["best_step"] == int(best.name[5:]) and metrics["dev_tau"] == dev[best.name]["tau"]
     assert metrics["drafter_kind"] == "nar" and metrics["encoder_shared"] and metrics["draft_len"] == 3
-    assert set(metrics["baseline"]["by_kernels"]) == {metrics["spec_kernels"]}  # eval.baseline_kernels=same
+    assert metrics["spec_kernels"] == "default"  # target.cpu_kernels
+    assert set(metrics["baseline"]["by_kernels"]) == {"default"}  # eval.baseline_kernels=same
     assert isinstance(SpecDrafter.from_pretrained(best / "drafter"), SpecDrafter)
     assert "test split: tau" in done.stderr
 
@@ -92,6 +94,7 @@ def test_resume_after_an_interruption_continues_exactly(inputs, tmp_path, monkey
     assert any(not torch.equal(a[k], untrained[k]) for k in a)  # the steps after the checkpoint did train
     for key in ("tau", "best_step", "dev_tau", "tokens_generated", "per_position_acceptance"):
         assert resumed[key] == straight[key], key
+    assert straight["spec_kernels"] == "auto" and set(straight["baseline"]["by_kernels"]) == {"auto", "onednn", "default"}
     # a finished run resumes to the same place: nothing more to train, the same test metrics again
     again = recipe.run(job(inputs, tmp_path / "b"))
     assert again["tau"] == straight["tau"] and again["best_step"] == straight["best_step"]
@@ -103,6 +106,7 @@ def test_resume_after_an_interruption_continues_exactly(inputs, tmp_path, monkey
     ("drafter.kind=tree", r"^drafter.kind: must be one of \('ar', 'nar'\)"),
     ("eval.verify=specdec", r"^eval.verify: must be one of"),
     ("eval.baseline_kernels=fast", r"^eval.baseline_kernels: must be one of"),
+    ("target.cpu_kernels=fast", r"^target.cpu_kernels: must be one of"),
     ("train.save_every=0", r"^train.save_every: must be >= 1"),
     ("loss.teacher=offline", r"^loss.teacher: seq2seq drafters learn from the target's logits"),
 ])
@@ -119,6 +123,7 @@ def test_bad_paths_are_one_line_errors_before_anything_loads(inputs, tmp_path, m
         (tmp_path / "no_test" / f"{split}.jsonl").write_text((pairs / f"{split}.jsonl").read_text())
     for override, message in ((f"target.path={tmp_path}", r"^target.path: .* is not a model folder"),
                               (f"data.path={tmp_path / 'missing'}", r"^data.path: .*: no such folder"),
+                              ("drafter.decoder_layers=2", r"^drafter.decoder_layers: must be below the target's 2"),
                               (f"data.path={tmp_path / 'no_test'}", r"^data.path: .* has no test split")):
         with pytest.raises(ConfigError, match=message):
             recipe.run(job(inputs, tmp_path / "out", override))

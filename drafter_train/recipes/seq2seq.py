@@ -28,6 +28,7 @@ from drafter_train.checkpoint import (TrainState, check_same_run, latest_checkpo
                                       prepare_run_dir, prune, resume_checkpoint, rng_state, save_checkpoint,
                                       save_run_config, set_rng_state)
 from drafter_train.config import CONF_DIR
+from drafter_train.cpu_kernels import use_grouped_attention, use_onednn_linears
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.errors import ConfigError
 from drafter_train.io import write_atomic
@@ -67,7 +68,8 @@ def evaluate(cfg: Seq2SeqJobConfig, target, drafter, sources: Sequence[Source], 
     params = SamplingParams(temperature=cfg.eval.temperature) if cfg.eval.verify == "sample" else SamplingParams()
     return evaluate_seq2seq(target, Seq2SeqDrafter(drafter, target), sources, cfg.drafter.draft_len,
                             cfg.data.max_new_tokens, cfg.eval.verify, params, cfg.train.seed,
-                            "same" if quick else cfg.eval.baseline_kernels, warmup=0 if quick else cfg.eval.warmup)
+                            "same" if quick else cfg.eval.baseline_kernels, cfg.target.cpu_kernels,
+                            warmup=0 if quick else cfg.eval.warmup)
 
 
 def train(cfg: Seq2SeqJobConfig, target, tokenizer, drafter, examples, dev: Sequence[Source], run_dir: Path) -> None:
@@ -125,6 +127,8 @@ def run(cfg: Seq2SeqJobConfig) -> dict:
         raise ConfigError(f"target.path: the tokenizer in {cfg.target.path} has no pad token")
     examples = regenerate(target, tokenizer, split_sources(cfg, "train", cfg.data.num_train),
                           str(run_dir / "datagen" / "train.jsonl"), cfg.data.max_new_tokens)
+    use_onednn_linears(target, cfg.target.cpu_kernels)
+    use_grouped_attention(target, cfg.target.cpu_kernels)
 
     def encoded(split: str, count: int) -> list[Source]:
         return [Source.text(tokenizer(text)["input_ids"]) for text in split_sources(cfg, split, count)]

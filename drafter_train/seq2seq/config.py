@@ -11,6 +11,7 @@ from typing import Optional
 from omegaconf import MISSING
 
 from drafter_train.config import BASELINE_KERNELS, LossConfig, check_field
+from drafter_train.cpu_kernels import CPU_KERNELS
 from drafter_train.errors import ConfigError
 
 SPLITS = ("train", "dev", "test")
@@ -24,10 +25,15 @@ class Seq2SeqTargetConfig:
     # A local folder of a transformers encoder-decoder (T5, BART, Marian/NLLB ...) with its tokenizer.
     path: str = MISSING
     dtype: str = "float32"
+    # As target.cpu_kernels of the other entry points (cpu_kernels.py): the speculative run's kernels, set after
+    # datagen (the target's outputs never depend on a per-load timing).
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         check_field(self.dtype in ("float32", "bfloat16", "float16"), "target.dtype",
                     f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+        check_field(self.cpu_kernels in CPU_KERNELS, "target.cpu_kernels",
+                    f"must be one of {CPU_KERNELS}, got {self.cpu_kernels!r}")
 
 
 @dataclass
@@ -144,8 +150,18 @@ def split_path(data_dir: str, split: str) -> Path:
 
 
 def check_paths(cfg: Seq2SeqJobConfig) -> None:
-    """Every path the job names, without loading anything: the target folder, the three splits, the output."""
+    """Every path the job names, and what its config.json alone tells, before any weights load: the target folder
+    (an encoder-decoder with more decoder layers than the drafter takes), the three splits."""
+    from transformers import AutoConfig
+
+    from drafter_train.seq2seq.target import model_class, num_layers
+
     if not (Path(cfg.target.path).expanduser() / "config.json").is_file():
         raise ConfigError(f"target.path: {cfg.target.path} is not a model folder (no config.json)")
+    config = AutoConfig.from_pretrained(cfg.target.path)
+    model_class(config)  # refuses a decoder-only model in one line
+    total = num_layers(config)[1]
+    check_field(cfg.drafter.decoder_layers < total, "drafter.decoder_layers",
+                f"must be below the target's {total} decoder layers, got {cfg.drafter.decoder_layers}")
     for split in SPLITS:
         split_path(cfg.data.path, split)
