@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from rich.console import Console
@@ -27,7 +27,7 @@ from drafter_train.decoding.tree import TreeSpec
 from drafter_train.decoding.verify import make_tree_verifier, make_verifier
 from drafter_train.decoding.lookup import lookup_first
 from drafter_train.devices import on_cpu, synchronize
-from drafter_train.cpu_kernels import CPU_KERNELS, apply_kernel_state, kernel_states, kernels_in_use
+from drafter_train.cpu_kernels import CPU_KERNELS, KernelState, apply_kernel_state, kernel_states, kernels_in_use
 from drafter_train.errors import ConfigError
 from drafter_train.targets import check_full_cache
 
@@ -125,16 +125,39 @@ def make_draft_exit(cfg: EvalConfig, drafter: Drafter) -> Optional[DraftExit]:
     return DraftExit(cfg.draft_exit, adapt=cfg.draft_exit_adapt, target=cfg.draft_exit_target)
 
 
-def baseline_settings(target: PreTrainedModel, cfg: EvalConfig, kernels: str) -> tuple[str, ...]:
+def baseline_settings(target: PreTrainedModel, baseline_kernels: str, kernels: str) -> tuple[str, ...]:
     """The CPU kernel settings plain decoding is timed on, `kernels` (the speculative run's own) first: every setting
     with eval.baseline_kernels=all on a CPU target, else `kernels` alone (off the CPU the setting changes nothing)."""
-    if cfg.baseline_kernels == "same" or not on_cpu(target.device):
+    if baseline_kernels == "same" or not on_cpu(target.device):
         return (kernels,)
     return (kernels, *(k for k in CPU_KERNELS if k != kernels))
 
 
+def baseline_states(target: PreTrainedModel, baseline_kernels: str,
+                    kernels: Optional[str] = None) -> tuple[str, dict[str, KernelState]]:
+    """(the speculative run's kernel setting, {setting: its KernelState} for every setting plain decoding is timed
+    on, that one first). `kernels` None: read off the target (cpu_kernels.kernels_in_use); the target is left on it."""
+    kernels = kernels or kernels_in_use(target)
+    return kernels, kernel_states(target, kernels, baseline_settings(target, baseline_kernels, kernels))
+
+
+def time_interleaved(i: int, settings: Sequence[str], ready_spec: Callable[[], Callable[[], DecodeResult]],
+                     ready_ar: Callable[[str], Callable[[], DecodeResult]], device: torch.device):
+    """Request i timed as (spec (result, seconds), {setting: plain decoding's (result, seconds)}), interleaved so that
+    load changes hit every decoder alike: which decoder goes first alternates request by request, and the
+    plain-decoding settings take turns going first. `ready_*` switch the target's kernels (untimed) and return the
+    decode to time."""
+    order = tuple(settings[i % len(settings):]) + tuple(settings[:i % len(settings)])
+    if i % 2:
+        spec = _timed(ready_spec(), device)
+    ar = {k: _timed(ready_ar(k), device) for k in order}
+    if not i % 2:
+        spec = _timed(ready_spec(), device)
+    return spec, ar
+
+
 @dataclass
-class _Tally:
+class Tally:
     """Summed over prompts: the speculative run's counters and seconds, and plain decoding's per kernel setting."""
 
     spec: DecodeStats
@@ -183,8 +206,7 @@ def evaluate_decoding(
     """
     params = sampling_params(cfg)
     drafter = lookup_first(drafter, cfg.lookup)
-    kernels = kernels or kernels_in_use(target)
-    states = kernel_states(target, kernels, baseline_settings(target, cfg, kernels))
+    kernels, states = baseline_states(target, cfg.baseline_kernels, kernels)
     settings = tuple(states)
 
     # ready_*: switch the target to the decoder's kernels (untimed), return the decode to time
@@ -201,14 +223,9 @@ def evaluate_decoding(
         return lambda: spec_runner(prompt, seed, exit)
 
     def time_prompt(i: int, prompt, exit: Optional[DraftExit]) -> tuple[tuple[DecodeResult, float], dict]:
-        """Interleaved so that load changes hit every decoder alike: which decoder goes first alternates prompt by
-        prompt, and the plain-decoding settings take turns going first. Kernels are switched outside the timing."""
-        seed, order = cfg.seed + i, settings[i % len(settings):] + settings[:i % len(settings)]
-        if i % 2:
-            spec = _timed(ready_spec(prompt, seed, exit), target.device)
-        ar = {k: _timed(ready_ar(prompt, seed, k), target.device) for k in order}
-        if not i % 2:
-            spec = _timed(ready_spec(prompt, seed, exit), target.device)
+        seed = cfg.seed + i
+        spec, ar = time_interleaved(i, settings, lambda: ready_spec(prompt, seed, exit),
+                                    lambda k: ready_ar(prompt, seed, k), target.device)
         apply_kernel_state(target, states[kernels])  # what follows (margins, log-likelihoods) is on the own kernels
         return spec, ar
 
@@ -219,8 +236,8 @@ def evaluate_decoding(
             ready_spec(prompt_ids[0], cfg.seed, make_draft_exit(cfg, drafter))()
         # One adaptive threshold for the whole run (as a server would keep it), fresh after the warm-up.
         draft_exit = make_draft_exit(cfg, drafter)
-        total = _Tally(new_stats())
-        by_category: dict[str, _Tally] = {}
+        total = Tally(new_stats())
+        by_category: dict[str, Tally] = {}
         matches, margins = 0, []
         # Drafters with a reduced draft vocabulary (EAGLE-3) can never propose a token outside it: count those tokens.
         draft_vocab, outside = getattr(drafter, "draft_vocab", None), 0
@@ -231,7 +248,7 @@ def evaluate_decoding(
             (spec, t_spec), ar_runs = time_prompt(i, prompt, draft_exit)
             total.add((spec, t_spec), ar_runs)
             if categories is not None and categories[i] is not None:
-                by_category.setdefault(categories[i], _Tally(new_stats())).add((spec, t_spec), ar_runs)
+                by_category.setdefault(categories[i], Tally(new_stats())).add((spec, t_spec), ar_runs)
             ar = ar_runs[kernels][0]  # losslessness is judged against plain decoding on the same kernels
             matches += spec.tokens == ar.tokens
             if draft_vocab is not None:
@@ -246,7 +263,6 @@ def evaluate_decoding(
     finally:
         apply_kernel_state(target, states[kernels])
     spec_stats, fastest, own_ar = total.spec, total.fastest(), total.ar[kernels]
-    ar_tps = total.ar_tokens_per_s()
     return {
         **spec_stats.summary(),
         # The most drafts one verify pass can accept along a path = len(per_position_acceptance): a chain's
@@ -260,20 +276,7 @@ def evaluate_decoding(
         "draft_exit": cfg.draft_exit or getattr(drafter, "exit_below", 0.0) or None,
         "draft_exit_final": None if draft_exit is None else draft_exit.threshold,
         "num_prompts": len(prompt_ids),
-        # ar_*: the baseline, plain decoding on the fastest kernel setting timed.
-        "ar_tokens_generated": total.ar[fastest].tokens_generated,
-        "spec_time_s": total.spec_time,
-        "ar_time_s": total.ar_time[fastest],
-        "spec_tokens_per_s": total.spec_tokens_per_s,
-        "ar_tokens_per_s": ar_tps[fastest],
-        "speedup": total.spec_tokens_per_s / ar_tps[fastest],
-        # The speculative run's kernel setting (target.cpu_kernels), and the speedup over plain decoding on it.
-        "spec_kernels": kernels,
-        "speedup_same_kernels": total.spec_tokens_per_s / ar_tps[kernels],
-        # Which plain decoding is the divisor: the fastest kernel setting, and every setting timed.
-        "baseline": {"kernels": fastest, "tokens_per_s": ar_tps[fastest], "by_kernels": {
-            k: {"tokens_per_s": ar_tps[k], "time_s": total.ar_time[k], "tokens_generated": total.ar[k].tokens_generated}
-            for k in settings}},
+        **baseline_fields(total, kernels, settings),
         # Share of prompts whose speculative output is token-identical to plain decoding's on the same kernels: must
         # be 1.0 for greedy (lossless); for specdec it measures how far the relaxation moves the output; not defined
         # when sampling (two independent samples).
@@ -292,7 +295,29 @@ def evaluate_decoding(
     }
 
 
-def _headline(group: _Tally, baseline: str) -> dict:
+def baseline_fields(total: Tally, kernels: str, settings: Sequence[str]) -> dict:
+    """The speed figures of a run (docs/evaluate.md "Definitions"): the speedup over the fastest plain decoding of
+    `settings`, over plain decoding on the speculative run's own `kernels`, and which setting was the divisor."""
+    fastest, ar_tps = total.fastest(), total.ar_tokens_per_s()
+    return {
+        # ar_*: the baseline, plain decoding on the fastest kernel setting timed.
+        "ar_tokens_generated": total.ar[fastest].tokens_generated,
+        "spec_time_s": total.spec_time,
+        "ar_time_s": total.ar_time[fastest],
+        "spec_tokens_per_s": total.spec_tokens_per_s,
+        "ar_tokens_per_s": ar_tps[fastest],
+        "speedup": total.spec_tokens_per_s / ar_tps[fastest],
+        # The speculative run's kernel setting (target.cpu_kernels), and the speedup over plain decoding on it.
+        "spec_kernels": kernels,
+        "speedup_same_kernels": total.spec_tokens_per_s / ar_tps[kernels],
+        # Which plain decoding is the divisor: the fastest kernel setting, and every setting timed.
+        "baseline": {"kernels": fastest, "tokens_per_s": ar_tps[fastest], "by_kernels": {
+            k: {"tokens_per_s": ar_tps[k], "time_s": total.ar_time[k], "tokens_generated": total.ar[k].tokens_generated}
+            for k in settings}},
+    }
+
+
+def _headline(group: Tally, baseline: str) -> dict:
     """tau, acceptance and speedup over plain decoding on the `baseline` kernel setting, for one group of prompts."""
     return {"tau": group.spec.tau, "acceptance_rate": group.spec.acceptance_rate,
             "speedup": group.spec_tokens_per_s / group.ar_tokens_per_s()[baseline],

@@ -13,10 +13,17 @@ from transformers import (AutoModelForSeq2SeqLM, BartConfig, BartForConditionalG
                           MarianMTModel, T5Config, T5ForConditionalGeneration, WhisperConfig,
                           WhisperForConditionalGeneration)
 
-from drafter_train.config import LossConfig
+from drafter_train import evaluation
+from drafter_train.config import EvalConfig, LossConfig
+from drafter_train.cpu_kernels import (ALWAYS_ONEDNN, GROUPED_ATTENTION, OneDNNLinear, onednn_available,
+                                       use_grouped_attention, use_onednn_linears)
 from drafter_train.decoding.sampling import SamplingParams, logits_to_probs
 from drafter_train.decoding.verify import make_verifier
+from drafter_train.drafters.common.truncated import cut_from_target as truncated_cut
+from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
+from drafter_train.evaluation import evaluate_decoding
+from drafter_train.seq2seq import decoding as seq2seq_decoding
 from drafter_train.seq2seq.data import read_pairs, regenerate
 from drafter_train.seq2seq.decoding import (evaluate_seq2seq, generate_seq2seq_autoregressive,
                                             generate_seq2seq_speculative)
@@ -25,6 +32,7 @@ from drafter_train.seq2seq.export import export_assistant
 from drafter_train.seq2seq.target import Source, encode, load_seq2seq
 from drafter_train.seq2seq.toy import make_dictionary, make_pairs, toy_tokenizer, translate
 from drafter_train.seq2seq.training import Example, train_drafter
+from tests.conftest import tiny_llama
 from tests.test_sampling_exactness import chi2_pvalue
 
 VOCAB = 24
@@ -277,9 +285,68 @@ def test_toy_benchmark_runs_end_to_end(tmp_path):
     from benchmarks.seq2seq_toy import COLUMNS, main
 
     main(["--work-dir", str(tmp_path / "work"), "--results-dir", str(tmp_path), "--target-steps", "3",
-          "--train-sources", "4", "--drafter-steps", "2", "--test-sources", "2", "--repeats", "1",
+          "--train-sources", "4", "--drafter-steps", "2", "--dev-sources", "2", "--test-sources", "2", "--repeats", "1",
           "--max-new-tokens", "6"])
     result = json.loads((tmp_path / "seq2seq_toy.json").read_text())
     assert result["columns"] == COLUMNS and len(result["rows"]) == 7  # AR, NAR: untrained, trained, sampled; HF
     assert all(row[-1] == 1.0 for row in result["rows"] if row[2] == "greedy")  # lossless, HF's assistant too
     assert (tmp_path / "work" / "assistant" / "config.json").is_file()
+    for kind in ("ar", "nar"):  # trained through drafter-seq2seq's run(): checkpoints, best, test metrics
+        assert (tmp_path / "work" / "runs" / kind / "best" / "drafter").is_dir()
+        assert json.loads((tmp_path / "work" / "runs" / kind / "metrics.json").read_text())["split"] == "test"
+
+
+# plain decoding's seconds per request on each CPU kernel setting, and the speculative run's: onednn is the fastest
+# baseline, auto (the speculative run's own) is not (as tests/test_baseline.py's FAKE_SECONDS)
+FAKE_SECONDS = {"auto": 3.0, "onednn": 2.0, "default": 5.0, "spec": 1.0}
+SPEED_FIELDS = ("ar_tokens_generated", "spec_time_s", "ar_time_s", "spec_tokens_per_s", "ar_tokens_per_s", "speedup",
+                "spec_kernels", "speedup_same_kernels", "baseline", "greedy_match")
+
+
+@pytest.mark.skipif(not onednn_available(), reason="this torch build has no oneDNN linear op")
+def test_evaluator_divides_by_the_fastest_plain_decoding_as_evaluate_decoding_does(monkeypatch):
+    # vocab 2048 x d_model 32 = 65,536 weights: the LM head is just big enough to be patched, so the settings differ
+    target = tiny("marian", vocab=2048)
+    use_onednn_linears(target, "auto")
+    use_grouped_attention(target, "auto")
+    drafter, events = Seq2SeqDrafter(cut_from_target(target, 1), target), []
+
+    def setting() -> str:
+        head = target.lm_head
+        if type(head) is not OneDNNLinear:
+            assert target.config._attn_implementation == "sdpa"
+            return "default"
+        assert target.config._attn_implementation == GROUPED_ATTENTION
+        return "onednn" if head.row_policy is ALWAYS_ONEDNN else "auto"
+
+    for name in ("generate_seq2seq_autoregressive", "generate_seq2seq_speculative"):
+        real = getattr(seq2seq_decoding, name)
+        monkeypatch.setattr(seq2seq_decoding, name, lambda *a, _real=real, _name=name, **k: (
+            events.append(("spec" if "speculative" in _name else "ar", setting())), _real(*a, **k))[1])
+    monkeypatch.setattr(evaluation, "_timed", lambda fn, device: (fn(), FAKE_SECONDS[
+        "spec" if events[-1][0] == "spec" else events[-1][1]]))
+    sources = [source_for(target, s) for s in range(4)]
+    metrics = evaluate_seq2seq(target, drafter, sources, draft_len=2, max_new_tokens=6, kernels="auto", warmup=0)
+    by_kernels = metrics["baseline"]["by_kernels"]
+    assert list(by_kernels) == ["auto", "onednn", "default"]  # every setting timed, the speculative run's first
+    assert {kernels for kind, kernels in events if kind == "spec"} == {"auto"}
+    assert metrics["baseline"]["kernels"] == max(by_kernels, key=lambda k: by_kernels[k]["tokens_per_s"]) == "onednn"
+    assert metrics["ar_tokens_per_s"] == max(b["tokens_per_s"] for b in by_kernels.values())
+    assert metrics["speedup"] == pytest.approx(2.0) and metrics["speedup_same_kernels"] == pytest.approx(3.0)
+    assert metrics["greedy_match"] == 1.0 and setting() == "auto"  # the target is left on its own kernels
+    # which decoder runs first alternates request by request, and the plain settings take turns going first
+    assert [e[0] for e in events[:8]] == ["ar", "ar", "ar", "spec", "spec", "ar", "ar", "ar"]
+    assert [e[1] for e in events[5:8]] == ["onednn", "default", "auto"]
+
+    same = evaluate_seq2seq(target, drafter, sources[:1], 2, 6, kernels="auto", warmup=0, baseline_kernels="same")
+    assert list(same["baseline"]["by_kernels"]) == ["auto"] and same["speedup"] == pytest.approx(3.0)
+    # the same field names, and the same shape of `baseline`, as the decoder-only evaluator's metrics
+    llama = tiny_llama(num_layers=2)
+    decoded = evaluate_decoding(llama, make_drafter(truncated_cut(llama, 1), "default"), [[5, 9, 3]],
+                                EvalConfig(draft_len=2, max_new_tokens=3, warmup=0, baseline_kernels="same"), (),
+                                progress=False)
+    for fields in (metrics, decoded):
+        assert set(SPEED_FIELDS) <= set(fields)
+        assert set(fields["baseline"]) == {"kernels", "tokens_per_s", "by_kernels"}
+        assert all(set(b) == {"tokens_per_s", "time_s", "tokens_generated"}
+                   for b in fields["baseline"]["by_kernels"].values())

@@ -16,6 +16,7 @@ from drafter_train.config import (CONF_DIR, DatagenJobConfig, DrafterConfig, Eva
                                   ReportJobConfig, TrainJobConfig)
 from drafter_train.drafters.registry import all_kinds
 from drafter_train.errors import DrafterTrainError
+from drafter_train.seq2seq.config import Seq2SeqJobConfig
 
 
 @contextlib.contextmanager
@@ -49,7 +50,7 @@ def register_configs() -> None:
     cs = ConfigStore.instance()
     for name, node in (("eval_schema", EvalJobConfig), ("datagen_schema", DatagenJobConfig),
                        ("train_schema", TrainJobConfig), ("export_schema", ExportJobConfig),
-                       ("report_schema", ReportJobConfig)):
+                       ("report_schema", ReportJobConfig), ("seq2seq_schema", Seq2SeqJobConfig)):
         cs.store(name=name, node=node)
     # One schema per registered drafter kind (<kind>_schema), extended by the YAML files of the `drafter` group
     # (conf/drafter/*.yaml); any_schema: a saved folder of whatever kind (drafter=path).

@@ -19,11 +19,13 @@ from typing import Optional, Sequence
 import torch
 from transformers import PreTrainedModel
 
+from drafter_train.cpu_kernels import apply_kernel_state
 from drafter_train.decoding.autoregressive import DecodeResult, generate_autoregressive
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.verify import Verifier, make_verifier
+from drafter_train.evaluation import Tally, baseline_fields, baseline_states, time_interleaved
 from drafter_train.seq2seq.drafters import Seq2SeqDrafter
 from drafter_train.seq2seq.target import BoundSeq2Seq, Source, bind, decoder_prompt, encode, eos_ids
 
@@ -54,34 +56,47 @@ def generate_seq2seq_speculative(target: PreTrainedModel, drafter: Seq2SeqDrafte
     return result
 
 
-def _timed(fn) -> tuple[DecodeResult, float]:
-    began = time.perf_counter()
-    result = fn()
-    return result, time.perf_counter() - began
-
-
 def evaluate_seq2seq(target: PreTrainedModel, drafter: Seq2SeqDrafter, sources: Sequence[Source], draft_len: int,
                      max_new_tokens: int, verify: str = "greedy", params: SamplingParams = SamplingParams(),
-                     seed: int = 0) -> dict:
-    """Plain and speculative decoding of every request side by side, interleaved (which goes first alternates), with
-    the same seed per request: DecodeStats' tau, acceptance and per-position acceptance, the speedup over plain
-    decoding in this same run, and the share of requests whose outputs are token-identical (1.0 under greedy)."""
-    verifier, spec, plain = make_verifier(verify, params), DecodeStats(draft_len=draft_len), DecodeStats()
-    times, matches = {"spec": 0.0, "plain": 0.0}, 0
-    for i, source in enumerate(sources):
-        runs = {
-            "spec": lambda: generate_seq2seq_speculative(target, drafter, source, draft_len, verifier, max_new_tokens,
-                                                         params, torch.Generator().manual_seed(seed + i)),
-            "plain": lambda: generate_seq2seq_autoregressive(target, source, max_new_tokens, params,
-                                                             torch.Generator().manual_seed(seed + i)),
-        }
-        done = {name: _timed(runs[name]) for name in (("spec", "plain") if i % 2 else ("plain", "spec"))}
-        for name, stats in (("spec", spec), ("plain", plain)):
-            stats.merge(done[name][0].stats)
-            times[name] += done[name][1]
-        matches += done["spec"][0].tokens == done["plain"][0].tokens
-    spec_tps, plain_tps = spec.tokens_generated / times["spec"], plain.tokens_generated / times["plain"]
-    return {**spec.summary(), "draft_len": draft_len, "verify": verify, "num_requests": len(sources),
-            "spec_tokens_per_s": spec_tps, "ar_tokens_per_s": plain_tps, "speedup": spec_tps / plain_tps,
+                     seed: int = 0, baseline_kernels: str = "all", kernels: Optional[str] = None,
+                     warmup: int = 1) -> dict:
+    """Plain and speculative decoding of every request side by side, with the same seed per request, timed as
+    evaluation.evaluate_decoding times them (its own functions): plain decoding on every CPU kernel setting
+    (`baseline_kernels`: all | same, as eval.baseline_kernels), the speculative run on the target's own (`kernels`,
+    None: read off the target), interleaved request by request, after `warmup` untimed runs of each. Returns
+    DecodeStats' tau, acceptance and per-position acceptance, evaluate_decoding's speed fields (speedup over the
+    fastest plain decoding, speedup_same_kernels, baseline: which setting was the divisor and every setting timed),
+    and the share of requests whose outputs are token-identical to plain decoding on the same kernels (1.0 under
+    greedy)."""
+    verifier = make_verifier(verify, params)
+    kernels, states = baseline_states(target, baseline_kernels, kernels)
+    settings = tuple(states)
+
+    def ready_ar(source: Source, i: int, setting: str):
+        apply_kernel_state(target, states[setting])
+        gen = torch.Generator().manual_seed(seed + i)
+        return lambda: generate_seq2seq_autoregressive(target, source, max_new_tokens, params, gen)
+
+    def ready_spec(source: Source, i: int):
+        apply_kernel_state(target, states[kernels])
+        gen = torch.Generator().manual_seed(seed + i)
+        return lambda: generate_seq2seq_speculative(target, drafter, source, draft_len, verifier, max_new_tokens,
+                                                    params, gen)
+
+    total, matches = Tally(DecodeStats(draft_len=draft_len)), 0
+    try:
+        for _ in range(warmup):
+            for setting in settings:
+                ready_ar(sources[0], 0, setting)()
+            ready_spec(sources[0], 0)()
+        for i, source in enumerate(sources):
+            spec, ar = time_interleaved(i, settings, lambda: ready_spec(source, i),
+                                        lambda k: ready_ar(source, i, k), target.device)
+            total.add(spec, ar)
+            matches += spec[0].tokens == ar[kernels][0].tokens
+    finally:
+        apply_kernel_state(target, states[kernels])
+    return {**total.spec.summary(), "draft_len": draft_len, "verify": verify, "num_requests": len(sources),
+            **baseline_fields(total, kernels, settings),
             "greedy_match": matches / len(sources) if params.greedy else None,
             "encoder_shared": drafter.shares_encoder}

@@ -104,23 +104,51 @@ def optimizer_step(loss: Tensor, optimizer: torch.optim.Optimizer, schedule=None
     return loss.item()
 
 
+class DrafterTraining:
+    """One drafter's training, step by step: AdamW on random batches of `examples`. Its state_dict (optimizer, batch
+    sampler and block-cut generators) with the drafter's weights continues the run exactly where it stopped. A
+    drafter that shares the target's encoder (drafters.py's rule) trains with that encoder frozen, so that it keeps
+    sharing it."""
+
+    def __init__(self, drafter: PreTrainedModel, target: PreTrainedModel, examples: Sequence[Example],
+                 loss: LossConfig, draft_len: int, pad_id: int, batch_size: int = 32, lr: float = 1e-3,
+                 blocks_per_example: int = 4, seed: int = 0):
+        if same_encoder(drafter, target):
+            drafter.get_encoder().requires_grad_(False)
+        self.drafter, self.target, self.examples, self.loss = drafter, target, list(examples), loss
+        self.draft_len, self.pad_id = draft_len, pad_id
+        self.batch_size, self.blocks_per_example = batch_size, blocks_per_example
+        self.optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr)
+        self.rng, self.generator = random.Random(seed), torch.Generator().manual_seed(seed)
+        self.start_id = decoder_prompt(target)[0]
+
+    def step(self) -> float:
+        """One optimizer step (the drafter in train mode); returns its mean loss."""
+        self.drafter.train()
+        batch = collate(self.rng.sample(self.examples, min(self.batch_size, len(self.examples))), self.start_id,
+                        self.pad_id, self.target.device)
+        if isinstance(self.drafter, SpecDrafter):
+            out = nar_loss(self.drafter, self.target, batch, self.loss, self.blocks_per_example, self.generator)
+        else:
+            out = ar_loss(self.drafter, self.target, batch, self.loss, self.draft_len)
+        return optimizer_step(out.mean(), self.optimizer)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "rng": self.rng.getstate(),
+                "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rng.setstate(state["rng"])
+        self.generator.set_state(state["generator"])
+
+
 def train_drafter(drafter: PreTrainedModel, target: PreTrainedModel, examples: Sequence[Example], steps: int,
                   loss: LossConfig, draft_len: int, pad_id: int, batch_size: int = 32, lr: float = 1e-3,
                   blocks_per_example: int = 4, seed: int = 0) -> list[float]:
-    """A few hundred AdamW steps on random batches; returns each step's mean loss. A drafter that shares the
-    target's encoder (drafters.py's rule) trains with that encoder frozen, so that it keeps sharing it."""
-    if same_encoder(drafter, target):
-        drafter.get_encoder().requires_grad_(False)
-    optimizer = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr)
-    rng, generator = random.Random(seed), torch.Generator().manual_seed(seed)
-    start, losses = decoder_prompt(target)[0], []
-    drafter.train()
-    for _ in range(steps):
-        batch = collate(rng.sample(list(examples), min(batch_size, len(examples))), start, pad_id, target.device)
-        if isinstance(drafter, SpecDrafter):
-            out = nar_loss(drafter, target, batch, loss, blocks_per_example, generator)
-        else:
-            out = ar_loss(drafter, target, batch, loss, draft_len)
-        losses.append(optimizer_step(out.mean(), optimizer))
+    """`steps` steps of a DrafterTraining; returns each step's mean loss. The drafter is left in eval mode."""
+    training = DrafterTraining(drafter, target, examples, loss, draft_len, pad_id, batch_size, lr,
+                               blocks_per_example, seed)
+    losses = [training.step() for _ in range(steps)]
     drafter.eval()
     return losses
