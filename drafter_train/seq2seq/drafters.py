@@ -15,6 +15,9 @@ default (`SpecDrafter.from_target`: the target's whole encoder, its first decode
 Query r sits at decoder position L + 1 + r, where the token it predicts would sit, and never sees that token (it is
 not in the input). The prefix is re-read every proposal (no drafter KV cache: the decoder is one layer and the
 prefixes of translation-length outputs are short; a cached variant is the decoder-only kind's, drafters/nar).
+Trees: the same one pass per tree. Query d does not see the drafts before it, so every node at depth d gets query d's
+distribution as its children's (`tree_expand`); a tree is at most draft_len deep. The AR drafter grows trees through
+ARDrafter's own tree calls, on a decoder that takes tree positions (target.py `check_trees`).
 
 Sharing the encoder (the rule): a drafter uses the target's encoder output exactly when its encoder IS the target's
 encoder, weight for weight (`same_encoder`); cutting from the target gives that, and training then freezes the
@@ -34,8 +37,10 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from drafter_train.decoding.drafter import ARDrafter, Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
+from drafter_train.decoding.tree import TreePool, TreeSpec
 from drafter_train.errors import ConfigError
-from drafter_train.seq2seq.target import Source, bind, encode, layer_fields, model_class, num_layers
+from drafter_train.seq2seq.target import (Source, bind, check_trees, encode, layer_fields, model_class,
+                                          num_layers)
 
 
 def with_layers(config: PretrainedConfig, encoder: Optional[int] = None, decoder: Optional[int] = None):
@@ -178,6 +183,16 @@ class NARSession:
     def commit(self, num_valid: int, features: Optional[Tensor] = None, path=None) -> None:
         pass  # drafts never enter a cache
 
+    def tree_root(self, seq: Tensor) -> Tensor:
+        """One pass over the prefix and every query (module doc): query 0's logits now, the others for tree_expand."""
+        lens = torch.tensor([seq.numel()], device=seq.device)
+        self.rows = self.model.block_logits(self.encoder_outputs, self.attention_mask, seq.view(1, -1), lens)[0]
+        return self.rows[0]
+
+    def tree_expand(self, pool: TreePool, nodes: list[int]) -> Tensor:
+        """The children of depth-d nodes: query d's distribution, the same for every parent (it never saw them)."""
+        return self.rows[pool.depths[nodes[0]]].expand(len(nodes), -1)
+
 
 # ----------------------------------------------------------------------------------------------------------------
 # What the seq2seq decoder calls: a drafter per request
@@ -189,6 +204,13 @@ class Seq2SeqDrafter:
     def __init__(self, model: PreTrainedModel, target: PreTrainedModel):
         self.model = model
         self.shares_encoder = same_encoder(model, target)  # the sharing rule (module doc)
+
+    def check_tree(self, spec: TreeSpec, target: PreTrainedModel) -> None:
+        """Refuse, in one line and before decoding, a tree this drafter and target cannot grow and verify."""
+        check_trees(target)
+        if isinstance(self.model, SpecDrafter) and spec.depth > self.model.draft_len:
+            raise ConfigError(f"eval.tree.depth: this Spec-Drafter has {self.model.draft_len} mask queries, cannot "
+                              f"draft a tree {spec.depth} deep")
 
     def for_source(self, source: Source, target_encoding):
         """The drafter for one request: on the target's encoder output when shared, else after its own encoder pass."""

@@ -8,6 +8,12 @@ speculative loop run unchanged on the decoder side:
     CachedLM's DynamicCache  = the decoder's self-attention cache  (cropped on rejection, by position)
     BoundSeq2Seq's own cache = the cross-attention keys/values of the encoder states (filled on the first decoder
                                pass of the request, never cropped: the source does not change)
+
+Draft trees (decoding/tree.py) need the decoder to take, through its public forward, per-token positions (prefix
+length + depth) and a 4-D ancestor mask. In transformers 5.x every seq2seq decoder passes a prepared 4-D mask through
+as-is (masking_utils.create_causal_mask), but only a model whose forward takes `decoder_position_ids` (Whisper) lets
+the caller place its tokens; the others compute positions from the cache length inside the decoder (`tree_refusal`
+says which way, per family), so a tree there is refused in one line before decoding starts.
 """
 
 from __future__ import annotations
@@ -17,11 +23,15 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Optional, Sequence
 
+import inspect
+
 import torch
 from torch import Tensor
 from transformers import (AutoConfig, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq, DynamicCache,
                           EncoderDecoderCache, PretrainedConfig, PreTrainedModel)
-from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
+                                                    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING,
+                                                    MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES)
 
 from drafter_train.devices import default_device
 from drafter_train.errors import ConfigError
@@ -59,6 +69,35 @@ def load_seq2seq(path: str, dtype: str = "float32", device: Optional[torch.devic
     config = AutoConfig.from_pretrained(path)
     model = model_class(config).from_pretrained(path, dtype=getattr(torch, dtype)).to(device or default_device()).eval()
     return model.requires_grad_(False)
+
+
+def tree_refusal(model_or_config) -> Optional[str]:
+    """Why this model's decoder cannot verify a draft tree through its public forward; None where it can (its forward
+    takes `decoder_position_ids`; the 4-D mask goes in as `decoder_attention_mask`). A loaded model is read by its
+    class, a config (preflight, no weights) by the class transformers' Auto mappings give it."""
+    if isinstance(model_or_config, PretrainedConfig):
+        config = model_or_config
+        mapping = MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING if type(config) in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING \
+            else MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING
+        cls = mapping[type(config)] if type(config) in mapping else None
+    else:
+        config, cls = model_or_config.config, type(model_or_config)
+    if cls is not None and "decoder_position_ids" in inspect.signature(cls.forward).parameters:
+        return None
+    if hasattr(config, "relative_attention_num_buckets"):  # T5, mT5, UMT5, LongT5
+        return ("decoder's relative position bias is computed from the cache length (T5Attention.compute_bias: "
+                "arange(query_length) + past_seen_tokens) and its forward takes no decoder positions")
+    return ("decoder derives its positions from the cache length (position_ids = arange(seq_length) + "
+            "cache_length) and its forward takes no decoder_position_ids")
+
+
+def check_trees(model_or_config, field: str = "eval.tree") -> None:
+    """Refuse draft trees in one line where the decoder cannot place a tree's tokens (`tree_refusal`)."""
+    reason = tree_refusal(model_or_config)
+    if reason is not None:
+        config = getattr(model_or_config, "config", model_or_config)
+        raise ConfigError(f"{field}: draft trees need per-token decoder positions, and a {config.model_type} "
+                          f"{reason}; use chains")
 
 
 @dataclass
@@ -110,14 +149,17 @@ class BoundSeq2Seq:
         self.self_cache, self.cache = None, None
 
     def __call__(self, input_ids: Tensor, past_key_values: DynamicCache, use_cache: bool = True,
-                 logits_to_keep: int = 0, **tree_inputs):
-        if tree_inputs:  # positions and 4-D masks of a draft tree: T5's relative and BART's learned positions differ
-            raise ConfigError("eval.tree: draft trees are not supported for seq2seq targets; use chains")
+                 logits_to_keep: int = 0, attention_mask: Optional[Tensor] = None,
+                 position_ids: Optional[Tensor] = None):
+        tree = {}
+        if attention_mask is not None or position_ids is not None:  # a draft tree (CachedLM.forward_tree)
+            check_trees(self.model)
+            tree = dict(decoder_attention_mask=attention_mask, decoder_position_ids=position_ids)
         if past_key_values is not self.self_cache:  # a new sequence (CachedLM.reset): a fresh cross-attention cache
             self.self_cache = past_key_values
             self.cache = EncoderDecoderCache(past_key_values, DynamicCache())
         out = self.model(encoder_outputs=self.encoder_outputs, attention_mask=self.attention_mask,
-                         decoder_input_ids=input_ids, cache=self.cache, use_cache=True)
+                         decoder_input_ids=input_ids, cache=self.cache, use_cache=True, **tree)
         return SimpleNamespace(logits=out.logits[:, -logits_to_keep:] if logits_to_keep else out.logits)
 
 
