@@ -109,6 +109,7 @@ def test_resume_after_an_interruption_continues_exactly(inputs, tmp_path, monkey
     ("target.cpu_kernels=fast", r"^target.cpu_kernels: must be one of"),
     ("train.save_every=0", r"^train.save_every: must be >= 1"),
     ("loss.teacher=offline", r"^loss.teacher: seq2seq drafters learn from the target's logits"),
+    ("eval.tree.depth=2", r"^eval.tree.top_k: set it to draft a tree"),
 ])
 def test_bad_settings_are_one_line_errors(inputs, tmp_path, override, message):
     with pytest.raises(ConfigError, match=message):
@@ -124,7 +125,9 @@ def test_bad_paths_are_one_line_errors_before_anything_loads(inputs, tmp_path, m
     for override, message in ((f"target.path={tmp_path}", r"^target.path: .* is not a model folder"),
                               (f"data.path={tmp_path / 'missing'}", r"^data.path: .*: no such folder"),
                               ("drafter.decoder_layers=2", r"^drafter.decoder_layers: must be below the target's 2"),
-                              (f"data.path={tmp_path / 'no_test'}", r"^data.path: .* has no test split")):
+                              (f"data.path={tmp_path / 'no_test'}", r"^data.path: .* has no test split"),
+                              ("eval.tree.top_k=2", r"^eval.tree: draft trees need per-token decoder positions, and "
+                                                    r"a marian decoder derives its positions from the cache length")):
         with pytest.raises(ConfigError, match=message):
             recipe.run(job(inputs, tmp_path / "out", override))
     assert not (tmp_path / "out").exists()

@@ -69,7 +69,7 @@ def evaluate(cfg: Seq2SeqJobConfig, target, drafter, sources: Sequence[Source], 
     return evaluate_seq2seq(target, Seq2SeqDrafter(drafter, target), sources, cfg.drafter.draft_len,
                             cfg.data.max_new_tokens, cfg.eval.verify, params, cfg.train.seed,
                             "same" if quick else cfg.eval.baseline_kernels, cfg.target.cpu_kernels,
-                            warmup=0 if quick else cfg.eval.warmup)
+                            warmup=0 if quick else cfg.eval.warmup, tree=cfg.tree_spec())
 
 
 def train(cfg: Seq2SeqJobConfig, target, tokenizer, drafter, examples, dev: Sequence[Source], run_dir: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from drafter_train.config import BASELINE_KERNELS, LossConfig, check_field
+from drafter_train.config import BASELINE_KERNELS, LossConfig, TreeConfig, check_field
 from drafter_train.cpu_kernels import CPU_KERNELS
 from drafter_train.errors import ConfigError
 
@@ -108,9 +108,15 @@ class Seq2SeqEvalConfig:
     warmup: int = 1
     # Where the test split's metrics go; unset: metrics.json in the run folder.
     output: Optional[str] = None
+    # Draft trees instead of chains (eval.tree.top_k set; depth unset: drafter.draft_len), as drafter-eval's: only
+    # where the target's decoder takes tree positions (docs/seq2seq.md "Draft trees"; refused in one line otherwise).
+    tree: TreeConfig = field(default_factory=TreeConfig)
 
     def __post_init__(self) -> None:
         check_field(self.verify in VERIFY, "eval.verify", f"must be one of {VERIFY}, got {self.verify!r}")
+        check_field(self.verify != "greedy" or not self.tree.enabled or self.tree.branching == "topk",
+                    "eval.tree.branching", "iid trees are sampled: verify them with eval.verify=sample (greedy uses "
+                    "topk trees)")
         check_field(self.temperature > 0, "eval.temperature", f"must be > 0, got {self.temperature}")
         check_field(self.baseline_kernels in BASELINE_KERNELS, "eval.baseline_kernels",
                     f"must be one of {BASELINE_KERNELS}, got {self.baseline_kernels!r}")
@@ -131,6 +137,15 @@ class Seq2SeqJobConfig:
     def __post_init__(self) -> None:
         check_field(self.loss.teacher == "online", "loss.teacher",
                     "seq2seq drafters learn from the target's logits on the same batch: use loss.teacher=online")
+        self.eval.tree.check_size(self.eval.tree.depth or self.drafter.draft_len)
+
+    def tree_spec(self):
+        """eval.tree as the decoder's TreeSpec (depth unset: drafter.draft_len); None: chains."""
+        from drafter_train.decoding.tree import TreeSpec
+
+        tree = self.eval.tree
+        return TreeSpec(tree.top_k, tree.depth or self.drafter.draft_len, tree.total_tokens, tree.branching) \
+            if tree.enabled else None
 
     @property
     def run_dir(self) -> Path:
@@ -151,10 +166,11 @@ def split_path(data_dir: str, split: str) -> Path:
 
 def check_paths(cfg: Seq2SeqJobConfig) -> None:
     """Every path the job names, and what its config.json alone tells, before any weights load: the target folder
-    (an encoder-decoder with more decoder layers than the drafter takes), the three splits."""
+    (an encoder-decoder with more decoder layers than the drafter takes, whose decoder takes draft trees if eval.tree
+    asks for them), the three splits."""
     from transformers import AutoConfig
 
-    from drafter_train.seq2seq.target import model_class, num_layers
+    from drafter_train.seq2seq.target import check_trees, model_class, num_layers
 
     if not (Path(cfg.target.path).expanduser() / "config.json").is_file():
         raise ConfigError(f"target.path: {cfg.target.path} is not a model folder (no config.json)")
@@ -163,5 +179,11 @@ def check_paths(cfg: Seq2SeqJobConfig) -> None:
     total = num_layers(config)[1]
     check_field(cfg.drafter.decoder_layers < total, "drafter.decoder_layers",
                 f"must be below the target's {total} decoder layers, got {cfg.drafter.decoder_layers}")
+    spec = cfg.tree_spec()
+    if spec is not None:  # from config.json alone: a decoder that cannot place a tree's tokens is refused here
+        check_trees(config)
+        check_field(cfg.drafter.kind != "nar" or spec.depth <= cfg.drafter.draft_len, "eval.tree.depth",
+                    f"the Spec-Drafter has drafter.draft_len={cfg.drafter.draft_len} mask queries, cannot draft a "
+                    f"tree {spec.depth} deep")
     for split in SPLITS:
         split_path(cfg.data.path, split)
