@@ -128,3 +128,15 @@ def test_drafter_seq2seq_reads_eval_tree():
         to_job_config(compose_cfg("seq2seq", base + ["eval.tree.top_k=2", "eval.tree.branching=iid"]))
     with pytest.raises(ConfigError, match=r"^eval.tree.total_tokens: must be in \[depth"):
         to_job_config(compose_cfg("seq2seq", base + ["eval.tree.top_k=2", "eval.tree.total_tokens=99"]))
+
+
+def test_a_decoder_with_sliding_window_layers_is_refused():
+    """T5Gemma's decoder takes decoder_position_ids, but its Gemma 2 layers alternate sliding-window attention."""
+    from transformers import T5GemmaConfig
+    from transformers.models.t5gemma.configuration_t5gemma import T5GemmaModuleConfig
+
+    sub = dict(vocab_size=24, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+               num_key_value_heads=1, head_dim=16)
+    config = T5GemmaConfig(encoder=T5GemmaModuleConfig(**sub), decoder=T5GemmaModuleConfig(**sub), vocab_size=24)
+    with pytest.raises(ConfigError, match="^eval.tree: .* a t5gemma decoder has sliding-window attention layers"):
+        check_trees(config)

@@ -35,6 +35,7 @@ from transformers.models.auto.modeling_auto import (MODEL_FOR_SEQ_TO_SEQ_CAUSAL_
 
 from drafter_train.devices import default_device
 from drafter_train.errors import ConfigError
+from drafter_train.targets import has_sliding_window
 
 # Config fields holding the encoder's and the decoder's layer counts, per family (T5 names them its own way).
 LAYER_FIELDS = {"t5": ("num_layers", "num_decoder_layers"), "mt5": ("num_layers", "num_decoder_layers")}
@@ -82,6 +83,10 @@ def tree_refusal(model_or_config) -> Optional[str]:
         cls = mapping[type(config)] if type(config) in mapping else None
     else:
         config, cls = model_or_config.config, type(model_or_config)
+    decoder = getattr(config, "decoder", None)  # T5Gemma: Gemma 2's decoder, sliding layers included
+    if isinstance(decoder, PretrainedConfig) and has_sliding_window(decoder):
+        return ("decoder has sliding-window attention layers, whose window a tree's own 4-D mask would override "
+                "(and whose cache cannot be cropped back)")
     if cls is not None and "decoder_position_ids" in inspect.signature(cls.forward).parameters:
         return None
     if hasattr(config, "relative_attention_num_buckets"):  # T5, mT5, UMT5, LongT5
