@@ -391,6 +391,7 @@ def check_llamacpp(args) -> int:
     without the drafter, against our evaluator on the same prompt ids."""
     from benchmarks import llamacpp_engine as engine
     from drafter_train.llamacpp import DRAFTER_FILE, TARGET_FILE, llamacpp_dir, write_lookup_cache
+    from drafter_train.targets import model_name
 
     root = llamacpp_dir(args.llamacpp)
     if not (root / "build" / "bin" / "llama-server").is_file():
@@ -429,7 +430,7 @@ def check_llamacpp(args) -> int:
         record.update(plain_tokens_per_s=plain["tokens_per_s"], speedup=served["tokens_per_s"] / plain["tokens_per_s"],
                       output_equals_plain=not mismatches, output_mismatches=mismatches)
     result = {
-        "engine": "llamacpp", "target": Path(target_cfg.path).name, "checkpoint": str(step_dir),
+        "engine": "llamacpp", "target": model_name(target_cfg.path), "checkpoint": str(step_dir),
         "kind": info.kind.name, "method": spec_type,
         "exported": str(exported), "draft_len": draft_len, "num_prompts": len(prompts),
         "max_new_tokens": args.max_new_tokens, "ours": ours_record, "llamacpp": record,

@@ -1,20 +1,25 @@
 """Which decoder is fastest on this machine, in any engine built here, and does speculation pay inside each?
 
     python -m benchmarks.engines --exports DIR --drafter RUN/best/drafter --corpus DATA \
+        [--ar-exports AR_DIR --ar-drafter AR_RUN/best/drafter] \
         [--prompts test --num-prompts 16 --max-new-tokens 48 --rounds 3 --draft-len 2] [--result]
 
 DIR holds one `drafter-export export.format=gguf` folder per precision (DIR/f32, DIR/f16, DIR/q8_0: target.gguf and
 the EAGLE-3 drafter.gguf of a `drafter.norm_before_fc=true` run) and, optionally, DIR/corpus.lookup: the corpus as
 llama.cpp's static n-gram cache (`llama-lookup-create`). --drafter is the same drafter's folder for this project's
-decoder; --corpus the drafter-datagen folder of corpus lookup.
+decoder; --corpus the drafter-datagen folder of corpus lookup. The stand-alone AR drafter (`drafter=ar`), when
+given: --ar-exports holds its `drafter-export export.format=gguf` folders per precision (AR_DIR/f32/drafter.gguf ...;
+`export.gguf_target=false`, the targets are DIR's) and --ar-drafter is the same drafter's folder for our decoder.
 
 Decoders, each on the same prompt token ids, greedy, one prompt at a time:
 - llama.cpp (llama-server, benchmarks/llamacpp_engine.py) at every precision: plain; each free n-gram mode
   (--ngram-modes); EAGLE-3 (`--spec-type draft-eagle3`, draft max --draft-len); the product: n-gram modes ahead of
   EAGLE-3 in one comma list (llama.cpp always tries its n-gram types first, as our product tries lookups first),
-  with the static corpus cache where DIR has one.
+  with the static corpus cache where DIR has one; the AR drafter as llama.cpp's draft model (`-md`, the kind's
+  --spec-type: draft-simple, draft max --draft-len).
 - this project's decoder (target.cpu_kernels=auto): plain; prompt lookup (min_ngram 2); EAGLE-3 (the drafter's top
-  --draft-len tokens as siblings, the main job's shape); the product (prompt lookup, corpus lookup, then EAGLE-3).
+  --draft-len tokens as siblings, the main job's shape); the AR drafter (a chain of --draft-len drafts, as llama.cpp
+  drafts); the product (prompt lookup, corpus lookup, then EAGLE-3).
 - HF `generate`, plain (transformers' own kernels: target.cpu_kernels=default).
 Tokens/s of every decoder is the median over --rounds rounds; each round runs every decoder once (interleaved, so
 load changes hit them alike); the load average is recorded before and after.
@@ -55,8 +60,12 @@ PRODUCT_NGRAM = "ngram-cache"  # the context's n-grams plus the static corpus ca
 # llama.cpp
 
 
-def llamacpp_decoders(exports: Path, ngram_modes: list[str], draft_len: int) -> list[dict]:
-    """Every llama.cpp decoder to run: (precision, row, spec types, files)."""
+def llamacpp_decoders(exports: Path, ngram_modes: list[str], draft_len: int,
+                      ar_exports: Optional[Path] = None) -> list[dict]:
+    """Every llama.cpp decoder to run: (precision, row, spec types, files). ar_exports: the AR drafter's gguf
+    folders per precision (its drafter.gguf served with the target of `exports` at that precision)."""
+    from drafter_train.drafters.registry import get_kind
+
     out = []
     lookup = exports / "corpus.lookup"
     for precision in PRECISIONS:
@@ -71,6 +80,9 @@ def llamacpp_decoders(exports: Path, ngram_modes: list[str], draft_len: int) -> 
             out.append(dict(base, decoder="EAGLE-3", spec_type="draft-eagle3", drafter=drafter))
             out.append(dict(base, decoder="product", spec_type=f"{PRODUCT_NGRAM},draft-eagle3", drafter=drafter,
                             lookup_cache=lookup if lookup.is_file() else None))
+        if ar_exports is not None and (ar_exports / precision / "drafter.gguf").is_file():
+            out.append(dict(base, decoder="AR drafter", spec_type=get_kind("ar").engine_methods["gguf"],
+                            drafter=ar_exports / precision / "drafter.gguf"))
     for d in out:
         d["draft_len"] = draft_len if d["spec_type"] else 0
     return out
@@ -123,17 +135,22 @@ class Ours:
         lookups = LookupConfig(min_ngram=2, corpus=CorpusLookupConfig(path=args.corpus))
         eagle3 = make_drafter(load_drafter(DrafterConfig(path=args.drafter), self.target, self.tokenizer, "float32"))
         ngram = make_drafter(load_drafter(NgramDrafterConfig(min_ngram=2), self.target, self.tokenizer, "float32"))
+        ar = None if not args.ar_drafter else make_drafter(
+            load_drafter(DrafterConfig(path=args.ar_drafter), self.target, self.tokenizer, "float32"))
         torch.set_num_threads(args.threads)  # the same threads as llama.cpp's -t
         self.decoders = {"plain": None, "free n-gram": (ngram, base),
                          "EAGLE-3": (eagle3, EvalConfig(draft_len=k, max_new_tokens=args.max_new_tokens,
                                                         tree=siblings)),
+                         **({"AR drafter": (ar, base)} if ar is not None else {}),
                          "product": (eagle3, EvalConfig(draft_len=k, max_new_tokens=args.max_new_tokens,
                                                         tree=siblings, lookup=lookups))}
         # lookups wrapped once: corpus lookup indexes its corpus when built
         self.decoders = {name: None if d is None else (lookup_first(d[0], d[1].lookup), d[1])
                          for name, d in self.decoders.items()}
         self.settings = {"plain": "target.cpu_kernels=auto", "free n-gram": "prompt lookup, min_ngram 2",
-                         "EAGLE-3": f"top-{k} siblings", "product": f"prompt lookup, corpus lookup, top-{k} siblings"}
+                         "EAGLE-3": f"top-{k} siblings", "AR drafter": f"chain of {k}",
+                         "product": f"prompt lookup, corpus lookup, top-{k} siblings"}
+        self.settings = {name: self.settings[name] for name in self.decoders}
         self.max_new_tokens = args.max_new_tokens
 
     def run(self, name: str) -> dict:
@@ -305,6 +322,9 @@ def main(argv=None) -> int:
     parser.add_argument("--exports", type=Path, required=True, help="DIR/f32, DIR/f16, DIR/q8_0: gguf exports")
     parser.add_argument("--drafter", required=True, help="the same EAGLE-3 drafter's folder, for our decoder")
     parser.add_argument("--corpus", required=True, help="the drafter-datagen folder corpus lookup reads")
+    parser.add_argument("--ar-exports", type=Path, default=None,
+                        help="AR_DIR/<precision>/drafter.gguf: the stand-alone AR drafter's gguf exports")
+    parser.add_argument("--ar-drafter", default=None, help="the same AR drafter's folder, for our decoder")
     parser.add_argument("--llamacpp", default=None, help="default: $DRAFTER_TRAIN_LLAMACPP, else .llamacpp")
     parser.add_argument("--target", default=EMBEDDED_TARGET, help="the target the exports were made from")
     parser.add_argument("--ngram-modes", default=NGRAM_MODES, help="llama.cpp's free n-gram modes to time")
@@ -317,12 +337,14 @@ def main(argv=None) -> int:
     parser.add_argument("--result", action="store_true", help="write benchmarks/results/engines.json")
     add_prompt_args(parser, num_prompts=16, max_new_tokens=48)
     args = parser.parse_args(argv)
+    if (args.ar_exports is None) != (args.ar_drafter is None):
+        parser.error("--ar-exports and --ar-drafter go together: the same AR drafter in llama.cpp and in ours")
     bin_dir = llamacpp_dir(args.llamacpp) / "build" / "bin"
     for tool in ("llama-server", "llama-bench"):
         if not (bin_dir / tool).is_file():
             sys.exit(f"engines: no {tool} in {bin_dir} (scripts/setup_llamacpp.sh, or --llamacpp)")
     decoders = llamacpp_decoders(args.exports.absolute(), [m for m in args.ngram_modes.split(",") if m],
-                                 args.draft_len)
+                                 args.draft_len, args.ar_exports.absolute() if args.ar_exports else None)
     if not decoders:
         sys.exit(f"engines: no DIR/<precision>/target.gguf under {args.exports} ({', '.join(PRECISIONS)})")
     args.output.mkdir(parents=True, exist_ok=True)
@@ -382,7 +404,9 @@ def median_curves(curve_rounds: list[dict]) -> list[dict]:
 
 def write_engines_result(record: dict, args) -> None:
     fastest = record["rows"][0]["fastest_plain"]
-    target = "SmolLM2-135M-Instruct" if args.target.startswith("embedded:") else Path(args.target).name
+    from drafter_train.targets import model_name
+
+    target = model_name(args.target)
     write_result(
         "engines", title=f"Engines on this machine: plain and speculative decoding of {target}",
         question="Which decoder is fastest here in any engine, and does speculation pay inside each engine?",

@@ -59,6 +59,15 @@ def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
     return model, load_tokenizer(path, gguf_file)
 
 
+def model_name(path: str) -> str:
+    """A target's name for titles: the embedded model's own name (SmolLM2-135M-Instruct for embedded:smollm2), else
+    the folder's or hub id's last part."""
+    embedded = _EMBEDDED.get(path.removeprefix(EMBEDDED_PREFIX)) if path.startswith(EMBEDDED_PREFIX) else None
+    if embedded is not None:
+        return Path(embedded.file).name.split(".")[0]
+    return Path(path).name
+
+
 def resolved_path(cfg: TargetConfig) -> tuple[str, Optional[str]]:
     """(path, gguf_file) as the loaders read them: the embedded model is loaded from its dequantised cache folder,
     never from the GGUF file again."""

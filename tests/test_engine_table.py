@@ -1,6 +1,7 @@
 """The engine table (benchmarks/engine_table.py via make_results) on a fixture result file, and the llama.cpp
 commands benchmarks/engines.py and engine_check build: the product's comma list, the static corpus cache, plain
-decoding without any --spec-type, and the drafting time read from llama-server's log. Nothing here runs an engine."""
+decoding without any --spec-type, the stand-alone AR drafter as a draft model, and the drafting time read from
+llama-server's log. Nothing here runs an engine."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from benchmarks import engine_check, engines, make_results
 from benchmarks.common import write_result
 from benchmarks.engine_table import pays_lines, speculation_table, speed_table
 from benchmarks.llamacpp_engine import drafting_ms, server_command
+from drafter_train.targets import model_name
 
 
 def _row(engine, precision, decoder, tps, fastest=150.0, own=None, **extra):
@@ -129,6 +131,57 @@ def test_engines_lists_every_decoder_of_the_exports(tmp_path):
                    ("q8_0", "free n-gram", "ngram-simple", 2), ("q8_0", "free n-gram", "ngram-mod", 2),
                    ("q8_0", "EAGLE-3", "draft-eagle3", 2), ("q8_0", "product", "ngram-cache,draft-eagle3", 2)]
     assert decoders[-1]["lookup_cache"] == tmp_path / "corpus.lookup" and decoders[-1]["drafter"].name == "drafter.gguf"
+
+
+def test_engines_adds_the_ar_drafter_as_a_draft_model_per_precision(tmp_path):
+    """The AR drafter's gguf exports (their own folders, no targets) pair with the targets of --exports at the same
+    precision; served as llama.cpp's draft model (draft-simple, -md) with the draft length in its setting."""
+    exports, ar = tmp_path / "exports", tmp_path / "ar"
+    for precision in ("f32", "q8_0"):
+        (exports / precision).mkdir(parents=True)
+        (exports / precision / "target.gguf").write_bytes(b"")
+    (ar / "q8_0").mkdir(parents=True)
+    (ar / "q8_0" / "drafter.gguf").write_bytes(b"")
+    decoders = engines.llamacpp_decoders(exports, [], 3, ar)
+    got = [(d["precision"], d["decoder"], d["spec_type"]) for d in decoders]
+    assert got == [("f32", "plain", None), ("q8_0", "plain", None), ("q8_0", "AR drafter", "draft-simple")]
+    ar_row = decoders[-1]
+    assert ar_row["drafter"] == ar / "q8_0" / "drafter.gguf" and ar_row["target"] == exports / "q8_0" / "target.gguf"
+    assert engines._row(ar_row) == {"engine": "llama.cpp", "precision": "q8_0", "decoder": "AR drafter",
+                                    "setting": "--spec-type draft-simple --spec-draft-n-max 3"}
+    command = _pairs(server_command(Path("/bin"), ar_row["target"], ar_row["drafter"], ar_row["spec_type"], 3, 2,
+                                    8080, f32_cache=True))
+    assert command["-md"] == str(ar / "q8_0" / "drafter.gguf") and command["--spec-type"] == "draft-simple"
+    assert command["-ctkd"] == "f32" and command["-td"] == "2"
+    assert engines.llamacpp_decoders(exports, [], 3) == decoders[:2]  # no AR folder: no AR row
+
+
+def test_engines_takes_the_ar_exports_and_folder_together(capsys):
+    with pytest.raises(SystemExit):
+        engines.main(["--exports", "x", "--drafter", "d", "--corpus", "c", "--ar-exports", "ar"])
+    assert "--ar-exports and --ar-drafter go together" in capsys.readouterr().err
+
+
+def test_result_titles_name_the_model_not_the_embedded_path():
+    assert model_name("embedded:smollm2") == "SmolLM2-135M-Instruct"
+    assert model_name("/models/Qwen3-8B") == "Qwen3-8B" and model_name("Qwen/Qwen3-8B") == "Qwen3-8B"
+
+
+def test_the_ar_drafter_rows_fill_the_tables():
+    rows = ROWS + [_row("llama.cpp", "q8_0", "AR drafter", 90.0, own=150.0, setting="--spec-type draft-simple",
+                        tau=1.5, predicted_speedup=0.63, draft_cost_per_step=0.3),
+                   _row("ours", "f32", "AR drafter", 36.0, own=40.0, setting="chain of 2", tau=1.5,
+                        predicted_speedup=0.99)]
+    table = speed_table(rows)
+    llama = next(line for line in table.splitlines() if line.startswith("| llama.cpp | q8_0"))
+    assert llama == ("| llama.cpp | q8_0 | 150.0 (1.00x) | 140.0 (0.93x) | 100.0 (0.67x) | 90.0 (0.60x) | "
+                     "not measured |")
+    ours = next(line for line in table.splitlines() if line.startswith("| ours |"))
+    assert "| 36.0 (0.24x) | 50.0 (0.33x) |" in ours
+    lines = speculation_table(rows).splitlines()
+    # measured 90/150 = 0.6, predicted 0.63: +5 %; ours 36/40 = 0.9 against 0.99: +10 %
+    assert "| llama.cpp | q8_0 | AR drafter | --spec-type draft-simple | 1.500 | 0.600 | 0.630 | +5 % |" in lines
+    assert "| ours | f32 | AR drafter | chain of 2 | 1.500 | 0.900 | 0.990 | +10 % |" in lines
 
 
 def test_drafting_ms_sums_the_last_running_total_of_each_drafter():
