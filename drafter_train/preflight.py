@@ -50,3 +50,16 @@ def _data_folders(cfg) -> list[tuple[str, Optional[str]]]:
     if corpus is not None:
         folders.append(("drafter.corpus.path", corpus.path))
     return folders
+
+
+def check_writable(path: Path) -> None:
+    """Fail before the (long) evaluation rather than after it, leaving no empty file behind if it fails."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        existed = path.exists()
+        with open(path, "a"):
+            pass
+        if not existed:
+            path.unlink()
+    except OSError as err:
+        raise ConfigError(f"eval.output: cannot write {path}: {err.strerror}") from None

@@ -23,7 +23,7 @@ from drafter_train.evaluation import calibration_decoder, check_decoder, evaluat
 from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig
 from drafter_train.recipes.cli import register_configs
 from drafter_train.cpu_kernels import row_policy
-from drafter_train.preflight import check_inputs
+from drafter_train.preflight import check_inputs, check_writable
 from drafter_train.recipes.cli import one_line_errors
 from drafter_train.data.overlap import check_eval_overlap, recorded_data_dir
 from drafter_train.data.prompts import load_prompt_records, refuse_test_split, split_name
@@ -33,19 +33,6 @@ from drafter_train.drafters.registry import make_drafter, model_kind
 from drafter_train.errors import CheckpointDamagedError, ConfigError
 from drafter_train.io import write_atomic
 from drafter_train.targets import encode_prompt, eos_token_ids, load_target, model_identity
-
-
-def _check_writable(path: Path) -> None:
-    """Fail before the (long) evaluation rather than after it, leaving no empty file behind if it fails."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        existed = path.exists()
-        with open(path, "a"):
-            pass
-        if not existed:
-            path.unlink()
-    except OSError as err:
-        raise ConfigError(f"eval.output: cannot write {path}: {err.strerror}") from None
 
 
 def _check_intact(drafter_path: str) -> None:
@@ -70,7 +57,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     if cal.enabled:
         refuse_test_split(cfg.eval.prompts, "eval.prompts", "eval.calibration")
         curves = engine_curves(cal.engine_costs)
-    _check_writable(output)
+    check_writable(output)
     _check_intact(cfg.drafter.path)
     check_inputs(cfg)
     target, tokenizer = load_target(cfg.target)

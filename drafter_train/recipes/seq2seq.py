@@ -33,7 +33,7 @@ from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.errors import ConfigError
 from drafter_train.io import write_atomic
 from drafter_train.recipes.cli import one_line_errors, register_configs
-from drafter_train.recipes.evaluate import _check_writable
+from drafter_train.preflight import check_writable
 from drafter_train.seq2seq.config import Seq2SeqJobConfig, check_paths, split_path
 from drafter_train.seq2seq.data import read_pairs, regenerate
 from drafter_train.seq2seq.decoding import evaluate_seq2seq
@@ -116,7 +116,7 @@ def run(cfg: Seq2SeqJobConfig) -> dict:
     check_paths(cfg)
     run_dir = prepare_run_dir(cfg.train.output_root, cfg.train.run_name, cfg.train.resume)
     output = Path(cfg.eval.output) if cfg.eval.output else run_dir / "metrics.json"
-    _check_writable(output)
+    check_writable(output)
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     check_same_run(run_dir, config, ignore=RESUMABLE_CHANGES)
     save_run_config(run_dir, config)
