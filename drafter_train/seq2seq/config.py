@@ -10,7 +10,7 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from drafter_train.config import BASELINE_KERNELS, LossConfig, TreeConfig, check_field
+from drafter_train.config import BASELINE_KERNELS, EvalConfig, LossConfig, TreeConfig, check_field
 from drafter_train.cpu_kernels import CPU_KERNELS
 from drafter_train.errors import ConfigError
 
@@ -100,12 +100,13 @@ class Seq2SeqTrainConfig:
 @dataclass
 class Seq2SeqEvalConfig:
     # greedy (lossless: outputs equal plain decoding's) | sample (speculative sampling at `temperature`).
-    verify: str = "greedy"
-    temperature: float = 1.0
+    # The defaults are drafter-eval's (EvalConfig), stated there once.
+    verify: str = EvalConfig.verify
+    temperature: float = EvalConfig.temperature
     # As eval.baseline_kernels: all = plain decoding on every CPU kernel setting, the fastest the divisor.
-    baseline_kernels: str = "all"
+    baseline_kernels: str = EvalConfig.baseline_kernels
     # Untimed runs of every decoder before the timing.
-    warmup: int = 1
+    warmup: int = EvalConfig.warmup
     # Where the test split's metrics go; unset: metrics.json in the run folder.
     output: Optional[str] = None
     # Draft trees instead of chains (eval.tree.top_k set; depth unset: drafter.draft_len), as drafter-eval's: only
