@@ -102,7 +102,8 @@ def complete(url: str, prompt: list[int], max_new_tokens: int) -> dict:
 
 def decode_prompts(command: list[str], log: Path, prompts: list[list[int]], max_new_tokens: int) -> dict:
     """All prompts one at a time on one server (after a warm-up request): outputs, timings, and the verify steps
-    (accepted, drafted) the server logged for them."""
+    (accepted, drafted) the server logged for them. The server's generation time (gen_ms) starts at each request's
+    first token, which the prompt pass made: `requests` tokens of `generated` cost no decode step."""
     with running_server(command, log) as url:
         complete(url, prompts[0], 8)  # warm-up, not counted
         warm = log.read_text(errors="replace")
@@ -112,7 +113,7 @@ def decode_prompts(command: list[str], log: Path, prompts: list[list[int]], max_
     generated = sum(r["timings"].get("predicted_n", 0) for r in replies)
     seconds = sum(r["timings"].get("predicted_ms", 0.0) for r in replies) / 1000
     return {"tokens": [r["tokens"] for r in replies], "steps": steps, "tokens_per_s": generated / max(seconds, 1e-9),
-            "generated": generated, "draft_ms": drafting_ms(warm + logged) - drafting_ms(warm),
+            "generated": generated, "gen_ms": 1000 * seconds, "requests": len(replies), "draft_ms": drafting_ms(warm + logged) - drafting_ms(warm),
             "draft_n": sum(r["timings"].get("draft_n", 0) for r in replies),
             "draft_n_accepted": sum(r["timings"].get("draft_n_accepted", 0) for r in replies)}
 
