@@ -128,7 +128,7 @@ def server_curves(bin_dir: Path, target: Path, drafters: dict, prompts: list[lis
     def served(kind, d, prompt_set, n_new):
         command = calibration_command(bin_dir, target, kind, d, drafters.get(kind), threads, engine.free_port(),
                                       f32_cache)
-        return engine.decode_prompts(command, log, prompt_set, n_new)
+        return engine.decode_prompts(command, log, prompt_set, n_new, ignore_eos=True)
 
     plain = plain_step_ms(served(None, 0, prompts, max_new_tokens))
     out = {"ms_1": plain, "kinds": {}}
@@ -139,8 +139,13 @@ def server_curves(bin_dir: Path, target: Path, drafters: dict, prompts: list[lis
         for d in drafts[kind]:
             prompt_set = [repeating_prompt(p) for p in prompts[:NGRAM_PROMPTS]] if kind == "ngram" else prompts
             # room for full drafts: a draft is cut to the tokens still to make
-            ms[d + 1], steps[d + 1] = step_cost(served(kind, d, prompt_set, max(max_new_tokens, 2 * d + 8)), plain, d)
-        out["kinds"][kind] = {"ms": ms, "relative": {n: v / plain for n, v in ms.items()}, "steps": steps}
+            try:
+                ms[d + 1], steps[d + 1] = step_cost(served(kind, d, prompt_set, max(max_new_tokens, 2 * d + 8)),
+                                                    plain, d)
+            except RuntimeError as error:  # the kind's rows fall back to llama-bench's curve
+                print(f"{error} ({kind}, {d} drafts)", file=sys.stderr)
+        if len(ms) > 1:
+            out["kinds"][kind] = {"ms": ms, "relative": {n: v / plain for n, v in ms.items()}, "steps": steps}
     return out
 
 
@@ -148,9 +153,10 @@ def median_server_curves(rounds: Sequence[dict]) -> dict:
     """Per kind and size, the median over rounds, and relative to the median plain step."""
     ms_1 = median(r["ms_1"] for r in rounds)
     kinds = {}
-    for kind in rounds[0]["kinds"]:
-        sizes = sorted({n for r in rounds for n in r["kinds"][kind]["ms"]})
-        ms = {n: median(r["kinds"][kind]["ms"][n] for r in rounds if n in r["kinds"][kind]["ms"]) for n in sizes}
+    for kind in {k for r in rounds for k in r["kinds"]}:
+        measured = [r["kinds"][kind]["ms"] for r in rounds if kind in r["kinds"]]
+        sizes = sorted({n for m in measured for n in m})
+        ms = {n: median(m[n] for m in measured if n in m) for n in sizes}
         ms[1] = ms_1
         kinds[kind] = {"ms": ms, "relative": {n: v / ms_1 for n, v in ms.items()}}
     return {"ms_1": ms_1, "kinds": kinds}

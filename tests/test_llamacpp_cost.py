@@ -89,6 +89,9 @@ def test_median_server_curves_over_rounds():
     assert got["ms_1"] == 11.0
     assert got["kinds"]["eagle3"]["ms"] == {1: 11.0, 3: 22.0}
     assert got["kinds"]["eagle3"]["relative"] == {1: 1.0, 3: pytest.approx(2.0)}
+    # a kind whose calibration failed in a round (its rows then fall back to llama-bench) keeps the others' median
+    got = median_server_curves([one(10.0, 20.0), {"ms_1": 12.0, "kinds": {}}, one(11.0, 24.0)])
+    assert got["ms_1"] == 11.0 and got["kinds"]["eagle3"]["ms"] == {1: 11.0, 3: 22.0}
 
 
 def test_engines_predicts_a_llamacpp_row_from_its_kind_and_leaves_the_free_tokens_out():
