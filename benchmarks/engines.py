@@ -287,6 +287,8 @@ def summarize(rounds: list[dict], curves: list[dict]) -> list[dict]:
         curve = curve_of.get((row["engine"], row["precision"]))
         relative, ms_1 = _relative_for(row, curve) if curve else (None, None)
         row["predicted_speedup"] = predict(row, relative, ms_1) if curve else None
+        if curve and curve.get("server") and "plain_passes" in row:  # beside it: from llama-bench's pass curve
+            row["predicted_from_llama_bench"] = predict(row, curve["relative"], curve["ms_1"])
         if curve and "plain_passes" in row:  # drafting per target pass, in 1-token passes of that engine
             passes = max(row["plain_passes"] + len(row["drafted"]), 1)
             row["draft_cost_per_step"] = row["draft_ms"] / ms_1 / passes
