@@ -72,6 +72,13 @@ def _relative(curve: dict) -> dict[int, float]:
     return {int(n): v for n, v in curve["relative"].items()}
 
 
+def _step_relative(curve: dict) -> dict[int, float]:
+    """What an EAGLE-3 verify step costs in the engine: llama.cpp's as llama-server's step measured it
+    (benchmarks/llamacpp_cost.py, where the curve has it), else the pass curve."""
+    step = (curve.get("server") or {}).get("kinds", {}).get("eagle3")
+    return {int(n): v for n, v in step["relative"].items()} if step else _relative(curve)
+
+
 def pays_lines(rows: list[dict], curves: list[dict], draft_lens: tuple[int, ...] = (1, 2)) -> list[str]:
     """Per engine and precision with a drafter row: does speculation pay (its best measured speedup over its own
     plain decoding), and the tau and per-position acceptance a drafter costing what this one measured would need at
@@ -89,7 +96,7 @@ def pays_lines(rows: list[dict], curves: list[dict], draft_lens: tuple[int, ...]
         cost = drafter["draft_cost_per_step"] if drafter else 0.0
         needs = []
         for k in draft_lens:
-            tau = break_even_tau(cost_at(_relative(curve), k + 1), cost)
+            tau = break_even_tau(cost_at(_step_relative(curve), k + 1), cost)
             need = acceptance_needed(tau, k)
             needs.append(f"draft length {k}: tau {tau:.2f}" + (
                 " (out of reach)" if need is None else " (any drafter)" if tau <= 1 else

@@ -26,12 +26,19 @@ load changes hit them alike); the load average is recorded before and after.
 
 Verify-cost curves (the cost of a target pass over n tokens relative to n = 1, after a cached prefix of --depth
 tokens): llama.cpp's from `llama-bench -p 1,2,.. -n 0 -d DEPTH` per precision, ours from calibrate.verify_cost_curve
-(chains, and the sibling tree's pass), measured in the same rounds.
+(chains, and the sibling tree's pass), measured in the same rounds. llama.cpp's predictions use the verify STEP's
+cost measured through llama-server itself (benchmarks/llamacpp_cost.py: synthetic acceptance 0 on the
+--calibration-prompts, never the prompts predicted), per verify kind (n-gram, EAGLE-3, draft model): llama-bench's
+pass computes the last position's logits only and none of the drafter's work on the verify batch.
 
 Predicted speedups (calibrate.predicted_steps_speedup): from each speculative run's own steps (how many drafts each
 verify pass checked, the tokens made) and the engine's cost curve, with the drafting cost the engine measured
-(llama-server's per-drafter `dur` statistics; ours: drafter call time), divided by the engine's 1-token pass. They
-sit next to the measured speedup over the same engine's plain decoding.
+(llama-server's per-drafter `dur` statistics; ours: drafter call time), divided by the engine's 1-token pass (for
+llama.cpp: the plain server's per-token step). They sit next to the measured speedup over the same engine's plain
+decoding.
+
+--engines llama.cpp (with --precisions) times llama.cpp's rows alone (no torch model is loaded; --drafter and
+--corpus are then not needed).
 
 Writes benchmarks/results/engines.json (--result) with data.engine_rows and data.cost_curves, from which
 `python -m benchmarks.make_results` builds the engine table of docs/results.md.
@@ -48,6 +55,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from benchmarks import llamacpp_cost
 from benchmarks import llamacpp_engine as engine
 from benchmarks.common import add_prompt_args, command_line, dev_note, load_average, median, split_name, write_result
 
@@ -61,14 +69,14 @@ PRODUCT_NGRAM = "ngram-cache"  # the context's n-grams plus the static corpus ca
 
 
 def llamacpp_decoders(exports: Path, ngram_modes: list[str], draft_len: int,
-                      ar_exports: Optional[Path] = None) -> list[dict]:
+                      ar_exports: Optional[Path] = None, precisions: tuple = PRECISIONS) -> list[dict]:
     """Every llama.cpp decoder to run: (precision, row, spec types, files). ar_exports: the AR drafter's gguf
     folders per precision (its drafter.gguf served with the target of `exports` at that precision)."""
     from drafter_train.drafters.registry import get_kind
 
     out = []
     lookup = exports / "corpus.lookup"
-    for precision in PRECISIONS:
+    for precision in precisions:
         folder = exports / precision
         if not (folder / "target.gguf").is_file():
             continue
@@ -95,7 +103,7 @@ def run_llamacpp(decoder: dict, bin_dir: Path, prompts: list[list[int]], max_new
                                     f32_cache=decoder["precision"] == "f32", lookup_cache=decoder.get("lookup_cache"))
     served = engine.decode_prompts(command, log, prompts, max_new_tokens)
     return {"tokens_per_s": served["tokens_per_s"], "tokens": served["generated"], "steps": served["steps"],
-            "draft_ms": served["draft_ms"], "outputs": served["tokens"]}
+            "draft_ms": served["draft_ms"], "outputs": served["tokens"], "requests": served["requests"]}
 
 
 def bench_curve(bin_dir: Path, gguf: Path, sizes: list[int], depth: int, repeats: int, threads: int) -> dict[int, float]:
@@ -234,18 +242,24 @@ def ours_steps(stats) -> tuple[int, list[int], float]:
 
 
 def predict(row: dict, relative: dict[int, float], ms_1: float) -> Optional[float]:
-    """The predicted speedup of one speculative row over its engine's plain decoding (None for plain rows)."""
+    """The predicted speedup of one speculative row over its engine's plain decoding (None for plain rows). Tokens a
+    prompt pass made (free_tokens: llama-server's first token of each request) cost no step in either run."""
     from drafter_train.calibrate import predicted_steps_speedup
 
     if "plain_passes" not in row:
         return None
-    return predicted_steps_speedup(row["tokens"], row["plain_passes"], row["drafted"], relative,
+    free = row.get("free_tokens", 0)
+    return predicted_steps_speedup(row["tokens"] - free, row["plain_passes"] - free, row["drafted"], relative,
                                    row["draft_ms"] / ms_1)
 
 
-def _relative_for(row: dict, curve: dict) -> dict[int, float]:
-    """The cost curve a row's verify passes follow: our sibling trees' passes are tree passes (tree_relative)."""
-    return {**curve["relative"], **(curve.get("tree_relative", {}) if row.get("tree") else {})}
+def _relative_for(row: dict, curve: dict) -> tuple[dict[int, float], float]:
+    """The cost curve a row's verify passes follow and its 1-token cost in ms: our sibling trees' passes are tree
+    passes (tree_relative); llama.cpp's steps cost what llama-server's step of their verify kind costs (server)."""
+    server = curve.get("server")
+    if server and row.get("verify_kind") in server["kinds"]:
+        return server["kinds"][row["verify_kind"]]["relative"], server["ms_1"]
+    return {**curve["relative"], **(curve.get("tree_relative", {}) if row.get("tree") else {})}, curve["ms_1"]
 
 
 def summarize(rounds: list[dict], curves: list[dict]) -> list[dict]:
@@ -257,7 +271,8 @@ def summarize(rounds: list[dict], curves: list[dict]) -> list[dict]:
         runs = [r[key] for r in rounds if key in r]
         row = dict(runs[0]["row"], tokens_per_s=median(run["tokens_per_s"] for run in runs),
                    tokens_per_s_rounds=[run["tokens_per_s"] for run in runs])
-        for field in ("tau", "acceptance_per_position", "tokens", "plain_passes", "drafted", "draft_ms"):
+        for field in ("tau", "acceptance_per_position", "tokens", "plain_passes", "drafted", "draft_ms",
+                      "free_tokens", "verify_kind"):
             if field in runs[-1]:
                 row[field] = runs[-1][field]
         rows.append(row)
@@ -270,10 +285,13 @@ def summarize(rounds: list[dict], curves: list[dict]) -> list[dict]:
         row["speedup_over_fastest"] = row["tokens_per_s"] / fastest["tokens_per_s"]
         row["fastest_plain"] = f"{fastest['engine']} {fastest['precision']}".strip()
         curve = curve_of.get((row["engine"], row["precision"]))
-        row["predicted_speedup"] = predict(row, _relative_for(row, curve), curve["ms_1"]) if curve else None
+        relative, ms_1 = _relative_for(row, curve) if curve else (None, None)
+        row["predicted_speedup"] = predict(row, relative, ms_1) if curve else None
+        if curve and curve.get("server") and "plain_passes" in row:  # beside it: from llama-bench's pass curve
+            row["predicted_from_llama_bench"] = predict(row, curve["relative"], curve["ms_1"])
         if curve and "plain_passes" in row:  # drafting per target pass, in 1-token passes of that engine
             passes = max(row["plain_passes"] + len(row["drafted"]), 1)
-            row["draft_cost_per_step"] = row["draft_ms"] / curve["ms_1"] / passes
+            row["draft_cost_per_step"] = row["draft_ms"] / ms_1 / passes
         for field in ("drafted",):  # per-step lists stay out of the result file
             row.pop(field, None)
     return rows
@@ -286,7 +304,8 @@ def llamacpp_record(decoder: dict, served: dict) -> dict:
     if decoder["spec_type"]:
         plain_passes = max(served["tokens"] - tau_steps, 0)
         record.update(tokens=served["tokens"], plain_passes=plain_passes, drafted=[d for _, d in steps],
-                      draft_ms=served["draft_ms"], tau=served["tokens"] / max(plain_passes + len(steps), 1))
+                      draft_ms=served["draft_ms"], tau=served["tokens"] / max(plain_passes + len(steps), 1),
+                      free_tokens=served["requests"], verify_kind=llamacpp_cost.verify_kind(decoder["spec_type"]))
     return record
 
 
@@ -320,8 +339,14 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--exports", type=Path, required=True, help="DIR/f32, DIR/f16, DIR/q8_0: gguf exports")
-    parser.add_argument("--drafter", required=True, help="the same EAGLE-3 drafter's folder, for our decoder")
-    parser.add_argument("--corpus", required=True, help="the drafter-datagen folder corpus lookup reads")
+    parser.add_argument("--drafter", default=None, help="the same EAGLE-3 drafter's folder, for our decoder")
+    parser.add_argument("--corpus", default=None, help="the drafter-datagen folder corpus lookup reads")
+    parser.add_argument("--engines", default="llama.cpp,ours", help="llama.cpp and/or ours (ours adds HF generate)")
+    parser.add_argument("--precisions", default=",".join(PRECISIONS), help="llama.cpp's precisions to time")
+    parser.add_argument("--calibration-prompts", default="dev",
+                        help="prompts of llama-server's verify-step calibration (never the timed ones)")
+    parser.add_argument("--calibration-num-prompts", type=int, default=4)
+    parser.add_argument("--calibration-new-tokens", type=int, default=32)
     parser.add_argument("--ar-exports", type=Path, default=None,
                         help="AR_DIR/<precision>/drafter.gguf: the stand-alone AR drafter's gguf exports")
     parser.add_argument("--ar-drafter", default=None, help="the same AR drafter's folder, for our decoder")
@@ -337,31 +362,52 @@ def main(argv=None) -> int:
     parser.add_argument("--result", action="store_true", help="write benchmarks/results/engines.json")
     add_prompt_args(parser, num_prompts=16, max_new_tokens=48)
     args = parser.parse_args(argv)
-    if (args.ar_exports is None) != (args.ar_drafter is None):
+    engines = args.engines.split(",")
+    if set(engines) - {"llama.cpp", "ours"} or set(args.precisions.split(",")) - set(PRECISIONS):
+        parser.error(f"--engines takes llama.cpp,ours and --precisions {','.join(PRECISIONS)}")
+    if "ours" in engines and (args.drafter is None or args.corpus is None):
+        parser.error("--drafter and --corpus are needed for our decoder (or --engines llama.cpp)")
+    if "ours" in engines and (args.ar_exports is None) != (args.ar_drafter is None):
         parser.error("--ar-exports and --ar-drafter go together: the same AR drafter in llama.cpp and in ours")
     bin_dir = llamacpp_dir(args.llamacpp) / "build" / "bin"
     for tool in ("llama-server", "llama-bench"):
         if not (bin_dir / tool).is_file():
             sys.exit(f"engines: no {tool} in {bin_dir} (scripts/setup_llamacpp.sh, or --llamacpp)")
     decoders = llamacpp_decoders(args.exports.absolute(), [m for m in args.ngram_modes.split(",") if m],
-                                 args.draft_len, args.ar_exports.absolute() if args.ar_exports else None)
-    if not decoders:
+                                 args.draft_len, args.ar_exports.absolute() if args.ar_exports else None,
+                                 tuple(args.precisions.split(","))) if "llama.cpp" in engines else []
+    if "llama.cpp" in engines and not decoders:
         sys.exit(f"engines: no DIR/<precision>/target.gguf under {args.exports} ({', '.join(PRECISIONS)})")
     args.output.mkdir(parents=True, exist_ok=True)
     sizes = [int(n) for n in args.sizes.split(",")]
     load_before = load_average()
-    ours = Ours(args)
-    rounds, curve_rounds = [], []
+    ours = Ours(args) if "ours" in engines else None
+    prompts = ours.prompts if ours else llamacpp_cost.calibration_prompts(args.target, args.prompts, args.num_prompts)
+    calibration = llamacpp_cost.calibration_prompts(args.target, args.calibration_prompts,
+                                                    args.calibration_num_prompts)
+    rounds, curve_rounds, server_rounds = [], [], []
     for r in range(args.rounds):
-        found, curves = {}, {}
+        found, curves, server = {}, {}, {}
         for d in decoders:
             key = f"llama.cpp {d['precision']} {d['decoder']} {d['spec_type']}"
             print(f"engines: round {r + 1}/{args.rounds}: {key}", file=sys.stderr)
-            found[key] = llamacpp_record(d, run_llamacpp(d, bin_dir, ours.prompts, args.max_new_tokens,
+            found[key] = llamacpp_record(d, run_llamacpp(d, bin_dir, prompts, args.max_new_tokens,
                                                          args.threads, args.output / "server.log"))
         for precision in {d["precision"]: d for d in decoders}:
             target = args.exports.absolute() / precision / "target.gguf"
             curves[("llama.cpp", precision)] = bench_curve(bin_dir, target, sizes, args.depth, 3, args.threads)
+            print(f"engines: round {r + 1}/{args.rounds}: llama-server step costs, {precision}", file=sys.stderr)
+            drafters = {kind: x["drafter"] for x in decoders if x["precision"] == precision and x.get("drafter")
+                        for kind in [llamacpp_cost.verify_kind(x["spec_type"])]}
+            server[precision] = llamacpp_cost.server_curves(
+                bin_dir, target, drafters, calibration, args.calibration_new_tokens, args.threads,
+                precision == "f32", args.output / "calibration.log",
+                llamacpp_cost.drafts_for([x for x in decoders if x["precision"] == precision]))
+        server_rounds.append(server)
+        if ours is None:
+            rounds.append(found)
+            curve_rounds.append(curves)
+            continue
         for name, setting in ours.settings.items():
             print(f"engines: round {r + 1}/{args.rounds}: ours {name}", file=sys.stderr)
             found[f"ours {name}"] = ours_record(name, setting, ours.run(name))
@@ -373,6 +419,9 @@ def main(argv=None) -> int:
         rounds.append(found)
         curve_rounds.append(curves)
     cost_curves = median_curves(curve_rounds)
+    for curve in cost_curves:
+        if curve["engine"] == "llama.cpp":
+            curve["server"] = llamacpp_cost.median_server_curves([s[curve["precision"]] for s in server_rounds])
     rows = summarize(rounds, cost_curves)
     record = {"rows": rows, "cost_curves": cost_curves, "load_average_before": load_before,
               "load_average_after": load_average(), "rounds": args.rounds, "depth": args.depth,

@@ -90,29 +90,32 @@ def running_server(command: list[str], log: Path, startup_s: float = 180) -> Ite
             proc.kill()
 
 
-def complete(url: str, prompt: list[int], max_new_tokens: int) -> dict:
-    """One greedy /completion on token ids -> {"tokens": [...], "timings": {...}}."""
+def complete(url: str, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> dict:
+    """One greedy /completion on token ids -> {"tokens": [...], "timings": {...}}; ignore_eos: make all
+    max_new_tokens (timing runs whose output does not matter)."""
     body = json.dumps({"prompt": prompt, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
-                       "return_tokens": True, "cache_prompt": False, "seed": 0}).encode()
+                       "return_tokens": True, "cache_prompt": False, "seed": 0, "ignore_eos": ignore_eos}).encode()
     request = urllib.request.Request(f"{url}/completion", data=body, headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=600) as response:
         reply = json.loads(response.read())
     return {"tokens": list(reply.get("tokens", [])), "timings": reply.get("timings", {})}
 
 
-def decode_prompts(command: list[str], log: Path, prompts: list[list[int]], max_new_tokens: int) -> dict:
+def decode_prompts(command: list[str], log: Path, prompts: list[list[int]], max_new_tokens: int,
+                   ignore_eos: bool = False) -> dict:
     """All prompts one at a time on one server (after a warm-up request): outputs, timings, and the verify steps
-    (accepted, drafted) the server logged for them."""
+    (accepted, drafted) the server logged for them. The server's generation time (gen_ms) starts at each request's
+    first token, which the prompt pass made: `requests` tokens of `generated` cost no decode step."""
     with running_server(command, log) as url:
         complete(url, prompts[0], 8)  # warm-up, not counted
         warm = log.read_text(errors="replace")
-        replies = [complete(url, ids, max_new_tokens) for ids in prompts]
+        replies = [complete(url, ids, max_new_tokens, ignore_eos) for ids in prompts]
         logged = log.read_text(errors="replace")[len(warm):]
         steps = [(int(size) - 1, int(drafted)) for size, drafted in STEP.findall(logged)]
     generated = sum(r["timings"].get("predicted_n", 0) for r in replies)
     seconds = sum(r["timings"].get("predicted_ms", 0.0) for r in replies) / 1000
     return {"tokens": [r["tokens"] for r in replies], "steps": steps, "tokens_per_s": generated / max(seconds, 1e-9),
-            "generated": generated, "draft_ms": drafting_ms(warm + logged) - drafting_ms(warm),
+            "generated": generated, "gen_ms": 1000 * seconds, "requests": len(replies), "draft_ms": drafting_ms(warm + logged) - drafting_ms(warm),
             "draft_n": sum(r["timings"].get("draft_n", 0) for r in replies),
             "draft_n_accepted": sum(r["timings"].get("draft_n_accepted", 0) for r in replies)}
 

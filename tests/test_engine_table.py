@@ -70,6 +70,12 @@ def test_pays_lines_by_hand():
     assert "**ours f32**: speculation pays (best: product, 1.25x" in ours
     assert "draft length 1: tau 1.05 (per-position acceptance 0.05)" in ours
     assert "draft length 2: tau 1.10 (per-position acceptance 0.09)" in ours
+    # llama-server's measured EAGLE-3 step (benchmarks/llamacpp_cost.py) replaces llama-bench's pass: 1 + (2.4 - 1) / 2
+    # = 1.7 at draft length 1 (interpolated), 2.4 at 2; plus 0.2 of drafting: 1 + a = 1.9, 1 + a + a^2 = 2.6
+    stepped = [dict(CURVES[0], server={"ms_1": 5.0, "kinds": {"eagle3": {"relative": {"1": 1.0, "3": 2.4}}}})]
+    llama = pays_lines(ROWS, stepped)[0]
+    assert "draft length 1: tau 1.90 (per-position acceptance 0.90)" in llama
+    assert "draft length 2: tau 2.60 (per-position acceptance 0.86)" in llama
 
 
 def test_make_results_renders_the_engine_section_from_its_result_file(tmp_path):
