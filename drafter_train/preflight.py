@@ -10,7 +10,7 @@ from typing import Optional
 from drafter_train.data.prompts import check_prompt_file
 from drafter_train.drafters.registry import is_saved_drafter
 from drafter_train.errors import ConfigError, ModelNotFoundError
-from drafter_train.targets import check_attention, check_model_path
+from drafter_train.targets import check_attention, check_model_path, check_tokenizer_fits
 
 
 def check_inputs(cfg) -> None:
@@ -19,6 +19,8 @@ def check_inputs(cfg) -> None:
     target, drafter = getattr(cfg, "target", None), getattr(cfg, "drafter", None)
     if target is not None:
         _named("target.path", lambda: check_model_path(target.path, target.gguf_file))
+        if not target.gguf_file:
+            check_tokenizer_fits(target.path)  # a pad or prompt id past the embedding: not an IndexError mid-run
         check_attention(target, getattr(cfg, "eval", None))
     if drafter is not None and is_saved_drafter(drafter.path):
         _named("drafter.path", lambda: check_model_path(drafter.path))

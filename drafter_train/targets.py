@@ -316,6 +316,26 @@ def check_model_path(path: str, gguf_file: Optional[str] = None) -> None:
         _locate(path, gguf_file)
 
 
+def check_tokenizer_fits(path: str) -> None:
+    """Refuse, in one line and before the weights load, a local target folder whose tokenizer has ids its model cannot
+    embed (config vocab_size): such an id (a pad token, a prompt's token) fails as an IndexError in the embedding
+    mid-run. transformers picks the tokenizer class by model type for some families (Qwen2 gets Qwen2Tokenizer,
+    which adds <|endoftext|> as pad, whatever class the folder declares), so the tokenizer that loads is checked."""
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in _TOKENIZER_FILES):
+        return  # hub ids, GGUF files, embedded targets: checked by loading
+    from transformers import AutoConfig
+
+    rows = getattr(AutoConfig.from_pretrained(folder).get_text_config(), "vocab_size", None)
+    tokenizer = load_tokenizer(str(folder))
+    beyond = sorted((i, t) for t, i in tokenizer.get_vocab().items() if rows and i >= rows)
+    if beyond:
+        named = ", ".join(f"{t} = {i}" for i, t in beyond[:3]) + (" ..." if len(beyond) > 3 else "")
+        pad = f"; its pad token is {tokenizer.pad_token} = {tokenizer.pad_token_id}" if tokenizer.pad_token else ""
+        raise ConfigError(f"target.path: {path}: the tokenizer ({type(tokenizer).__name__}) has ids ({named}) that the "
+                          f"model cannot embed: config vocab_size is {rows}{pad}")
+
+
 def has_sliding_window(config) -> bool:
     """Whether some attention layer of a model with this config keeps only a window of the KV cache (Gemma 2/3,
     Mistral, gpt-oss ...): such caches cannot be cropped back to an arbitrary position."""

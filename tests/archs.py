@@ -13,7 +13,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from tests.stubs import VOCAB
+from tests.stubs import SENTENCES, SPECIALS, VOCAB, WORDS, word_tokenizer
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
@@ -68,3 +68,26 @@ def tiny_target(name: str, seed: int = 0, **overrides):
                 p.normal_(0.0, scale)
         model.get_input_embeddings().weight.mul_(embedding_factor)
     return model.eval().requires_grad_(False)
+
+
+def folder_tokenizer(name: str):
+    """The tokenizer a saved `name` target folder holds: the word tokenizer (VOCAB ids), except for Qwen2, whose
+    folders transformers always loads with Qwen2Tokenizer (a byte-level BPE: it rebuilds the word tokenizer into
+    one that reads every word as unknown and adds an <|endoftext|> pad past the VOCAB rows). Qwen2 gets a byte-level
+    BPE trained on the tests' words instead, <unk> <s> </s> first like the word tokenizer; the model must then have
+    len(tokenizer) rows."""
+    if name != "qwen2":
+        return word_tokenizer()
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    alphabet = sorted(set("".join(WORDS)) | {"Ġ"})  # ByteLevel writes a space as Ġ
+    bpe.train_from_iterator([" ".join(WORDS)] * 3 + SENTENCES, trainers.BpeTrainer(
+        vocab_size=1000, special_tokens=SPECIALS, initial_alphabet=alphabet, show_progress=False))
+    trained = json.loads(bpe.to_str())["model"]
+    return Qwen2Tokenizer(vocab=trained["vocab"], merges=[tuple(m) for m in trained["merges"]], unk_token="<unk>",
+                          bos_token="<s>", eos_token="</s>", pad_token="</s>")

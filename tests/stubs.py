@@ -96,10 +96,10 @@ def compose_cfg(name: str, overrides: list[str], return_hydra_config: bool = Fal
         return compose(name, overrides=overrides, return_hydra_config=return_hydra_config)
 
 
-def save_tiny(model, folder) -> None:
-    """A model folder the loaders accept: weights + config + the word tokenizer."""
+def save_tiny(model, folder, tokenizer=None) -> None:
+    """A model folder the loaders accept: weights + config + `tokenizer` (default: the word tokenizer)."""
     model.save_pretrained(folder)
-    word_tokenizer().save_pretrained(folder)
+    (tokenizer or word_tokenizer()).save_pretrained(folder)
 
 
 @torch.inference_mode()

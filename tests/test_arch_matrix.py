@@ -269,6 +269,11 @@ def test_eagle3_exports_carry_engine_layer_ids_and_norm_flags(arch, tmp_path):
     # the verifier is the target's architecture (speculators refuses a config without one), not the drafter layer's
     assert vllm["speculators_config"]["verifier"]["architectures"] == [type(target(arch)).__name__]
     assert vllm["transformer_layer_config"]["hidden_size"] == target(arch).config.hidden_size
+    # vLLM would give the drafter layer Mistral's model-level window (no layer_types): a window as long as the
+    # context keeps it full; hybrid targets (per-layer windows) and full ones need nothing
+    window = {"layer_types": ["sliding_attention"], "sliding_window": 256} if arch == "mistral" else {}
+    assert {k: vllm["transformer_layer_config"].get(k) for k in window} == window
+    assert arch == "mistral" or "sliding_window" not in vllm["transformer_layer_config"]
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     assert sglang["architectures"] == ["LlamaForCausalLMEagle3"]
 

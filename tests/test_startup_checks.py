@@ -56,3 +56,33 @@ def test_trees_on_a_sliding_window_target_are_refused_in_one_line():
         check_decoder(sliding, tree)
     check_decoder(full, tree)  # a full cache: trees are fine
     check_decoder(sliding, EvalConfig())  # the refusal is specific to trees (chains keep their own checks)
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_refused_before_the_target_loads(monkeypatch, tmp_path):
+    """transformers loads a Qwen2 folder's tokenizer as Qwen2Tokenizer whatever class the folder declares; on the
+    word tokenizer it adds <|endoftext|> (id 23) as pad, one past a 23-row embedding: datagen padded with it and
+    failed as an IndexError in the embedding mid-generate. Now one line before the weights load; the same folder
+    with one more embedding row passes."""
+    import drafter_train.recipes.datagen as datagen_recipe
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from drafter_train.targets import check_tokenizer_fits
+    from tests.stubs import VOCAB, save_tiny
+
+    def qwen2(folder, vocab):
+        save_tiny(Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=32,
+                                               num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)),
+                  folder)
+        return str(folder)
+
+    short = qwen2(tmp_path / "short", VOCAB)
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "the cat"}\n' * 4)
+    monkeypatch.setattr(datagen_recipe, "load_target", _never_loads)
+    cfg = OmegaConf.to_object(compose_cfg("datagen", [
+        f"target.path={short}", "target.chat_template=false", f"datagen.prompts={tmp_path / 'prompts.jsonl'}",
+        "datagen.num_prompts=2", "datagen.num_eval_prompts=1", f"datagen.output_dir={tmp_path / 'data'}"]))
+    with pytest.raises(ConfigError) as err:
+        datagen_recipe.run_datagen(cfg, progress=False)
+    message = str(err.value)
+    assert "\n" not in message and f"<|endoftext|> = {VOCAB}" in message and f"vocab_size is {VOCAB}" in message
+    check_tokenizer_fits(qwen2(tmp_path / "fits", VOCAB + 1))

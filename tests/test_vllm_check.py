@@ -41,11 +41,12 @@ def e3_run(tmp_path_factory):
     return root, trained_eagle3(target, root)
 
 
-def trained_eagle3(target, root: Path) -> Path:
-    """`target` saved in root/target, its drafter-datagen data, and the run folder of an EAGLE-3 run on it."""
+def trained_eagle3(target, root: Path, tokenizer=None) -> Path:
+    """`target` saved in root/target (with `tokenizer`, default the word tokenizer), its drafter-datagen data, and the
+    run folder of an EAGLE-3 run on it."""
     from drafter_train.recipes.datagen import run_datagen
 
-    save_tiny(target, root / "target")
+    save_tiny(target, root / "target", tokenizer)
     prompts = root / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"{s} {w}"}) + "\n" for s in SENTENCES for w in WORDS))
     run_datagen(OmegaConf.to_object(compose_cfg("datagen", [

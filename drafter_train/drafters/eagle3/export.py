@@ -69,12 +69,25 @@ def verifier_architectures(verifier: str, config: dict) -> list:
     return config["backbone"].get("architectures") or []
 
 
+def full_attention_in_vllm(config: dict, layer: dict) -> dict:
+    """Layer-config fields that keep the drafter's attention full in vLLM. vLLM gives every attention layer without
+    a per-layer window the target's model-wide one (CacheConfig.sliding_window: a target config with a sliding_window
+    and no layer_types, e.g. Mistral), the EAGLE-3 drafter's layer included, though it was trained with full
+    attention (measured: docs/targets.md). A per-layer window as long as the model's context is full attention that
+    vLLM does not override; other targets need nothing."""
+    context = layer.get("max_position_embeddings")
+    if not config.get("target_sliding_window") or not context:
+        return {}
+    return {"layer_types": ["sliding_attention"], "sliding_window": context}
+
+
 def _speculators_folder(config: dict, drafter_dir: Path, out: Path, draft_len: int, verifier: str,
                         keep_embeddings: bool) -> None:
+    layer = _layer_config(config)
     spec = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
-        "transformer_layer_config": _layer_config(config),
+        "transformer_layer_config": dict(layer, **full_attention_in_vllm(config, layer)),
         "draft_vocab_size": config["draft_vocab_size"],
         "target_hidden_size": config["target_hidden_size"],
         "eagle_aux_hidden_state_layer_ids": engine_layer_ids(config["target_layers"]),

@@ -55,13 +55,16 @@ class Eagle3Config(PretrainedConfig):
 
     def __init__(self, backbone: Optional[dict] = None, target_layers: Sequence[int] = (), target_num_layers: int = 0,
                  target_hidden_size: int = 0, draft_vocab_size: int = 0, fc_norm: bool = True, draft_len: int = 4,
-                 draft_vocab_fingerprint: Optional[str] = None, norm_before_fc: bool = False, **kwargs):
+                 draft_vocab_fingerprint: Optional[str] = None, norm_before_fc: bool = False,
+                 target_sliding_window: Optional[int] = None, **kwargs):
         self.backbone = backbone or {}
         self.target_layers, self.target_num_layers = list(target_layers), target_num_layers
         self.target_hidden_size, self.draft_vocab_size = target_hidden_size, draft_vocab_size
         self.fc_norm, self.draft_len = fc_norm, draft_len
         self.norm_before_fc = norm_before_fc  # one RMSNorm over the concatenated features (llama.cpp's layout)
         self.draft_vocab_fingerprint = draft_vocab_fingerprint  # draft_vocab.fingerprint of d2t, checked at load
+        # the target's model-wide window (export.py: vLLM would apply it to the drafter's layer too)
+        self.target_sliding_window = target_sliding_window
         # transformers' default initialisation (linear, embedding, norms and the rotary buffers a load recomputes)
         self.initializer_range = self.backbone.get("initializer_range", 0.02)
         super().__init__(**kwargs)
@@ -82,6 +85,14 @@ def layer_backbone(target_config: PretrainedConfig) -> dict:
     if target_config.model_type == "llama":
         return target_config.to_dict()
     return plain_layer_config(target_config, LlamaConfig)
+
+
+def model_wide_window(target_config: PretrainedConfig) -> Optional[int]:
+    """The target's sliding window when it holds for the whole model (a sliding_window and no layer_types, or only
+    sliding ones: Mistral), else None (full attention, or per-layer windows as Gemma 2/3 and gpt-oss have)."""
+    config = target_config.get_text_config()
+    window, kinds = getattr(config, "sliding_window", None), getattr(config, "layer_types", None) or []
+    return window if window and all(kind == "sliding_attention" for kind in kinds) else None
 
 
 def ttt_mask(attention_mask: Tensor, rows: Tensor, step: int, dtype: torch.dtype) -> Tensor:
@@ -207,7 +218,8 @@ def new_config(target: PreTrainedModel, layer_ids: Sequence[int], draft_vocab_si
                         draft_vocab_size=draft_vocab_size, fc_norm=fc_norm, draft_len=draft_len,
                         norm_before_fc=norm_before_fc, vocab_size=target.get_input_embeddings().num_embeddings,
                         eos_token_id=tconfig.eos_token_id, bos_token_id=tconfig.bos_token_id,
-                        pad_token_id=getattr(tconfig, "pad_token_id", None), tie_word_embeddings=False)
+                        pad_token_id=getattr(tconfig, "pad_token_id", None), tie_word_embeddings=False,
+                        target_sliding_window=model_wide_window(tconfig))
 
 
 # ----------------------------------------------------------------------------------------------------------------
