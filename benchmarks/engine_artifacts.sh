@@ -9,7 +9,8 @@
 #                 the table needs a draft model llama.cpp serves, not a good one)
 #   exports/{f32,f16,q8_0}/   drafter-export export.format=gguf of nbf (target.gguf + drafter.gguf)
 #   exports/corpus.lookup     DATA's answers as llama.cpp's static n-gram cache (llama-lookup-create)
-#   ar-exports/{f32,f16,q8_0}/drafter.gguf   ar2 as GGUF (export.gguf_target=false: the targets are exports/'s)
+#   ar-exports/{f32,f16,q8_0}/drafter.gguf   ar2 as GGUF (export.gguf_target=false: the targets are exports/'s,
+#                 linked in as target.gguf, so each folder serves as engine_check --exported)
 #   exports/vllm/ drafter-export export.format=vllm of nbf, where the exporter takes norm_before_fc (else skipped)
 # Rerunnable: a stage whose output exists is skipped, an export is written to <dir>.part and renamed when complete.
 # Environment: DATA (data/quickstart-smollm2), OUT (checkpoints/eng-smollm2), STEPS (600), SAVE_EVERY (300),
@@ -91,6 +92,8 @@ if stage ar-exports; then
   for p in "${PRECISIONS[@]}"; do
     export_to "$OUT/ar-exports/$p" export.run_dir="$OUT/ar2" export.format=gguf export.gguf_type=$p \
       export.gguf_target=false
+    # the target beside it (a link), so the folder is what engine_check --exported serves
+    [[ ! -f $OUT/exports/$p/target.gguf ]] || ln -sfn "../../exports/$p/target.gguf" "$OUT/ar-exports/$p/target.gguf"
   done
 fi
 if stage vllm; then

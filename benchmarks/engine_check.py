@@ -253,6 +253,9 @@ def main(argv=None) -> int:
     parser.add_argument("--result-name", default=None,
                         help="write the result file under this name instead (implies --result; e.g. "
                              "engine_llamacpp_ar for a second drafter kind's check beside the first)")
+    parser.add_argument("--artifacts", default=None,
+                        help="the command that made --run and --exported (e.g. 'bash benchmarks/engine_artifacts.sh'): "
+                             "the result file's command starts with it")
     args = parser.parse_args(argv)
     if args.result_name is not None:
         if not args.result_name.replace("_", "").replace("-", "").isalnum():
@@ -472,6 +475,18 @@ def llamacpp_spec_type(drafter_type: str, lookups: Optional[str], lookup_corpus:
     return ",".join(modes + [drafter_type])
 
 
+def result_command(artifacts: Optional[str], argv=None) -> str:
+    """The result file's command: this one (without --artifacts), after the command that made its artifacts."""
+    from benchmarks.common import command_line
+
+    given, kept = list(sys.argv[1:] if argv is None else argv), []
+    for i, arg in enumerate(given):
+        if not (arg == "--artifacts" or arg.startswith("--artifacts=") or (i and given[i - 1] == "--artifacts")):
+            kept.append(arg)
+    command = command_line("engine_check", kept)
+    return f"{artifacts} && {command}" if artifacts else command
+
+
 def _rates(acceptance: dict) -> str:
     return "[" + " ".join(f"{a:.3f}" for a in acceptance["per_position_acceptance"]) + "]"
 
@@ -479,7 +494,7 @@ def _rates(acceptance: dict) -> str:
 def write_engine_result(result: dict, args, results_dir: Optional[Path] = None) -> Path:
     """benchmarks/results/engine_check.json (or --result-name): our evaluator's acceptance beside vLLM's, and vLLM's
     own speedup."""
-    from benchmarks.common import RESULTS_DIR, command_line, split_name, write_result
+    from benchmarks.common import RESULTS_DIR, split_name, write_result
 
     ours, vllm = result["ours"], result["vllm"]
     rows = [["this project's decoder", ours["implied_acceptance_length"], ours["mean_acceptance_length"],
@@ -490,7 +505,7 @@ def write_engine_result(result: dict, args, results_dir: Optional[Path] = None) 
     return write_result(
         args.result_name or "engine_check", title=f"The exported {result['kind']} drafter served by vLLM",
         question="Does a real serving engine accept the exported drafter's drafts as often as our evaluator does?",
-        command=command_line("engine_check"), split=split_name(args.prompts, result["num_prompts"]),
+        command=result_command(args.artifacts), split=split_name(args.prompts, result["num_prompts"]),
         baseline="each decoder's own plain decoding (ours: this project's decoder; vLLM: the engine without the "
                  "drafter, one prompt at a time and batched)",
         columns=["decoder", "acceptance length (implied)", "mean acceptance length", "per-position acceptance",
@@ -503,7 +518,7 @@ def write_engine_result(result: dict, args, results_dir: Optional[Path] = None) 
 def write_llamacpp_result(result: dict, args, results_dir: Optional[Path] = None) -> Path:
     """benchmarks/results/engine_llamacpp.json (or --result-name): our evaluator's acceptance beside llama.cpp's, and
     llama.cpp's tokens/s with and without the drafter (its own plain decoding is the baseline)."""
-    from benchmarks.common import RESULTS_DIR, command_line, split_name, write_result
+    from benchmarks.common import RESULTS_DIR, split_name, write_result
 
     ours, engine = result["ours"], result["llamacpp"]
     rows = [["this project's decoder", ours["implied_acceptance_length"], ours["mean_acceptance_length"],
@@ -519,7 +534,7 @@ def write_llamacpp_result(result: dict, args, results_dir: Optional[Path] = None
         title=f"The exported {result['kind']} drafter of {result['target']} served by llama.cpp",
         question="Does llama.cpp accept the GGUF-exported drafter's drafts as often as our evaluator does, and does "
                  "speculation pay inside llama.cpp?",
-        command=command_line("engine_check"), split=split_name(args.prompts, result["num_prompts"]),
+        command=result_command(args.artifacts), split=split_name(args.prompts, result["num_prompts"]),
         baseline="each decoder's own plain decoding (ours: this project's decoder; llama.cpp: llama-server "
                  "without the drafter), one prompt at a time",
         columns=["decoder", "acceptance length (implied)", "mean acceptance length", "per-position acceptance",

@@ -142,13 +142,15 @@ def test_engine_check_names_its_result_file_and_make_results_sets_it_beside_the_
     results = tmp_path / "results"
     fake_result(results, "engines", "Engines", [["llama.cpp", 1.0]])
     for kind, name in (("eagle3", None), ("ar", "engine_llamacpp_ar")):
-        args = Namespace(result_name=name, prompts="test", tolerance=0.03)
+        args = Namespace(result_name=name, prompts="test", tolerance=0.03,
+                         artifacts="bash benchmarks/engine_artifacts.sh")
         path = engine_check.write_llamacpp_result(fake_llamacpp_check(kind, [0.25, 0.125]), args, results)
         assert path == results / f"{name or 'engine_llamacpp'}.json"
     record = json.loads((results / "engine_llamacpp_ar.json").read_text())
     assert record["title"] == "The exported ar drafter of SmolLM2-135M-Instruct served by llama.cpp"
     assert record["rows"][1][:4] == ["llama.cpp (f32, --spec-type draft-ar)", 1.25, 1.25, "0.250 0.125"]
     assert record["split"] == "test split, first 16 prompts"
+    assert record["command"].startswith("bash benchmarks/engine_artifacts.sh && python -m benchmarks.engine_check")
     page = make_results.results_page(make_results.load_results(results))
     eagle3, ar, engines = (page.index(f"## {title}") for title in (
         "The exported eagle3 drafter", "The exported ar drafter", "Engines"))
@@ -158,3 +160,12 @@ def test_engine_check_names_its_result_file_and_make_results_sets_it_beside_the_
     with pytest.raises(SystemExit):  # a path is refused before anything loads
         engine_check.main(["--engine", "llamacpp", "--run", "x", "--result-name", "../elsewhere"])
     assert "--result-name '../elsewhere': a plain file name" in capsys.readouterr().err
+
+
+def test_engine_check_command_names_the_artifacts_command_first():
+    from benchmarks.engine_check import result_command
+
+    argv = ["--engine", "llamacpp", "--artifacts", "bash make.sh", "--run", "r", "--artifacts=bash x.sh", "--result"]
+    assert result_command("bash make.sh", argv) == (
+        "bash make.sh && python -m benchmarks.engine_check --engine llamacpp --run r --result")
+    assert result_command(None, ["--run", "r"]) == "python -m benchmarks.engine_check --run r"
