@@ -35,8 +35,8 @@ output against its own plain output token by token (mismatches are listed: round
 reported rather than hidden), and llama.cpp's tokens/s with and without the drafter. --lookups puts llama.cpp's
 n-gram modes ahead of the drafter in one --spec-type list (the product; --lookup-corpus adds the corpus as a static
 n-gram cache) and our lookups ahead of ours; the two acceptances are then reported side by side, not compared. Results:
-<output>/llamacpp_check.json (with --result also benchmarks/results/engine_llamacpp.json). The build:
-scripts/setup_llamacpp.sh.
+<output>/llamacpp_check.json (with --result also benchmarks/results/engine_llamacpp.json; --result-name NAME writes
+benchmarks/results/NAME.json instead, e.g. a second drafter kind's check). The build: scripts/setup_llamacpp.sh.
 
 Results (vLLM): <output>/vllm_check.json (and printed; with --result also benchmarks/results/engine_check.json); exit status
 1 when they disagree or the speculators check fails.
@@ -250,7 +250,18 @@ def main(argv=None) -> int:
                                                        "<run>/<engine>)")
     parser.add_argument("--result", action="store_true", help="also write benchmarks/results/engine_check.json "
                                                               "(vLLM) or engine_llamacpp.json (llama.cpp)")
+    parser.add_argument("--result-name", default=None,
+                        help="write the result file under this name instead (implies --result; e.g. "
+                             "engine_llamacpp_ar for a second drafter kind's check beside the first)")
+    parser.add_argument("--artifacts", default=None,
+                        help="the command that made --run and --exported (e.g. 'bash benchmarks/engine_artifacts.sh'): "
+                             "the result file's command starts with it")
     args = parser.parse_args(argv)
+    if args.result_name is not None:
+        if not args.result_name.replace("_", "").replace("-", "").isalnum():
+            parser.error(f"--result-name {args.result_name!r}: a plain file name (letters, digits, _ and -), "
+                         "written as benchmarks/results/<name>.json")
+        args.result = True
     if args.worker:
         worker(args.worker)
         return 0
@@ -307,16 +318,6 @@ def _ours(args, step_dir: Path, info, draft_len: int):
     record = dict(acceptance, greedy_match=ours["greedy_match"], spec_tokens_per_s=ours["spec_tokens_per_s"],
                   ar_tokens_per_s=ours["ar_tokens_per_s"], speedup=ours["speedup"])
     return target_cfg, target, prompts, eos, acceptance, record
-
-
-def _tokenizer(target_cfg):
-    """The target's tokenizer alone (the embedded target's cached folder for an embedded: path)."""
-    from drafter_train.targets import embedded_folder, load_tokenizer
-
-    path = target_cfg.path
-    if path.startswith("embedded:"):
-        path = str(embedded_folder(path, target_cfg.cache_dir))
-    return load_tokenizer(path, target_cfg.gguf_file)
 
 
 def our_lookups(lookups: Optional[str], corpus: Optional[str]):
@@ -391,7 +392,7 @@ def check_llamacpp(args) -> int:
     without the drafter, against our evaluator on the same prompt ids."""
     from benchmarks import llamacpp_engine as engine
     from drafter_train.llamacpp import DRAFTER_FILE, TARGET_FILE, llamacpp_dir, write_lookup_cache
-    from drafter_train.targets import model_name
+    from drafter_train.targets import load_target_tokenizer, model_name
 
     root = llamacpp_dir(args.llamacpp)
     if not (root / "build" / "bin" / "llama-server").is_file():
@@ -408,7 +409,8 @@ def check_llamacpp(args) -> int:
     draft_len = args.draft_len or info.draft_len
     target_cfg, _, prompts, _, ours_acceptance, ours_record = _ours(args, step_dir, info, draft_len)
     cache = None if not args.lookup_corpus else write_lookup_cache(
-        root, exported / TARGET_FILE, Path(args.lookup_corpus), out / "corpus.lookup", _tokenizer(target_cfg))
+        root, exported / TARGET_FILE, Path(args.lookup_corpus), out / "corpus.lookup",
+        load_target_tokenizer(target_cfg))
 
     def serve(drafter: Optional[Path], name: str) -> dict:
         port = engine.free_port()
@@ -473,13 +475,26 @@ def llamacpp_spec_type(drafter_type: str, lookups: Optional[str], lookup_corpus:
     return ",".join(modes + [drafter_type])
 
 
+def result_command(artifacts: Optional[str], argv=None) -> str:
+    """The result file's command: this one (without --artifacts), after the command that made its artifacts."""
+    from benchmarks.common import command_line
+
+    given, kept = list(sys.argv[1:] if argv is None else argv), []
+    for i, arg in enumerate(given):
+        if not (arg == "--artifacts" or arg.startswith("--artifacts=") or (i and given[i - 1] == "--artifacts")):
+            kept.append(arg)
+    command = command_line("engine_check", kept)
+    return f"{artifacts} && {command}" if artifacts else command
+
+
 def _rates(acceptance: dict) -> str:
     return "[" + " ".join(f"{a:.3f}" for a in acceptance["per_position_acceptance"]) + "]"
 
 
-def write_engine_result(result: dict, args) -> None:
-    """benchmarks/results/engine_check.json: our evaluator's acceptance beside vLLM's, and vLLM's own speedup."""
-    from benchmarks.common import command_line, split_name, write_result
+def write_engine_result(result: dict, args, results_dir: Optional[Path] = None) -> Path:
+    """benchmarks/results/engine_check.json (or --result-name): our evaluator's acceptance beside vLLM's, and vLLM's
+    own speedup."""
+    from benchmarks.common import RESULTS_DIR, split_name, write_result
 
     ours, vllm = result["ours"], result["vllm"]
     rows = [["this project's decoder", ours["implied_acceptance_length"], ours["mean_acceptance_length"],
@@ -487,22 +502,23 @@ def write_engine_result(result: dict, args) -> None:
             ["vLLM", vllm["implied_acceptance_length"], vllm["mean_acceptance_length"],
              " ".join(f"{a:.2f}" for a in vllm["per_position_acceptance"]), vllm.get("speedup_sequential"),
              vllm.get("speedup_batched")]]
-    write_result(
-        "engine_check", title=f"The exported {result['kind']} drafter served by vLLM",
+    return write_result(
+        args.result_name or "engine_check", title=f"The exported {result['kind']} drafter served by vLLM",
         question="Does a real serving engine accept the exported drafter's drafts as often as our evaluator does?",
-        command=command_line("engine_check"), split=split_name(args.prompts, result["num_prompts"]),
+        command=result_command(args.artifacts), split=split_name(args.prompts, result["num_prompts"]),
         baseline="each decoder's own plain decoding (ours: this project's decoder; vLLM: the engine without the "
                  "drafter, one prompt at a time and batched)",
         columns=["decoder", "acceptance length (implied)", "mean acceptance length", "per-position acceptance",
                  "speedup (one prompt at a time)", "speedup (batched)"], rows=rows,
         notes=f"vLLM method {result['method']}, draft_len {result['draft_len']}, greedy, {result['max_new_tokens']} "
-              f"new tokens per prompt; agree within {args.tolerance}: {result['comparison']['agree']}.")
+              f"new tokens per prompt; agree within {args.tolerance}: {result['comparison']['agree']}.",
+        results_dir=results_dir or RESULTS_DIR)
 
 
-def write_llamacpp_result(result: dict, args) -> None:
-    """benchmarks/results/engine_llamacpp.json: our evaluator's acceptance beside llama.cpp's, and llama.cpp's
-    tokens/s with and without the drafter (its own plain decoding is the baseline)."""
-    from benchmarks.common import command_line, split_name, write_result
+def write_llamacpp_result(result: dict, args, results_dir: Optional[Path] = None) -> Path:
+    """benchmarks/results/engine_llamacpp.json (or --result-name): our evaluator's acceptance beside llama.cpp's, and
+    llama.cpp's tokens/s with and without the drafter (its own plain decoding is the baseline)."""
+    from benchmarks.common import RESULTS_DIR, split_name, write_result
 
     ours, engine = result["ours"], result["llamacpp"]
     rows = [["this project's decoder", ours["implied_acceptance_length"], ours["mean_acceptance_length"],
@@ -513,11 +529,12 @@ def write_llamacpp_result(result: dict, args) -> None:
              " ".join(f"{a:.3f}" for a in engine["per_position_acceptance"]), engine["spec_tokens_per_s"],
              engine.get("plain_tokens_per_s"), engine.get("speedup"),
              len(engine["output_mismatches"]) if "output_mismatches" in engine else None]]
-    write_result(
-        "engine_llamacpp", title=f"The exported {result['kind']} drafter of {result['target']} served by llama.cpp",
+    return write_result(
+        args.result_name or "engine_llamacpp",
+        title=f"The exported {result['kind']} drafter of {result['target']} served by llama.cpp",
         question="Does llama.cpp accept the GGUF-exported drafter's drafts as often as our evaluator does, and does "
                  "speculation pay inside llama.cpp?",
-        command=command_line("engine_check"), split=split_name(args.prompts, result["num_prompts"]),
+        command=result_command(args.artifacts), split=split_name(args.prompts, result["num_prompts"]),
         baseline="each decoder's own plain decoding (ours: this project's decoder; llama.cpp: llama-server "
                  "without the drafter), one prompt at a time",
         columns=["decoder", "acceptance length (implied)", "mean acceptance length", "per-position acceptance",
@@ -527,7 +544,7 @@ def write_llamacpp_result(result: dict, args) -> None:
               f"{engine['threads']} threads; per-position acceptance agrees within {args.tolerance}: "
               f"{result['comparison']['agree']}. Output differences between llama.cpp's speculative and plain "
               "decoding are rounding in the engine (a batched verify pass and a one-token pass differ at near-ties), "
-              "not drafts accepted wrongly.")
+              "not drafts accepted wrongly.", results_dir=results_dir or RESULTS_DIR)
 
 
 if __name__ == "__main__":

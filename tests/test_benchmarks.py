@@ -121,3 +121,51 @@ def test_engine_check_serves_every_kind_with_a_vllm_export_and_refuses_the_other
         message = str(refused.value)
         assert "\n" not in message and f"drafter kind {kind.name}" in message, message
         assert "has no vLLM export format; kinds with one: " in message and "eagle3" in message
+
+
+def fake_llamacpp_check(kind: str, rates: list[float]) -> dict:
+    """engine_check's llama.cpp record (check_llamacpp's `result`) with made-up figures."""
+    acceptance = {"implied_acceptance_length": 1 + rates[0], "mean_acceptance_length": 1 + rates[0],
+                  "per_position_acceptance": rates}
+    return {"kind": kind, "target": "SmolLM2-135M-Instruct", "num_prompts": 16, "max_new_tokens": 48, "draft_len": 2,
+            "ours": dict(acceptance, spec_tokens_per_s=30.0, ar_tokens_per_s=25.0, speedup=1.2),
+            "llamacpp": dict(acceptance, gguf_type="f32", spec_type=f"draft-{kind}", threads=1,
+                             spec_tokens_per_s=40.0, plain_tokens_per_s=50.0, speedup=0.8, output_mismatches=[]),
+            "comparison": {"agree": True}}
+
+
+def test_engine_check_names_its_result_file_and_make_results_sets_it_beside_the_first(tmp_path, capsys):
+    from argparse import Namespace
+
+    from benchmarks import engine_check
+
+    results = tmp_path / "results"
+    fake_result(results, "engines", "Engines", [["llama.cpp", 1.0]])
+    for kind, name in (("eagle3", None), ("ar", "engine_llamacpp_ar")):
+        args = Namespace(result_name=name, prompts="test", tolerance=0.03,
+                         artifacts="bash benchmarks/engine_artifacts.sh")
+        path = engine_check.write_llamacpp_result(fake_llamacpp_check(kind, [0.25, 0.125]), args, results)
+        assert path == results / f"{name or 'engine_llamacpp'}.json"
+    record = json.loads((results / "engine_llamacpp_ar.json").read_text())
+    assert record["title"] == "The exported ar drafter of SmolLM2-135M-Instruct served by llama.cpp"
+    assert record["rows"][1][:4] == ["llama.cpp (f32, --spec-type draft-ar)", 1.25, 1.25, "0.250 0.125"]
+    assert record["split"] == "test split, first 16 prompts"
+    assert record["command"].startswith("bash benchmarks/engine_artifacts.sh && python -m benchmarks.engine_check")
+    page = make_results.results_page(make_results.load_results(results))
+    eagle3, ar, engines = (page.index(f"## {title}") for title in (
+        "The exported eagle3 drafter", "The exported ar drafter", "Engines"))
+    assert eagle3 < ar < engines  # the AR check right after the EAGLE-3 one
+    assert "`benchmarks/results/engine_llamacpp_ar.json`" in page
+
+    with pytest.raises(SystemExit):  # a path is refused before anything loads
+        engine_check.main(["--engine", "llamacpp", "--run", "x", "--result-name", "../elsewhere"])
+    assert "--result-name '../elsewhere': a plain file name" in capsys.readouterr().err
+
+
+def test_engine_check_command_names_the_artifacts_command_first():
+    from benchmarks.engine_check import result_command
+
+    argv = ["--engine", "llamacpp", "--artifacts", "bash make.sh", "--run", "r", "--artifacts=bash x.sh", "--result"]
+    assert result_command("bash make.sh", argv) == (
+        "bash make.sh && python -m benchmarks.engine_check --engine llamacpp --run r --result")
+    assert result_command(None, ["--run", "r"]) == "python -m benchmarks.engine_check --run r"
