@@ -121,3 +121,21 @@ def test_engine_check_serves_every_kind_with_a_vllm_export_and_refuses_the_other
         message = str(refused.value)
         assert "\n" not in message and f"drafter kind {kind.name}" in message, message
         assert "has no vLLM export format; kinds with one: " in message and "eagle3" in message
+
+
+def test_vllm_workers_run_offline_on_the_cores_asked_without_our_path(monkeypatch):
+    """engine_check's and vllm_engine's vLLM workers: vLLM's interpreter with -P (benchmarks/ off its path), offline,
+    without our PYTHONPATH or an LD_PRELOAD; vllm_engine asks for its own KV cache size and cores."""
+    from benchmarks.engine_check import vllm_env, worker_command
+
+    monkeypatch.setenv("PYTHONPATH", "/repo")
+    monkeypatch.setenv("LD_PRELOAD", "libiomp5.so")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    env = vllm_env()
+    assert "PYTHONPATH" not in env and "LD_PRELOAD" not in env and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-3")
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    command = worker_command("/venv/bin/python", "benchmarks/vllm_engine.py", "--serve", "r.json")
+    assert command[:2] == ["/venv/bin/python", "-P"] and command[2].endswith("/benchmarks/vllm_engine.py")
+    assert command[3:] == ["--serve", "r.json"]

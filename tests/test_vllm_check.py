@@ -41,8 +41,9 @@ def e3_run(tmp_path_factory):
     return root, trained_eagle3(target, root)
 
 
-def trained_eagle3(target, root: Path) -> Path:
-    """`target` saved in root/target, its drafter-datagen data, and the run folder of an EAGLE-3 run on it."""
+def trained_eagle3(target, root: Path, *extra: str) -> Path:
+    """`target` saved in root/target, its drafter-datagen data, and the run folder of an EAGLE-3 run on it (`extra`:
+    more drafter overrides)."""
     from drafter_train.recipes.datagen import run_datagen
 
     save_tiny(target, root / "target")
@@ -54,7 +55,7 @@ def trained_eagle3(target, root: Path) -> Path:
         f"datagen.output_dir={root / 'data'}", "datagen.store_topk=8"])), progress=False)
     cfg = train_cfg(root, root / "runs", "drafter=eagle3", "drafter.path=new", "drafter.draft_vocab_size=16",
                     "drafter.target_layers=[0,1,2]", "loss=fkl", "train.max_steps=150", "train.save_every=150",
-                    "train.batch_size=8")
+                    "train.batch_size=8", *extra)
     train(cfg)
     return root / "runs" / cfg.train.run_name
 
@@ -109,3 +110,27 @@ def test_vllm_serves_a_standalone_ar_export_as_draft_model_with_our_acceptance(e
     assert result["method"] == "draft_model" and result["speculators"] is None
     assert result["ours"]["mean_acceptance_length"] > 1 + 4 * result["comparison"]["tolerance"], result["ours"]
     assert status == 0 and result["comparison"]["agree"], result["comparison"]
+
+
+def test_vllm_serves_a_norm_before_fc_export_with_our_acceptance_and_needs_its_input_norm(tmp_path):
+    """llama.cpp's layout (one RMSNorm over the whole concatenation) in vLLM: exported with norm_before_fc at the top
+    level of the speculators config, read by vLLM's Eagle3 model (input_norm before fc). Stating it false (vLLM then
+    drops input_norm.weight and feeds fc the raw features) is caught."""
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    run = trained_eagle3(target, tmp_path, "drafter.fc_norm=false", "drafter.norm_before_fc=true")
+    status, result = check(tmp_path, run, tmp_path / "ok")
+    assert result["speculators"]["ok"], result["speculators"]
+    assert result["ours"]["mean_acceptance_length"] > 1 + 4 * result["comparison"]["tolerance"], result["ours"]
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
+
+    dropped = tmp_path / "dropped-norm"
+    shutil.copytree(tmp_path / "ok" / "drafter", dropped)
+    config = json.loads((dropped / "config.json").read_text())
+    config["norm_before_fc"] = False
+    (dropped / "config.json").write_text(json.dumps(config))
+    status, result = check(tmp_path, run, tmp_path / "out-dropped", "--exported", str(dropped))
+    assert status == 1 and not result["comparison"]["agree"], result["comparison"]
