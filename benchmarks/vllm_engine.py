@@ -296,13 +296,14 @@ class VllmRows:
         self.prompts, self.eos, self.max_new_tokens = prompts, sorted(eos), max_new_tokens
         self.decoders = vllm_decoders(draft_len, eagle3, ar)
         longest = max(len(p) for p in prompts) + max_new_tokens + draft_len + 1
+        positions = json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings") or 2048
         self.workers, self.info = {}, {"startup_s": {}, "timers": None}
         try:
             for d in self.decoders:
                 print(f"engines: starting vLLM ({d['decoder']})", file=sys.stderr)
                 request = {"target": target, "method": d["method"], "drafter": d.get("drafter"),
                            "draft_len": draft_len, "spec_options": d.get("spec_options", {}),
-                           "max_model_len": max(2048, longest)}
+                           "max_model_len": min(max(2048, longest), positions)}
                 worker = Worker(vllm_python, request, output / "vllm", d["decoder"].replace(" ", "-"), threads)
                 self.workers[d["decoder"]] = worker
                 self.info["startup_s"][d["decoder"]] = worker.ready["startup_s"]

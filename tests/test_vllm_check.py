@@ -134,3 +134,35 @@ def test_vllm_serves_a_norm_before_fc_export_with_our_acceptance_and_needs_its_i
     (dropped / "config.json").write_text(json.dumps(config))
     status, result = check(tmp_path, run, tmp_path / "out-dropped", "--exported", str(dropped))
     assert status == 1 and not result["comparison"]["agree"], result["comparison"]
+
+
+def test_vllm_engine_rows_drive_live_engines_per_round(e3_run, tmp_path):
+    """benchmarks/vllm_engine.py on real vLLM: one engine per decoder, started once and driven in two rounds; the
+    EAGLE-3 engine's steps (per-request metrics) and drafting time (timed inside the engine), and a verify-cost
+    curve whose timed steps compute exactly n tokens after the cached prefix."""
+    from benchmarks import vllm_engine
+    from benchmarks.engines import median_curves, summarize
+
+    root, run = e3_run
+    eagle3 = vllm_engine.export_for_vllm(str(run / "latest" / "drafter"), tmp_path / "e3")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "target")
+    prompts = [tokenizer(f"{s} {w}")["input_ids"] for s in SENTENCES[:2] for w in WORDS[:2]]  # ones it trained on
+    rows = vllm_engine.VllmRows(str(vllm_python()), str(root / "target"), prompts, [2], 24, 2, 2, tmp_path,
+                                eagle3=eagle3)
+    try:
+        rounds = [rows.run_round("round 1"), rows.run_round("round 2")]
+        curve = rows.curve([1, 2, 4], 128, 2)
+    finally:
+        rows.close()
+    assert set(rows.info["timers"]) == {"execute_model", "sample_tokens", "propose_draft_token_ids"}
+    assert set(rounds[0]) == {"vLLM-cpu plain", "vLLM-cpu free n-gram", "vLLM-cpu EAGLE-3"}
+    for found in rounds:
+        eagle = found["vLLM-cpu EAGLE-3"]
+        assert eagle["tau"] > 1.2 and eagle["draft_ms"] > 0 and len(eagle["drafted"]) > 0, eagle
+        assert found["vLLM-cpu free n-gram"]["tau"] >= 1.0
+    assert "curve_scheduled" not in rows.info  # every timed step computed n tokens, the prefix came from the cache
+    assert sorted(curve) == [1, 2, 4] and all(ms > 0 for ms in curve.values())
+    table = summarize(rounds, median_curves([{("vLLM-cpu", "f32"): curve}]))
+    assert all(r["predicted_speedup"] is not None for r in table if r["decoder"] != "plain")
