@@ -34,7 +34,9 @@ vLLM's per-request speculative metrics (per_request_spec_decode_metrics="detaile
 
 Verify-cost curve: the plain engine, prefix caching on, a prefix of --depth tokens (a multiple of vLLM's CPU block of
 128 tokens is cached whole) served once; then prefix + n new tokens with max_tokens 1: that request's single engine
-step computes exactly n tokens after the cached prefix. The step's in-engine seconds (median of repeats) per n.
+step computes exactly n tokens after the cached prefix. The step's model-runner seconds (median of repeats) per n,
+plus the time every engine step spends outside the model runner (scheduler, front end; step_overhead_ms, from the
+round's plain decoding: wall time less model-runner time, per step), which a verify step pays as a plain step does.
 """
 
 from __future__ import annotations
@@ -95,9 +97,11 @@ def _install_timers(worker) -> list[str]:
 
 
 def _read_timers(worker) -> dict:
+    """The steps and drafting seconds since the last read (then cleared)."""
     log = worker.drafter_train_timers
     out = {"steps": list(log["steps"]), "draft_s": log["draft_s"]}
     log["steps"].clear()
+    log["draft_s"] = 0.0
     return out
 
 
@@ -174,6 +178,7 @@ def _decode(llm, check, command: dict) -> dict:
     return {"tokens": tokens, "seconds": seconds, "steps": steps,
             "draft_s": None if timers is None else timers["draft_s"],
             "engine_steps": None if timers is None else len(timers["steps"]),
+            "engine_step_s": None if timers is None else sum(s for _, s in timers["steps"]),
             "metrics": check._delta(check._spec_metrics(llm), before)}
 
 
@@ -320,6 +325,8 @@ class VllmRows:
             reply = self.workers[d["decoder"]].call(op="decode", prompts=self.prompts, eos=self.eos,
                                                     max_new_tokens=self.max_new_tokens)
             found[f"{ENGINE} {d['decoder']}"] = vllm_record(d, reply)
+            if d["method"] is None and reply.get("engine_steps"):
+                self.info["step_overhead_ms"] = step_overhead_ms(reply)
         return found
 
     def curve(self, sizes: list[int], depth: int, repeats: int) -> dict[int, float]:
@@ -333,12 +340,21 @@ class VllmRows:
         if wrong:  # the prefix was not (wholly) served from the cache
             print(f"engines: vLLM curve: steps computed {wrong} tokens, not n (prefix cache)", file=sys.stderr)
             self.info["curve_scheduled"] = reply["scheduled"]
-        return {int(n): ms for n, ms in reply["ms"].items()}
+        overhead = self.info.get("step_overhead_ms", 0.0)
+        self.info["curve_runner_ms"] = reply["ms"]
+        return {int(n): ms + overhead for n, ms in reply["ms"].items()}
 
     def close(self) -> None:
         for worker in self.workers.values():
             worker.close()
         self.workers = {}
+
+
+def step_overhead_ms(reply: dict) -> float:
+    """ms per engine step spent outside the model runner (scheduling, the front end, detokenizing), from a plain
+    decode: its wall time less the model runner's step time, over its steps. Every step pays it, a verify step
+    as a plain one, so the verify-cost curve adds it to the model runner's time."""
+    return 1000 * max(sum(reply["seconds"]) - reply["engine_step_s"], 0.0) / reply["engine_steps"]
 
 
 def note(info: dict) -> str:
@@ -349,13 +365,14 @@ def note(info: dict) -> str:
             "over the wall time of LLM.generate per prompt (prefill included, prefix cache reset per prompt); tau "
             "and steps from vLLM's per-request speculative metrics; drafting ms and the verify-cost curve from "
             "timers on vLLM's model runner (propose_draft_token_ids; execute_model + sample_tokens of one step over "
-            "n new tokens after a cached prefix). The product is not run in vLLM: "
+            "n new tokens after a cached prefix, plus the per-step time outside the model runner measured in plain "
+            f"decoding, {info.get('step_overhead_ms', 0.0):.1f} ms). The product is not run in vLLM: "
             + UNAVAILABLE[0]["reason"] + ".")
 
 
 def vllm_version(vllm_python: str) -> str:
-    done = subprocess.run([vllm_python, "-c", "import importlib.metadata as m; print(m.version('vllm'))"],
-                          capture_output=True, text=True)
+    done = subprocess.run([vllm_python, "-c", "import vllm; print(vllm.__version__)"], capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=""))
     return done.stdout.strip()
 
 

