@@ -115,7 +115,9 @@ def test_vllm_serves_a_standalone_ar_export_as_draft_model_with_our_acceptance(e
 def test_vllm_serves_a_norm_before_fc_export_with_our_acceptance_and_needs_its_input_norm(tmp_path):
     """llama.cpp's layout (one RMSNorm over the whole concatenation) in vLLM: exported with norm_before_fc at the top
     level of the speculators config, read by vLLM's Eagle3 model (input_norm before fc). Stating it false (vLLM then
-    drops input_norm.weight and feeds fc the raw features) is caught."""
+    drops input_norm.weight and feeds fc the raw features) is caught by the speculators check: on this tiny target
+    vLLM's acceptance did not move (measured: equal per position), as one norm over the whole concatenation is
+    mostly a per-token scale that the layer's own hidden_norm takes out again."""
     torch.manual_seed(0)
     target = LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
@@ -133,7 +135,7 @@ def test_vllm_serves_a_norm_before_fc_export_with_our_acceptance_and_needs_its_i
     config["norm_before_fc"] = False
     (dropped / "config.json").write_text(json.dumps(config))
     status, result = check(tmp_path, run, tmp_path / "out-dropped", "--exported", str(dropped))
-    assert status == 1 and not result["comparison"]["agree"], result["comparison"]
+    assert status == 1 and result["speculators"]["tensors_not_loaded_as_written"] == ["input_norm.weight"], result
 
 
 def test_vllm_engine_rows_drive_live_engines_per_round(e3_run, tmp_path):
