@@ -114,21 +114,32 @@ def _delta(after: dict, before: dict) -> dict:
             else value - before.get(name, 0) for name, value in after.items()}
 
 
+def build_llm(request: dict, **options):
+    """(vLLM's LLM for the request, its start-up seconds): the target in float32, greedy-ready, eager; with the
+    drafter when request["method"] is set (request["drafter"]: its folder, none for `ngram`; request["spec_options"]:
+    more speculative_config fields, e.g. prompt_lookup_min). `options`: more LLM arguments."""
+    from vllm import LLM
+
+    spec = None if request["method"] is None else {
+        "method": request["method"], "num_speculative_tokens": request["draft_len"],
+        **({"model": request["drafter"]} if request.get("drafter") else {}), **request.get("spec_options", {})}
+    began = time.perf_counter()
+    llm = LLM(model=request["target"], dtype="float32", max_model_len=request.get("max_model_len", 1024),
+              enforce_eager=True, disable_log_stats=False, speculative_config=spec, seed=0, **options)
+    return llm, time.perf_counter() - began
+
+
 def worker(request_file: str) -> None:
     """One engine (with the drafter, or without when request["method"] is None), greedy, the request's prompts."""
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     request = json.loads(Path(request_file).read_text())
     result = {}
     if request.get("speculators"):
         result["speculators"] = check_speculators(request["drafter"], request["target"])
-    spec = None if request["method"] is None else {
-        "method": request["method"], "model": request["drafter"], "num_speculative_tokens": request["draft_len"]}
-    began = time.perf_counter()
-    llm = LLM(model=request["target"], dtype="float32", max_model_len=request.get("max_model_len", 1024),
-              enforce_eager=True, disable_log_stats=False, speculative_config=spec, seed=0)
-    result["startup_s"] = time.perf_counter() - began
+    llm, result["startup_s"] = build_llm(request)
+    spec = request["method"] is not None
     params = SamplingParams(temperature=0, max_tokens=request["max_new_tokens"], stop_token_ids=request["eos"])
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompts"]]
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)  # warm-up, not counted
@@ -187,18 +198,37 @@ def compare(ours: dict, vllm: dict, tolerance: float) -> dict:
 # This project's side
 
 
-def run_vllm(vllm_python: str, request: dict, folder: Path, name: str) -> dict:
-    request = dict(request, result=str(folder / f"{name}_raw.json"))
-    (folder / f"{name}_request.json").write_text(json.dumps(request))
+def vllm_env(**settings: str) -> dict:
+    """The environment of a vLLM worker process: offline, vLLM's CPU settings (KV cache GiB, the cores its threads
+    bind to: defaults unless set, `settings` override), nothing of ours on its path."""
     env = dict(os.environ, HF_HUB_OFFLINE="1")
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    env.update(settings)
     env.pop("PYTHONPATH", None)  # the worker imports vLLM's own packages only
     env.pop("LD_PRELOAD", None)  # libiomp made spec decoding 2-3x slower here
-    # -P: benchmarks/ stays off the worker's path, or its kernels.py shadows the `kernels` package transformers probes
-    subprocess.run([vllm_python, "-P", str(Path(__file__).resolve()), "--worker", str(folder / f"{name}_request.json")],
-                   check=True, env=env)
+    return env
+
+
+def worker_command(vllm_python: str, script: str, *args: str) -> list[str]:
+    """`script` under vLLM's interpreter. -P: benchmarks/ stays off the worker's path, or its kernels.py shadows the
+    `kernels` package transformers probes."""
+    return [vllm_python, "-P", str(Path(script).resolve()), *args]
+
+
+def run_vllm(vllm_python: str, request: dict, folder: Path, name: str) -> dict:
+    request = dict(request, result=str(folder / f"{name}_raw.json"))
+    (folder / f"{name}_request.json").write_text(json.dumps(request))
+    subprocess.run(worker_command(vllm_python, __file__, "--worker", str(folder / f"{name}_request.json")),
+                   check=True, env=vllm_env())
     return json.loads((folder / f"{name}_raw.json").read_text())
+
+
+def local_target(path: str, cache_dir: Optional[str] = None) -> str:
+    """The target's local folder for vLLM (an embedded: target's cached folder)."""
+    from drafter_train.targets import embedded_folder
+
+    return str(embedded_folder(path, cache_dir) if path.startswith("embedded:") else Path(path).absolute())
 
 
 def vllm_method(kind) -> str:
@@ -329,8 +359,6 @@ def our_lookups(lookups: Optional[str], corpus: Optional[str]):
 
 
 def check_vllm(args) -> int:
-    from drafter_train.targets import embedded_folder
-
     export_cfg, step_dir, info = _checkpoint(args, "vllm")
     method = vllm_method(info.kind)
     if not Path(args.vllm_python).is_file():
@@ -342,8 +370,7 @@ def check_vllm(args) -> int:
     draft_len = args.draft_len or info.draft_len
     exported_config = json.loads((drafter_dir / "config.json").read_text())
     target_cfg, target, prompts, eos, ours_acceptance, ours_record = _ours(args, step_dir, info, draft_len)
-    target_folder = str(embedded_folder(target_cfg.path, target_cfg.cache_dir)
-                        if target_cfg.path.startswith("embedded:") else Path(target_cfg.path).absolute())
+    target_folder = local_target(target_cfg.path, target_cfg.cache_dir)
     request = {"target": target_folder, "drafter": str(drafter_dir), "prompts": prompts, "draft_len": draft_len,
                "max_new_tokens": args.max_new_tokens, "eos": sorted(eos), "method": method,
                "max_model_len": min(1024, getattr(target.config, "max_position_embeddings", None) or 1024),

