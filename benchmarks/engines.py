@@ -303,7 +303,12 @@ def summarize(rounds: list[dict], curves: list[dict]) -> list[dict]:
 
 
 def llamacpp_record(decoder: dict, served: dict) -> dict:
-    return steps_record(_row(decoder), served, bool(decoder["spec_type"]))
+    """llama-server's first token of each request comes from the prompt pass, outside its generation time
+    (free_tokens); each row's verify kind picks its server step-cost curve."""
+    record = steps_record(_row(decoder), served, bool(decoder["spec_type"]))
+    if decoder["spec_type"]:
+        record.update(free_tokens=served["requests"], verify_kind=llamacpp_cost.verify_kind(decoder["spec_type"]))
+    return record
 
 
 def steps_record(row: dict, served: dict, speculative: bool) -> dict:
@@ -314,8 +319,7 @@ def steps_record(row: dict, served: dict, speculative: bool) -> dict:
     if speculative:
         plain_passes = max(served["tokens"] - tau_steps, 0)
         record.update(tokens=served["tokens"], plain_passes=plain_passes, drafted=[d for _, d in steps],
-                      draft_ms=served["draft_ms"], tau=served["tokens"] / max(plain_passes + len(steps), 1),
-                      free_tokens=served["requests"], verify_kind=llamacpp_cost.verify_kind(decoder["spec_type"]))
+                      draft_ms=served["draft_ms"], tau=served["tokens"] / max(plain_passes + len(steps), 1))
     return record
 
 
