@@ -491,7 +491,8 @@ def write_engines_result(record: dict, args) -> None:
         notes=f"Medians of {args.rounds} interleaved rounds, {args.threads} threads, greedy, {args.max_new_tokens} new "
               f"tokens per prompt, draft length {args.draft_len}; load average {record['load_average_before']:.2f} "
               f"before, {record['load_average_after']:.2f} after. 'predicted': tau over the engine's verify cost "
-              "(its cost curve at each step's size) plus its measured drafting cost."
+              "at each step's size (llama.cpp: llama-server's own step, measured on calibration prompts; the others: "
+              "their pass curve) plus its measured drafting cost."
               + (vllm_engine.note(record["vllm"]) if record["vllm"] else "")
               + dev_note(split_name(args.prompts, args.num_prompts)),
         data={"engine_rows": record["rows"], "cost_curves": record["cost_curves"],
