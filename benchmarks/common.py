@@ -143,16 +143,25 @@ def write_result(name: str, *, title: str, question: str, command: str, split: s
 # Targets, prompts and forwards
 
 
+def prompt_ids(tokenizer, target_cfg, prompts: Optional[str], num_prompts: int) -> tuple[list[list[int]], list]:
+    """The first `num_prompts` prompts of `prompts` as token ids (chat template as the target config says), and their
+    task categories."""
+    from drafter_train.data.prompts import load_prompt_records
+    from drafter_train.targets import encode_prompt
+
+    records = load_prompt_records(prompts, num_prompts)
+    return ([encode_prompt(tokenizer, text, target_cfg.chat_template) for text, _ in records],
+            [category for _, category in records])
+
+
 def load_target_and_prompts(target_cfg, prompts: Optional[str], num_prompts: int):
     """The target, its tokenizer, its end-of-sequence ids, and the first `num_prompts` prompts of `prompts` as token
     ids (chat template as the target config says) with their task categories."""
-    from drafter_train.data.prompts import load_prompt_records
-    from drafter_train.targets import encode_prompt, eos_token_ids, load_target
+    from drafter_train.targets import eos_token_ids, load_target
 
     target, tokenizer = load_target(target_cfg)
-    records = load_prompt_records(prompts, num_prompts)
-    ids = [encode_prompt(tokenizer, text, target_cfg.chat_template) for text, _ in records]
-    return target, tokenizer, eos_token_ids(target, tokenizer), ids, [category for _, category in records]
+    ids, categories = prompt_ids(tokenizer, target_cfg, prompts, num_prompts)
+    return target, tokenizer, eos_token_ids(target, tokenizer), ids, categories
 
 
 class ForwardCounter:

@@ -325,18 +325,17 @@ def _ours(args, step_dir: Path, info, draft_len: int):
     """The run's target and prompts, and our evaluator on them (greedy): (target config, target, prompts, eos,
     our acceptance record, our evaluation)."""
     from drafter_train.config import DrafterConfig, EvalConfig, TargetConfig
-    from drafter_train.data.prompts import load_prompt_records
+    from benchmarks.common import prompt_ids
     from drafter_train.drafters.common.loading import load_drafter
     from drafter_train.drafters.registry import make_drafter
     from drafter_train.evaluation import evaluate_decoding
-    from drafter_train.targets import encode_prompt, eos_token_ids, load_target
+    from drafter_train.targets import eos_token_ids, load_target
 
     fields = {f.name for f in dataclasses.fields(TargetConfig)}
     target_cfg = TargetConfig(**{k: v for k, v in info.config.get("target", {}).items() if k in fields})
     target, tokenizer = load_target(target_cfg)
     eos = eos_token_ids(target, tokenizer)
-    records = load_prompt_records(args.prompts, args.num_prompts, None)
-    prompts = [encode_prompt(tokenizer, text, target_cfg.chat_template) for text, _ in records]
+    prompts, _ = prompt_ids(tokenizer, target_cfg, args.prompts, args.num_prompts)
     drafter = load_drafter(DrafterConfig(path=str(step_dir / "drafter")), target, tokenizer, "float32")
     eval_cfg = EvalConfig(draft_len=draft_len, max_new_tokens=args.max_new_tokens, warmup=1,
                           lookup=our_lookups(args.lookups, args.lookup_corpus))

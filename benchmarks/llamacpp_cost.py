@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks import llamacpp_engine as engine
-from benchmarks.common import load_average, median
+from benchmarks.common import load_average, median, prompt_ids
 
 KINDS = ("ngram", "eagle3", "ar")
 # drafts per step measured for the n-gram kind (a verify pass over 1 + d tokens): the free modes draft long runs
@@ -165,12 +165,10 @@ def median_server_curves(rounds: Sequence[dict]) -> dict:
 def calibration_prompts(target: str, prompts: Optional[str], num_prompts: int) -> list[list[int]]:
     """Token ids of the calibration prompts (the target's tokenizer alone, no model loaded)."""
     from drafter_train.config import TargetConfig
-    from drafter_train.data.prompts import load_prompt_records
-    from drafter_train.targets import encode_prompt, load_target_tokenizer
+    from drafter_train.targets import load_target_tokenizer
 
     cfg = TargetConfig(path=target)
-    tokenizer = load_target_tokenizer(cfg)
-    return [encode_prompt(tokenizer, text, cfg.chat_template) for text, _ in load_prompt_records(prompts, num_prompts)]
+    return prompt_ids(load_target_tokenizer(cfg), cfg, prompts, num_prompts)[0]
 
 
 def main(argv=None) -> int:
