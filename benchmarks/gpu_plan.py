@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import types
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig
@@ -128,11 +128,11 @@ def saved_bytes(fn) -> int:
 
 
 def eagle3_loss_activations(target_config: PretrainedConfig, draft_vocab_size: int, layer_ids: Sequence[int],
-                            seq_len: int) -> int:
+                            seq_len: int, device: Optional[torch.device] = None) -> int:
     """Saved bytes of one EAGLE-3 loss on one sequence of `seq_len` tokens (all response), on the CPU in real
     tensors: the real drafter (fp32 weights) under bf16 autocast, fed offline features as the feature cache feeds
     them, against a teacher of the target's LM head rows (random: values do not change sizes)."""
-    run = eagle3_loss_step(target_config, draft_vocab_size, layer_ids, seq_len)
+    run = eagle3_loss_step(target_config, draft_vocab_size, layer_ids, seq_len, device)
     return saved_bytes(lambda: run(backward=False))
 
 
@@ -149,17 +149,19 @@ def eagle3_step_flops(target_config: PretrainedConfig, draft_vocab_size: int, la
 
 
 def eagle3_loss_step(target_config: PretrainedConfig, draft_vocab_size: int, layer_ids: Sequence[int],
-                     seq_len: int):
-    """`run(backward)`: one EAGLE-3 loss (and its backward pass) on one sequence of `seq_len` tokens; returns the
-    data pointers of the weights."""
+                     seq_len: int, device: Optional[torch.device] = None):
+    """`run(backward)`: one EAGLE-3 loss (and its backward pass) on one sequence of `seq_len` tokens, on `device`
+    (default the CPU; benchmarks/gpu_check.py measures on the GPU it runs on, whose autocast keeps its own dtypes);
+    returns the data pointers of the weights."""
     from drafter_train.data.batches import Batch
     from drafter_train.drafters.eagle3.model import eagle3_loss
 
     hidden = target_config.hidden_size
     with torch.device("meta"):
         shell = AutoModelForCausalLM.from_config(target_config)
-    drafter = eagle3_drafter(shell, draft_vocab_size, layer_ids, device=torch.device("cpu"))
-    head = torch.nn.Linear(hidden, draft_vocab_size, bias=False, dtype=torch.bfloat16)  # the teacher's draft rows
+    device = device or torch.device("cpu")
+    drafter = eagle3_drafter(shell, draft_vocab_size, layer_ids, device=device)
+    head = torch.nn.Linear(hidden, draft_vocab_size, bias=False, dtype=torch.bfloat16, device=device)  # draft rows
     target = types.SimpleNamespace(get_output_embeddings=lambda: head, config=target_config, dtype=torch.bfloat16)
     length, generator = seq_len, torch.Generator().manual_seed(0)
     batch = Batch(input_ids=torch.randint(0, target_config.vocab_size, (1, length), generator=generator),
@@ -167,7 +169,7 @@ def eagle3_loss_step(target_config: PretrainedConfig, draft_vocab_size: int, lay
                   resp_pos=torch.arange(length - 1)[None], resp_mask=torch.ones(1, length - 1, dtype=torch.bool),
                   labels=torch.randint(0, target_config.vocab_size, (1, length - 1), generator=generator),
                   features=torch.randn(1, length, len(layer_ids) * hidden, dtype=torch.bfloat16),
-                  target_hidden=torch.randn(1, length - 1, hidden, dtype=torch.bfloat16))
+                  target_hidden=torch.randn(1, length - 1, hidden, dtype=torch.bfloat16)).to(device)
     cfg = eagle3_job(draft_vocab_size, layer_ids)
 
     def run(backward: bool):

@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 
 from benchmarks.common import RESULTS_DIR, markdown_table
 from benchmarks.engine_table import engine_section
+from benchmarks.gpu_check import gpu_section
 from drafter_train.io import write_atomic
 
 REPO = Path(__file__).resolve().parent.parent
@@ -43,6 +44,8 @@ def load_results(results_dir: Path) -> dict[str, dict]:
 def machine_line(machine: dict) -> str:
     load = machine.get("load_average")
     parts = [str(machine.get("cpu", "unknown CPU")), f"{machine.get('torch_threads', '?')} torch threads"]
+    if machine.get("gpu"):
+        parts.insert(0, f"{machine['gpu']} ({machine.get('gpu_memory_gib', '?')} GiB)")
     if load:
         parts.append(f"load average {load[0] if isinstance(load, list) else load}")
     return ", ".join(parts)
@@ -51,6 +54,8 @@ def machine_line(machine: dict) -> str:
 def section(name: str, result: dict) -> str:
     if (result.get("data") or {}).get("engine_rows"):  # benchmarks/engines.py: the engine table, built from its data
         lines = engine_section(name, result)
+    elif (result.get("data") or {}).get("gpu_check"):  # benchmarks/gpu_check.py: its stages, built from its data
+        lines = gpu_section(name, result)
     else:
         lines = [f"## {result['title']}", "", result["question"], "", markdown_table(result["columns"],
                                                                                      result["rows"]), ""]

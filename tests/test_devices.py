@@ -74,8 +74,37 @@ def test_the_target_attention_is_selectable_and_gives_the_same_logits(tiny_data,
     reference, _ = load_target(TargetConfig(path=str(tiny_data / "target"), attn_implementation="eager",
                                             cpu_kernels="default"))
     assert target.config._attn_implementation == attn
-    ids = torch.arange(1, 17)[None]
+    ids = torch.arange(1, 17, device=target.device)[None]  # on accelerate's device: the GPU where there is one
     torch.testing.assert_close(target(ids).logits, reference(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b||, in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def test_sdpa_gives_eager_logits_in_bf16_within_bf16_rounding(tiny_data):
+    """The GPU recipe's target (bf16, sdpa) on accelerate's device (the GPU where there is one): its logits over a
+    64-token sequence are eager's within bf16 rounding. Tolerance, in relative error ||a - b|| / ||b|| against the
+    fp32 eager logits: below 1e-1 for both kernels (this tiny target's large init amplifies bf16 rounding through
+    its layers: eager alone is ~5e-2 on the CPU), and sdpa's at most twice eager's; a wrong mask or head layout
+    gives errors of order 1."""
+    from drafter_train.targets import load_target
+
+    def logits(attn: str, dtype: str) -> torch.Tensor:
+        target, _ = load_target(TargetConfig(path=str(tiny_data / "target"), attn_implementation=attn, dtype=dtype,
+                                             cpu_kernels="default"))
+        ids = torch.randint(3, target.config.vocab_size, (1, 64), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            return target(ids.to(target.device)).logits.float()
+
+    reference = logits("eager", "float32")
+    sdpa, eager = logits("sdpa", "bfloat16"), logits("eager", "bfloat16")
+    errors = {"sdpa": relative_error(sdpa, reference), "eager": relative_error(eager, reference),
+              "sdpa vs eager": relative_error(sdpa, eager)}
+    assert errors["sdpa"] > 0 and errors["eager"] > 0, errors  # 0: not bf16 at all
+    assert all(error < 1e-1 for error in errors.values()) and errors["sdpa"] <= 2 * errors["eager"], errors
 
 
 def test_an_unknown_attention_is_refused_in_one_line():
