@@ -413,7 +413,32 @@ def train_smoke(target, tokenizer, work: Path, shape: dict, layers: list[int]) -
             "peak_allocated_gib_first_step": watch.peaks[0] / 2 ** 30 if watch.peaks else None,
             # steps 2..N: training alone (step 1 also holds the feature extraction and the optimizer's first step)
             "peak_allocated_gib": max(watch.peaks[1:]) / 2 ** 30 if len(watch.peaks) > 1 else None,
-            "evaluation": {k: metrics.get(k) for k in eval_keys}}
+            "evaluation": {k: metrics.get(k) for k in eval_keys}, "eval_keys": list(eval_keys),
+            "run_dir": str(run_dir), "target_dir": str(target_dir), "data_dir": str(data_dir)}
+
+
+def lossless_fp32(target, tokenizer, trained: dict, shape: dict) -> dict:
+    """The same checkpoint evaluated again with the target cast to float32 (TF32 off): the decoder's exactness,
+    apart from bf16 numerics. In bf16 a pass over k tokens and a pass over 1 token use different GEMM shapes, so
+    their logits differ by a few bf16 steps and greedy outputs part at near-ties; in fp32 they must not."""
+    import torch
+
+    import drafter_train.recipes.evaluate as recipe
+    from drafter_train.recipes.cli import compose_config
+
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    target.float()
+    cfg = compose_config("eval", [
+        f"target.path={trained['target_dir']}", "target.dtype=float32", "target.chat_template=false",
+        "target.cpu_kernels=default", "drafter=path", f"drafter.path={trained['run_dir']}/best/drafter",
+        f"eval.prompts={trained['data_dir']}/eval_prompts.jsonl", f"eval.num_prompts={shape['eval_prompts']}",
+        f"eval.max_new_tokens={shape['eval_tokens']}", f"eval.output={trained['run_dir']}/eval_fp32.json"])
+    original, recipe.load_target = recipe.load_target, lambda target_cfg: (target, tokenizer)
+    try:
+        metrics = recipe.run_eval_job(cfg)
+    finally:
+        recipe.load_target = original
+    return {"dtype": "float32", "tf32": False, **{k: metrics.get(k) for k in trained["eval_keys"]}}
 
 
 def plan(config, shape: dict, layers: list[int], batch_size: int, device) -> dict:
@@ -575,6 +600,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "plan" not in args.skip:
         run_stage(record, "plan", 90, deadline, lambda: plan(config, shape, layers, (trained or {}).get(
             "batch_size", 2), device))
+    if trained is not None and "lossless" not in args.skip:  # last: it casts the target to float32 in place
+        run_stage(record, "lossless_fp32", 60, deadline, lambda: lossless_fp32(target, tokenizer, trained, shape))
     return finish(record, work)
 
 

@@ -59,7 +59,10 @@ def test_the_target_loads_on_accelerates_device(tiny_data):
     from drafter_train.targets import load_target
 
     target, _ = load_target(TargetConfig(path=str(tiny_data / "target"), cpu_kernels="default"))
-    assert target.device == PartialState().device
+    # accelerate names the device without an index ("cuda") where the model's tensors say "cuda:0" (seen on an H200)
+    expected = PartialState().device
+    assert target.device.type == expected.type
+    assert expected.index is None or target.device.index == expected.index
 
 
 # ---- attention kernels ---------------------------------------------------------------------------------------------

@@ -257,6 +257,19 @@ def test_save_load_round_trip_keeps_the_mapping_and_the_drafts(make_tiny_llama, 
     assert a.tokens == b.tokens and a.stats.accepted == b.stats.accepted
 
 
+def test_a_drafter_trained_on_a_bf16_target_loads_whole_in_the_dtype_asked_for(make_tiny_llama, tmp_path):
+    # Seen on an H200: a drafter saved from a bf16 run names bfloat16 in its backbone's sub-config, and transformers 5
+    # loaded that layer in bf16 under dtype=float32, so an fp32 evaluation failed with a dtype mismatch.
+    from drafter_train.drafters.eagle3.model import load
+
+    target = make_tiny_llama(num_layers=4).to(torch.bfloat16)
+    target.config.dtype = torch.bfloat16  # as a target loaded in bf16 says: the drafter's backbone config copies it
+    random_eagle3(target).to(torch.bfloat16).save_pretrained(tmp_path / "d")
+    for dtype in ("float32", "bfloat16"):
+        floats = {p.dtype for p in load(str(tmp_path / "d"), dtype).parameters() if p.is_floating_point()}
+        assert floats == {getattr(torch, dtype)}
+
+
 def test_loading_a_folder_whose_mapping_does_not_fit_the_head_is_refused(make_tiny_llama, tmp_path):
     from drafter_train.drafters.eagle3.model import load
 

@@ -28,7 +28,8 @@ def test_the_device_check_runs_every_stage_at_tiny_size_on_the_cpu(tmp_path):
     record = json.loads((tmp_path / "results" / "gpu.json").read_text())
     assert (tmp_path / "out" / "gpu.json").read_text() == (tmp_path / "results" / "gpu.json").read_text()
     stages = record["data"]["gpu_check"]
-    assert list(stages) == ["machine", "tests", "target", "verify_curve", "drafter", "predictions", "train", "plan"]
+    assert list(stages) == ["machine", "tests", "target", "verify_curve", "drafter", "predictions", "train", "plan",
+                            "lossless_fp32"]
     assert not [name for name, stage in stages.items() if "error" in stage]
     tests = stages["tests"]["tests"]
     assert tests == {"test_devices::test_the_scan_finds_device_strings_in_every_form": {"outcome": "passed",
@@ -41,6 +42,7 @@ def test_the_device_check_runs_every_stage_at_tiny_size_on_the_cpu(tmp_path):
     train = stages["train"]
     assert train["evaluation"]["greedy_match"] == 1.0 and train["s_per_step"] > 0 and train["tokens_per_s"] > 0
     assert stages["plan"]["ddp_gib"]["total"] > stages["plan"]["ddp_gib"]["target"] > 0
+    assert stages["lossless_fp32"]["dtype"] == "float32" and stages["lossless_fp32"]["greedy_match"] == 1.0
     assert [row[0] for row in record["rows"]] == gpu_check.SHOWN
 
 

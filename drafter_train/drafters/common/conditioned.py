@@ -131,7 +131,9 @@ def load_checked(model_class: type, path: str, dtype: str, name: str) -> PreTrai
     if not Path(path).is_dir():
         raise ModelNotFoundError(f"drafter.path: {path}: no such folder (a {name} drafter folder, or new)")
     try:
-        model = model_class.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+        # .to(): transformers 5 loads a sub-config that names its own dtype (the backbone layer of a drafter trained
+        # on a bf16 target) in that dtype, whatever dtype= says; seen as a bf16 layer in an fp32 evaluation
+        model = model_class.from_pretrained(path, dtype=getattr(torch, dtype)).to(getattr(torch, dtype)).eval()
     except RuntimeError as err:  # transformers: tensors whose shapes do not fit the folder's config
         raise ConfigError(f"drafter.path: {path}: its weights do not fit its config.json ({str(err).splitlines()[0]})"
                           ) from None
