@@ -515,6 +515,13 @@ def gpu_section(name: str, result: dict) -> list[str]:
                   f"{evaluation.get('greedy_mismatch_margins') or 'none'}), {cell(evaluation.get('tokens_per_s'))} "
                   f"tokens/s speculative, speedup {cell(evaluation.get('speedup'))} (untrained drafter: tau "
                   f"{cell(evaluation.get('tau'))} means nothing).", ""]
+    exact = stages.get("lossless_fp32") or {}
+    if "greedy_match" in exact:
+        lines[-1:] = [f"The same checkpoint with the target in float32 (TF32 off): greedy speculative == plain on "
+                      f"**{cell(exact['greedy_match'])}** of {exact.get('num_prompts')} prompts (mismatch margins "
+                      f"{exact.get('greedy_mismatch_margins') or 'none'}). In bf16 a pass over k tokens and a pass over "
+                      "1 token reduce in different orders, so greedy outputs part at near-ties (the margins above: a "
+                      "few bf16 steps); in float32 they must not, and did not.", ""]
     return lines
 
 
