@@ -44,14 +44,17 @@ FLAGS="$(bash scripts/llamacpp_flags.sh)"
 cmake -S "$DIR/llama.cpp" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release $FLAGS \
   -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF \
   > "$BUILD.cmake.log"
+# The ninja CMake configured with, every time: another one on PATH (pip's ninja wheel) has another build-log version
+# and would rebuild everything ("build log version is too old; starting over").
+NINJA="$(sed -n 's/^CMAKE_MAKE_PROGRAM:FILEPATH=//p' "$BUILD/CMakeCache.txt")"
 # The targets this llama.cpp version has (the lookup tools' names move between versions). Listed once into a
 # variable: `ninja ... | grep -q` would end ninja with SIGPIPE, which pipefail counts as a failure.
-TARGETS="$(ninja -C "$BUILD" -t targets all)"
+TARGETS="$("$NINJA" -C "$BUILD" -t targets all)"
 AVAILABLE=()
 for tool in "${TOOLS[@]}"; do
   if grep -q "^$tool:" <<< "$TARGETS"; then AVAILABLE+=("$tool"); fi
 done
-ninja -C "$BUILD" -j "$JOBS" "${AVAILABLE[@]}"
+"$NINJA" -C "$BUILD" -j "$JOBS" "${AVAILABLE[@]}"
 "$BUILD/bin/llama-speculative-simple" --help 2>&1 | grep -q -- "--spec-type" \
   || { echo "setup_llamacpp: llama-speculative-simple has no --spec-type" >&2; exit 1; }
 
