@@ -55,12 +55,10 @@ for tool in "${TOOLS[@]}"; do
   if grep -q "^$tool:" <<< "$TARGETS"; then AVAILABLE+=("$tool"); fi
 done
 "$NINJA" -C "$BUILD" -j "$JOBS" "${AVAILABLE[@]}"
-"$BUILD/bin/llama-speculative-simple" --help 2>&1 | grep -q -- "--spec-type" \
-  || { echo "setup_llamacpp: llama-speculative-simple has no --spec-type" >&2; exit 1; }
 
 # 4. The smoke run, every time (an up-to-date build too): a multi-token pass on a quantised GGUF. Tools built for an
 # instruction the CPU lists but does not execute pass `--help` and die on their first real pass. On failure:
-# one line naming the fix, and a non-zero exit.
+# one line naming the fix, and a non-zero exit. Then the speculative tool's flags.
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -c '
 import sys
 from pathlib import Path
@@ -70,4 +68,6 @@ try:
 except LlamaCppError as error:
     sys.exit(f"setup_llamacpp: {error}")
 ' "$DIR" "$BUILD"
+"$BUILD/bin/llama-speculative-simple" --help 2>&1 | grep -q -- "--spec-type" \
+  || { echo "setup_llamacpp: llama-speculative-simple has no --spec-type" >&2; exit 1; }
 echo "llama.cpp ($(cat "$DIR/SOURCE")) ready in $DIR (tools in $BUILD/bin; $FLAGS; smoke run passed): ${AVAILABLE[*]}"
