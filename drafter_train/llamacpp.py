@@ -158,7 +158,10 @@ SMOKE_FILE = "smoke-smollm2-135m.q4_k_m.gguf"  # cached in the llama.cpp folder,
 
 def _crash_line(root: Path, build: Path, what: str, signum: int) -> str:
     """The one line a crashed tool gives: the signal, where, and the fix for how this build was configured."""
-    name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
     cache = build / "CMakeCache.txt"
     native = cache.is_file() and "GGML_NATIVE:BOOL=ON" in cache.read_text(errors="replace")
     fix = (f"rebuild with `bash {SETUP} {root}` without LLAMACPP_NATIVE=1 (it probes which instruction groups run here)"

@@ -62,10 +62,11 @@ done
 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -c '
 import sys
 from pathlib import Path
-from drafter_train.llamacpp import LlamaCppError, smoke_check
+from drafter_train.errors import DrafterTrainError
+from drafter_train.llamacpp import smoke_check
 try:
     smoke_check(Path(sys.argv[1]), Path(sys.argv[2]))
-except LlamaCppError as error:
+except DrafterTrainError as error:
     sys.exit(f"setup_llamacpp: {error}")
 ' "$DIR" "$BUILD"
 "$BUILD/bin/llama-speculative-simple" --help 2>&1 | grep -q -- "--spec-type" \
