@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -64,9 +65,9 @@ def converter(root: Path, field: str = "export.format=gguf") -> Path:
     return script
 
 
-def tool(root: Path, name: str, field: str = "export.gguf_type=q8_0") -> Path:
-    """A built llama.cpp tool (build/bin/NAME); refused in one line when it was not built."""
-    path = root / "build" / "bin" / name
+def tool(root: Path, name: str, field: str = "export.gguf_type=q8_0", build: Optional[Path] = None) -> Path:
+    """A built llama.cpp tool (build/bin/NAME, or BUILD/bin/NAME); refused in one line when it was not built."""
+    path = (build or root / "build") / "bin" / name
     if not path.is_file():
         raise ConfigError(f"{field}: {name} is not built in {root} (run {SETUP})")
     return path
@@ -146,3 +147,58 @@ def write_lookup_cache(root: Path, target_gguf: Path, corpus: Path, out: Path, t
     _run([str(create), "-m", str(target_gguf), "-f", str(text_file), "-lcs", str(out)],
          f"llama-lookup-create on {corpus}")
     return out
+
+
+# The smoke run: a multi-token pass on a quantised GGUF, which scripts/setup_llamacpp.sh ends with and the tests that
+# run the built tools check first. Tools built for instructions the CPU lists but does not execute (AMX on an Intel
+# Xeon VM) passed `--help` and single-token passes, and died with SIGILL on the first pass over 2+ tokens.
+SMOKE_TYPE = "Q4_K_M"
+SMOKE_FILE = "smoke-smollm2-135m.q4_k_m.gguf"  # cached in the llama.cpp folder, quantised once
+
+
+def _crash_line(root: Path, build: Path, what: str, signum: int) -> str:
+    """The one line a crashed tool gives: the signal, where, and the fix for how this build was configured."""
+    try:
+        name = signal.Signals(signum).name
+    except ValueError:
+        name = f"signal {signum}"
+    cache = build / "CMakeCache.txt"
+    native = cache.is_file() and "GGML_NATIVE:BOOL=ON" in cache.read_text(errors="replace")
+    fix = (f"rebuild with `bash {SETUP} {root}` without LLAMACPP_NATIVE=1 (it probes which instruction groups run here)"
+           if native else f"rebuild with `bash {SETUP} {root}` (it probes which instruction groups run here), "
+           "without a LLAMACPP_CMAKE_FLAGS that turns on more")
+    return f"llama.cpp tools crash on this CPU ({name} in {what}, {build}): {fix}"
+
+
+def _smoke_run(root: Path, build: Path, command: list[str], what: str) -> None:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired:
+        raise LlamaCppError(f"llama.cpp smoke run: {what} took over 300 s ({build})") from None
+    if done.returncode < 0:
+        raise LlamaCppError(_crash_line(root, build, what, -done.returncode))
+    if done.returncode != 0:
+        lines = [line for line in (done.stderr + done.stdout).strip().splitlines() if line.strip()]
+        raise LlamaCppError(f"llama.cpp smoke run: {what} failed (exit {done.returncode}): "
+                            f"{lines[-1] if lines else 'no output'}")
+
+
+def smoke_check(root: Path, build: Optional[Path] = None, threads: int = 2) -> Path:
+    """llama-bench over a 4-token prompt and 4 generated tokens on the embedded SmolLM2 GGUF, as shipped (Q4_1) and
+    quantised to Q4_K_M (by this build's llama-quantize, cached in `root`). Raises LlamaCppError with one line that
+    names the fix when a tool dies (a signal) or fails; returns the Q4_K_M file."""
+    from drafter_train.targets import embedded_gguf  # imports torch: only once a smoke run is asked for
+
+    build = build or root / "build"
+    shipped = embedded_gguf("embedded:smollm2")
+    model = root / SMOKE_FILE
+    if not model.is_file():
+        partial = model.with_name(model.name + ".tmp")
+        quantize_cmd = [str(tool(root, "llama-quantize", "llama.cpp smoke run", build)), "--allow-requantize",
+                        str(shipped), str(partial), SMOKE_TYPE]
+        _smoke_run(root, build, quantize_cmd, "llama-quantize to " + SMOKE_TYPE)
+        partial.replace(model)
+    bench = [str(tool(root, "llama-bench", "llama.cpp smoke run", build)), "-m", str(model), "-m", str(shipped),
+             "-p", "4", "-n", "4", "-r", "1", "-t", str(threads)]
+    _smoke_run(root, build, bench, "a 4-token pass of llama-bench")
+    return model

@@ -215,16 +215,25 @@ def cache_root(cache_dir: Optional[str] = None) -> Path:
 
 def embedded_folder(path: str, cache_dir: Optional[str] = None) -> Path:
     """The HF folder of an ``embedded:NAME`` model, dequantised from its wheel's GGUF file on first use."""
-    name = path.removeprefix(EMBEDDED_PREFIX)
-    if name not in _EMBEDDED:
-        known = ", ".join(EMBEDDED_PREFIX + n for n in _EMBEDDED)
-        raise ModelNotFoundError(f"{path}: unknown embedded model (known: {known})")
-    embedded = _EMBEDDED[name]
+    embedded = _embedded(path)
     folder = cache_root(cache_dir) / embedded.folder
     # The folder only ever appears through an atomic rename of a complete copy, so existing means complete.
     if not folder.is_dir():
         _dequantise_into(_embedded_gguf(embedded), folder)
     return folder
+
+
+def embedded_gguf(path: str) -> Path:
+    """The GGUF file of an ``embedded:NAME`` model as its wheel installed it (llama.cpp's smoke run reads it too)."""
+    return _embedded_gguf(_embedded(path))
+
+
+def _embedded(path: str) -> _Embedded:
+    name = path.removeprefix(EMBEDDED_PREFIX)
+    if name not in _EMBEDDED:
+        known = ", ".join(EMBEDDED_PREFIX + n for n in _EMBEDDED)
+        raise ModelNotFoundError(f"{path}: unknown embedded model (known: {known})")
+    return _EMBEDDED[name]
 
 
 def _embedded_gguf(embedded: _Embedded) -> Path:

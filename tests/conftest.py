@@ -83,3 +83,16 @@ def stories_path() -> Path:
     if not (path / "config.json").exists():
         pytest.skip(f"stories260K not found at {path} (set DRAFTER_TRAIN_STORIES260K)")
     return path
+
+
+@pytest.fixture(scope="session")
+def llamacpp_smoke() -> Path:
+    """The llama.cpp build's smoke run (drafter_train.llamacpp.smoke_check), once a session, before any test that
+    runs its tools: a build whose tools crash on this CPU fails those tests with its one line, not with a signal."""
+    from drafter_train.errors import DrafterTrainError
+    from drafter_train.llamacpp import llamacpp_dir, smoke_check
+
+    try:
+        return smoke_check(llamacpp_dir())
+    except DrafterTrainError as error:
+        pytest.fail(str(error), pytrace=False)

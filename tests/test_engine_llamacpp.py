@@ -21,7 +21,7 @@ from drafter_train.llamacpp import DRAFTER_FILE, llamacpp_dir
 from tests.gguf_edit import rewrite_gguf
 from tests.test_gguf import STORIES_EAGLE3, train_on_stories
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("llamacpp_smoke"), pytest.mark.skipif(
     not (llamacpp_dir() / "build" / "bin" / "llama-server").is_file(),
     reason=f"llama.cpp is not built in {llamacpp_dir()} (scripts/setup_llamacpp.sh)")]
 TOLERANCE = 0.05
