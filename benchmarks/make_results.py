@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 from benchmarks.common import RESULTS_DIR, markdown_table
 from benchmarks.engine_table import engine_section
 from drafter_train.io import write_atomic
+from drafter_train.machine import describe_usable
 
 REPO = Path(__file__).resolve().parent.parent
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -41,8 +42,13 @@ def load_results(results_dir: Path) -> dict[str, dict]:
 
 
 def machine_line(machine: dict) -> str:
+    """The CPU, what it lists and what was probed usable (a listed extension can be refused to the process), threads
+    and load."""
     load = machine.get("load_average")
-    parts = [str(machine.get("cpu", "unknown CPU")), f"{machine.get('torch_threads', '?')} torch threads"]
+    listed = f"lists {', '.join(machine['cpu_features']) or 'none of avx2/avx512/amx'}; " \
+        if "cpu_features" in machine else ""
+    parts = [f"{machine.get('cpu', 'unknown CPU')} ({listed}{describe_usable(machine)})",
+             f"{machine.get('torch_threads', '?')} torch threads"]
     if load:
         parts.append(f"load average {load[0] if isinstance(load, list) else load}")
     return ", ".join(parts)
