@@ -83,13 +83,14 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 
 def describe_machine() -> dict:
-    """Where a figure was measured: CPU model and features (/proc/cpuinfo), torch threads, load average."""
+    """Where a figure was measured: CPU model and features (/proc/cpuinfo), what was probed usable (torch's dispatch
+    level, AMX granted or not, native or emulated bf16), torch threads, load average."""
     import torch
 
-    from drafter_train.calibrate import machine_info
+    from drafter_train.machine import machine_info
 
     info = machine_info(torch.device("cpu"), "float32")
-    return {key: info[key] for key in ("cpu", "cpu_features", "logical_cores", "torch_threads", "load_average",
+    return {key: info[key] for key in ("cpu", "cpu_features", "usable", "logical_cores", "torch_threads", "load_average",
                                        "torch")}
 
 

@@ -24,7 +24,7 @@ import statistics
 import torch
 
 from benchmarks.common import add_prompt_args, command_line, forward_ms, split_name, write_result
-from drafter_train.calibrate import machine_info
+from drafter_train.machine import machine_info
 from drafter_train.config import DrafterConfig, EvalConfig, TargetConfig
 from drafter_train.cpu_kernels import row_policy, use_grouped_attention
 from drafter_train.data.prompts import load_prompt_records

@@ -21,6 +21,7 @@ from benchmarks.common import RESULTS_DIR, markdown_table
 from benchmarks.engine_table import engine_section
 from benchmarks.gpu_check import gpu_section
 from drafter_train.io import write_atomic
+from drafter_train.machine import describe_usable
 
 REPO = Path(__file__).resolve().parent.parent
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -42,8 +43,13 @@ def load_results(results_dir: Path) -> dict[str, dict]:
 
 
 def machine_line(machine: dict) -> str:
+    """The CPU, what it lists and what was probed usable (a listed extension can be refused to the process), threads
+    and load."""
     load = machine.get("load_average")
-    parts = [str(machine.get("cpu", "unknown CPU")), f"{machine.get('torch_threads', '?')} torch threads"]
+    listed = f"lists {', '.join(machine['cpu_features']) or 'none of avx2/avx512/amx'}; " \
+        if "cpu_features" in machine else ""
+    parts = [f"{machine.get('cpu', 'unknown CPU')} ({listed}{describe_usable(machine)})",
+             f"{machine.get('torch_threads', '?')} torch threads"]
     if machine.get("gpu"):
         parts.insert(0, f"{machine['gpu']} ({machine.get('gpu_memory_gib', '?')} GiB)")
     if load:

@@ -31,8 +31,6 @@ load, the thread count or the libraries change.
 from __future__ import annotations
 
 import datetime
-import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, replace
@@ -46,7 +44,7 @@ from drafter_train.config import CalibrationConfig, EvalConfig, TreeConfig
 from drafter_train.decoding.cached_lm import CachedLM, as_tensor
 from drafter_train.decoding.stats import DecodeStats
 from drafter_train.decoding.tree import TreeSpec, attention_mask
-from drafter_train.devices import device_name, synchronize
+from drafter_train.devices import synchronize
 
 
 @dataclass
@@ -78,40 +76,6 @@ class Candidate:
             return replace(cfg, draft_len=self.draft_len, tree=TreeConfig())
         tree = TreeConfig(top_k=self.tree["top_k"], depth=self.tree["depth"], total_tokens=self.tree["total_tokens"])
         return replace(cfg, draft_len=self.draft_len, tree=tree)
-
-
-def machine_info(device: torch.device, dtype: str) -> dict:
-    """What the costs were measured on."""
-    info = {"cpu": _cpu_model(), "cpu_features": _cpu_features(), "logical_cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "device": device_name(device), "dtype": dtype,
-            "torch": torch.__version__, "platform": platform.platform(),
-            "load_average": [round(x, 2) for x in os.getloadavg()]}
-    return info
-
-
-def _cpuinfo(field: str) -> Optional[str]:
-    """The first /proc/cpuinfo line's value for `field` (None off Linux or without it)."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith(field):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def _cpu_model() -> str:
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
-
-
-# The instruction-set extensions that decide which CPU kernels are fast (fp32 FMA width, bf16 / AMX units)
-_FEATURES = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
-
-
-def _cpu_features() -> list[str]:
-    flags = set((_cpuinfo("flags") or "").split())
-    return [f for f in _FEATURES if f in flags]
 
 
 @torch.inference_mode()

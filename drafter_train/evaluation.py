@@ -29,6 +29,7 @@ from drafter_train.decoding.lookup import lookup_first
 from drafter_train.devices import on_cpu, synchronize
 from drafter_train.cpu_kernels import CPU_KERNELS, KernelState, apply_kernel_state, kernel_states, kernels_in_use
 from drafter_train.errors import ConfigError
+from drafter_train.machine import describe_usable
 from drafter_train.targets import check_full_cache
 
 
@@ -346,7 +347,7 @@ def print_table(metrics: dict, console: Optional[Console] = None) -> None:
         table.add_row(escape(f"[{name}] tau / speedup"), f"{numbers['tau']:.3f} / {numbers['speedup']:.3f}")
     machine = metrics.get("machine")
     if machine:  # what the speedup was measured on: it depends on the CPU and the kernels chosen for it
-        table.add_row("machine", f"{machine['cpu']}, {machine['torch_threads']} threads")
+        table.add_row("machine", f"{machine['cpu']} ({describe_usable(machine)}), {machine['torch_threads']} threads")
         table.add_row("target kernels by rows", machine["target_kernels_by_rows"] or machine["cpu_kernels"])
     (console or Console(stderr=True)).print(table)
 

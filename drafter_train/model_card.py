@@ -17,6 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafter_train.drafters.registry import DrafterKind, folder_kind, get_kind, module_name
 from drafter_train.io import read_json_or_empty
+from drafter_train.machine import describe_usable
 from drafter_train.errors import ConfigError
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -226,9 +227,9 @@ _DEFINITIONS = (
 def _calibration_section(record: dict) -> str:
     """The draft length / tree size drafter-eval's calibration picked, and the machine it measured."""
     pick, machine = record["pick"], record["machine"]
-    where = (f"{machine['cpu']} ({machine['device']}, {machine['logical_cores']} logical cores, "
-             f"{machine['torch_threads']} torch threads, {machine['dtype']}, torch {machine['torch']}; load average "
-             f"{' / '.join(str(x) for x in machine['load_average'])})")
+    where = (f"{machine['cpu']} ({machine['device']}, {describe_usable(machine)}, {machine['logical_cores']} logical "
+             f"cores, {machine['torch_threads']} torch threads, {machine['dtype']}, torch {machine['torch']}; load "
+             f"average {' / '.join(str(x) for x in machine['load_average'])})")
     rows = [(c["name"], f"{c['predicted_tau']:.2f}", f"{c['draft_ms']:.1f}", f"{c['verify_ms']:.1f}",
              f"{c['predicted_speedup']:.3f}") for c in record["candidates"][:5]]
     table = "\n".join(["| setting | predicted tau | drafter ms | verify ms | predicted speedup |",

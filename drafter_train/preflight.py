@@ -10,7 +10,9 @@ from typing import Optional
 from drafter_train.data.prompts import check_prompt_file
 from drafter_train.drafters.registry import is_saved_drafter
 from drafter_train.errors import ConfigError, ModelNotFoundError
-from drafter_train.targets import check_attention, check_model_path, check_tokenizer_fits
+from drafter_train.gguf_file import check_gguf
+from drafter_train.targets import (check_attention, check_decoder_only, check_model_path, check_tokenizer_fits,
+                                   local_gguf)
 
 
 def check_inputs(cfg) -> None:
@@ -19,11 +21,13 @@ def check_inputs(cfg) -> None:
     target, drafter = getattr(cfg, "target", None), getattr(cfg, "drafter", None)
     if target is not None:
         _named("target.path", lambda: check_model_path(target.path, target.gguf_file))
+        check_model_files(target.path, "target.path", target.gguf_file)
         if not target.gguf_file:
             check_tokenizer_fits(target.path)  # a pad or prompt id past the embedding: not an IndexError mid-run
         check_attention(target, getattr(cfg, "eval", None))
     if drafter is not None and is_saved_drafter(drafter.path):
         _named("drafter.path", lambda: check_model_path(drafter.path))
+        check_model_files(drafter.path, "drafter.path")
     for option, folder in _data_folders(cfg):
         if folder and not Path(folder).expanduser().is_dir():
             raise ConfigError(f"{option}: {folder}: no such folder")
@@ -31,6 +35,16 @@ def check_inputs(cfg) -> None:
                             ("datagen", getattr(getattr(cfg, "datagen", None), "prompts", None))):
         if prompts and (Path(prompts).suffix or Path(prompts).expanduser().is_absolute()):  # a file, not a hub id
             check_prompt_file(prompts, option)
+
+
+def check_model_files(path: str, option: str, gguf_file: Optional[str] = None) -> None:
+    """What a model path's files say before they load: a GGUF file is whole (header, size against its tensor table)
+    and a HF folder is not an encoder-decoder. Called once the path itself is known to exist."""
+    gguf = local_gguf(path, gguf_file)
+    if gguf is not None:
+        check_gguf(gguf, option)
+    else:
+        check_decoder_only(path, option)
 
 
 def _named(option: str, check) -> None:

@@ -325,6 +325,34 @@ def check_model_path(path: str, gguf_file: Optional[str] = None) -> None:
         _locate(path, gguf_file)
 
 
+def local_gguf(path: str, gguf_file: Optional[str] = None) -> Optional[Path]:
+    """The local GGUF file a target or drafter path names (a .gguf file, or a folder plus ``gguf_file``), or None
+    (a HF folder, a hub id, the embedded target). The path must have passed `check_model_path`."""
+    if path.startswith(EMBEDDED_PREFIX):
+        return None
+    source, name = _locate(path, gguf_file)
+    return Path(source) / name if name and Path(source).is_dir() else None
+
+
+def check_decoder_only(path: str, option: str) -> None:
+    """Refuse, in one line and before the weights load, a local model folder whose config is an encoder-decoder
+    (T5, BART, Marian, Whisper ...): AutoModelForCausalLM would fail on it with a list of 200 config classes.
+    transformers' own `is_encoder_decoder` decides, not a list of model types kept here."""
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError):  # a model type this transformers does not know: loading says so
+        return
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"{option}: {path}: this {config.model_type} model is an encoder-decoder; drafter-datagen, "
+                          "drafter-train, drafter-eval and drafter-export take decoder-only models: encoder-decoder "
+                          "targets go through drafter-seq2seq (docs/seq2seq.md)")
+
+
 def check_tokenizer_fits(path: str) -> None:
     """Refuse, in one line and before the weights load, a local target folder whose tokenizer has ids its model cannot
     embed (config vocab_size): such an id (a pad token, a prompt's token) fails as an IndexError in the embedding

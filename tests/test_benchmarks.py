@@ -85,7 +85,7 @@ def test_make_results_writes_every_table_and_replaces_only_the_readme_block(tmp_
     assert page.index("## The main job") < page.index("## Kernels")  # the headline first
     assert "| decoder | speedup |\n|---|---|\n| default | 1.000 |\n| auto | 1.250 |" in page
     assert "| product | 1.125 |" in page
-    assert "`python -m benchmarks.kernels`" in page and "Test CPU, 2 torch threads" in page
+    assert "`python -m benchmarks.kernels`" in page and "Test CPU (usable extensions not probed), 2 torch threads" in page
     text = readme.read_text()
     assert text.startswith("# Project\nintro\n<!-- results:start -->\n") and text.endswith(
         "<!-- results:end -->\nafter\n")
@@ -187,3 +187,16 @@ def test_vllm_workers_run_offline_on_the_cores_asked_without_our_path(monkeypatc
     command = worker_command("/venv/bin/python", "benchmarks/vllm_engine.py", "--serve", "r.json")
     assert command[:2] == ["/venv/bin/python", "-P"] and command[2].endswith("/benchmarks/vllm_engine.py")
     assert command[3:] == ["--serve", "r.json"]
+
+
+def test_the_machine_line_names_the_cpu_what_it_lists_and_what_was_probed_usable():
+    record = {"cpu": "Intel Xeon", "cpu_features": ["avx2", "avx512f", "amx_tile"], "torch_threads": 2,
+              "load_average": [0.5, 0.4, 0.3],
+              "usable": {"torch_capability": "AVX512", "amx": "refused by the kernel (errno 1)",
+                         "bf16_matmul": "native (avx512_bf16)"}}
+    assert make_results.machine_line(record) == (
+        "Intel Xeon (lists avx2, avx512f, amx_tile; torch AVX512, AMX refused by the kernel (errno 1), bf16 matmul "
+        "native (avx512_bf16)), 2 torch threads, load average 0.5")
+    # a result file written before the probe says so rather than implying the listed extensions were used
+    assert make_results.machine_line(MACHINE).startswith("Test CPU (usable extensions not probed), 2 torch threads")
+

@@ -10,6 +10,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from drafter_train.machine import probe_cpu
 from drafter_train.recipes import datagen
 from drafter_train.recipes.datagen import load_distill_dataset, load_eval_prompts, run_datagen
 from drafter_train.data.prompts import load_prompts
@@ -92,6 +93,7 @@ def test_split_references_and_manifest(folders, greedy_run):
     assert [s["prompts"] for s in manifest["shards"]] == [4, 4, 2]
     assert sum(s["response_tokens"] for s in manifest["shards"]) == sum(map(len, data["response_ids"]))
     assert manifest["complete"] is True and manifest["config"]["datagen"]["batch_size"] == 3
+    assert manifest["machine"]["cpu"] and manifest["machine"]["usable"] == probe_cpu()  # what generated it
 
 
 def test_resume_after_crash_equals_uninterrupted_run(folders, tmp_path, monkeypatch):

@@ -92,7 +92,7 @@ def test_metric_definitions_against_counts(folders):
     # what the speedup was measured on: the CPU, its vector extensions, the threads and the kernel setting
     machine = metrics["machine"]
     assert machine["cpu"] and isinstance(machine["cpu_features"], list) and machine["torch_threads"] >= 1
-    assert machine["cpu_kernels"] == "auto"
+    assert machine["cpu_kernels"] == "auto" and set(machine["usable"]) == {"torch_capability", "amx", "bf16_matmul"}
 
 
 def test_drafter_equal_to_target_accepts_all(folders):

@@ -3,18 +3,26 @@ target cannot support (sliding-window KV caches) before any decoding."""
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 from omegaconf import OmegaConf
-from transformers import Gemma2Config, Gemma2ForCausalLM
+from transformers import BartConfig, Gemma2Config, Gemma2ForCausalLM, T5Config
 
+import drafter_train.recipes.datagen as datagen_recipe
 import drafter_train.recipes.evaluate as evaluate_recipe
 import drafter_train.recipes.train as train_recipe
-from drafter_train.config import EvalConfig, TreeConfig
+from drafter_train.config import EvalConfig, ExportConfig, TreeConfig
 from drafter_train.errors import ConfigError, ModelNotFoundError
 from drafter_train.evaluation import check_decoder
+from drafter_train.preflight import check_inputs
+from drafter_train.recipes.export import export
 from drafter_train.targets import has_sliding_window
-from tests.stubs import compose_cfg
+from tests.stubs import VOCAB, compose_cfg, run_cli, save_tiny, word_tokenizer
+from tests.test_gguf_file import write_gguf
 
 
 def _never_loads(*args, **kwargs):
@@ -63,11 +71,9 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused_before_the_target_lo
     word tokenizer it adds <|endoftext|> (id 23) as pad, one past a 23-row embedding: datagen padded with it and
     failed as an IndexError in the embedding mid-generate. Now one line before the weights load; the same folder
     with one more embedding row passes."""
-    import drafter_train.recipes.datagen as datagen_recipe
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from drafter_train.targets import check_tokenizer_fits
-    from tests.stubs import VOCAB, save_tiny
 
     def qwen2(folder, vocab):
         save_tiny(Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=32,
@@ -86,3 +92,120 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused_before_the_target_lo
     message = str(err.value)
     assert "\n" not in message and f"<|endoftext|> = {VOCAB}" in message and f"vocab_size is {VOCAB}" in message
     check_tokenizer_fits(qwen2(tmp_path / "fits", VOCAB + 1))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Model files that cannot load: a cut GGUF, an encoder-decoder
+
+
+def seq2seq_folder(folder: Path, family: str = "t5") -> str:
+    """A tiny encoder-decoder model folder (config and tokenizer: the refusal comes before any weights are read)."""
+    config = (T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2) if family == "t5"
+              else BartConfig(vocab_size=VOCAB, d_model=16, encoder_layers=1, decoder_layers=1,
+                              encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=32,
+                              decoder_ffn_dim=32, max_position_embeddings=64))
+    config.save_pretrained(folder)
+    word_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def _job(entry: str, overrides: list[str], tmp_path: Path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "the cat"}\n' * 4)
+    extra = {"eval": [f"eval.output={tmp_path / 'm.json'}"],
+             "train": [f"train.output_root={tmp_path / 'runs'}", f"train.data_dir={tmp_path}"],
+             "datagen": ["target.chat_template=false", f"datagen.prompts={prompts}", "datagen.num_prompts=2",
+                         "datagen.num_eval_prompts=1", f"datagen.output_dir={tmp_path / 'data'}"]}[entry]
+    cfg = OmegaConf.to_object(compose_cfg(entry, ["target=local", *overrides, *extra]))
+    run = {"eval": evaluate_recipe.run_eval_job, "train": train_recipe.train,
+           "datagen": lambda c: datagen_recipe.run_datagen(c, progress=False)}[entry]
+    return run, cfg
+
+
+@pytest.mark.parametrize("entry, option, family", [
+    ("eval", "target.path", "t5"), ("eval", "drafter.path", "bart"), ("train", "target.path", "bart"),
+    ("train", "drafter.path", "t5"), ("datagen", "target.path", "t5"),
+])
+def test_an_encoder_decoder_is_refused_before_anything_loads(monkeypatch, tmp_path, make_tiny_llama, entry, option,
+                                                             family):
+    for recipe in (evaluate_recipe, train_recipe, datagen_recipe):
+        monkeypatch.setattr(recipe, "load_target", _never_loads)
+    seq2seq = seq2seq_folder(tmp_path / family, family)
+    llama = tmp_path / "llama"
+    save_tiny(make_tiny_llama(vocab_size=VOCAB, num_layers=2), llama)
+    paths = {"target.path": seq2seq, "drafter.path": str(llama)} if option == "target.path" else \
+        {"target.path": str(llama), "drafter.path": seq2seq}
+    overrides = [f"target.path={paths['target.path']}"]
+    if entry != "datagen":
+        overrides += ["drafter=path", f"drafter.path={paths['drafter.path']}"]
+    run, cfg = _job(entry, overrides, tmp_path)
+    with pytest.raises(ConfigError) as err:
+        run(cfg)
+    message = str(err.value)
+    assert message.startswith(f"{option}: {seq2seq}: this {family} model is an encoder-decoder")
+    assert "go through drafter-seq2seq" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("part", ["drafter", "target"])
+def test_drafter_export_refuses_an_encoder_decoder_run(tmp_path, make_tiny_llama, part):
+    """A step folder whose drafter, or whose run's target, is an encoder-decoder: drafter-seq2seq's export."""
+    seq2seq = seq2seq_folder(tmp_path / "t5")
+    step = tmp_path / "run" / "step-1"
+    if part == "drafter":
+        shutil.copytree(seq2seq, step / "drafter")
+    else:
+        save_tiny(make_tiny_llama(vocab_size=VOCAB, num_layers=2), step / "drafter")
+        (step.parent / "config.yaml").write_text(f"target:\n  path: {seq2seq}\n")
+    (step / "metrics.json").write_text(json.dumps({"draft_len": 4}))
+    with pytest.raises(ConfigError) as err:
+        export(ExportConfig(checkpoint=str(step), output_dir=str(tmp_path / "out")))
+    field = "export.checkpoint" if part == "drafter" else "the run's target.path"
+    assert str(err.value).startswith(f"{field}: ") and "drafter-seq2seq" in str(err.value)
+    assert "\n" not in str(err.value) and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("entry, option", [("eval", "target.path"), ("eval", "drafter.path"),
+                                           ("train", "target.path"), ("datagen", "target.path")])
+def test_a_cut_gguf_is_refused_before_anything_loads(monkeypatch, tmp_path, make_tiny_llama, entry, option):
+    for recipe in (evaluate_recipe, train_recipe, datagen_recipe):
+        monkeypatch.setattr(recipe, "load_target", _never_loads)
+    intact = write_gguf(tmp_path / "model.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(intact.read_bytes()[:intact.stat().st_size // 2])  # inside the tensor data
+    llama = tmp_path / "llama"
+    save_tiny(make_tiny_llama(vocab_size=VOCAB, num_layers=2), llama)
+    target = cut if option == "target.path" else llama
+    overrides = [f"target.path={target}"] + (["drafter=path", f"drafter.path={cut}"] if option == "drafter.path"
+                                             else [])
+    run, cfg = _job(entry, overrides, tmp_path)
+    with pytest.raises(ConfigError) as err:
+        run(cfg)
+    assert str(err.value).startswith(f"{option}: {cut}: cut short inside its tensor data")
+    assert "\n" not in str(err.value)
+
+
+def test_a_folder_with_a_cut_gguf_file_named_by_gguf_file_is_refused(tmp_path):
+    intact = write_gguf(tmp_path / "model.gguf")
+    (tmp_path / "cut.gguf").write_bytes(intact.read_bytes()[:1000])  # inside the header
+    cfg = OmegaConf.to_object(compose_cfg("eval", ["target=local", f"target.path={tmp_path}",
+                                                   "target.gguf_file=cut.gguf", "drafter=ngram"]))
+    with pytest.raises(ConfigError, match=r"^target\.path: .*cut\.gguf: cut short inside its header"):
+        check_inputs(cfg)
+
+
+@pytest.mark.parametrize("bad", ["cut_gguf", "t5"])
+def test_drafter_eval_on_the_command_line_exits_2_with_one_line(tmp_path, bad):
+    """The issue's two tracebacks, through the console script: `head -c`-style cut GGUF and a T5 folder as target."""
+    if bad == "cut_gguf":
+        intact = write_gguf(tmp_path / "model.gguf")
+        target = tmp_path / "cut.gguf"
+        target.write_bytes(intact.read_bytes()[:30000])  # what `head -c 30000 model.gguf > cut.gguf` leaves
+    else:
+        target = seq2seq_folder(tmp_path / "t5")
+    done = run_cli("drafter_train.recipes.evaluate", "target=local", f"target.path={target}",
+                   "drafter.path=truncated:1", cwd=tmp_path)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr
+    words = "cut short inside its tensor data" if bad == "cut_gguf" else "go through drafter-seq2seq"
+    assert lines[0].startswith(f"drafter-eval: error: target.path: {target}: ") and words in lines[0]

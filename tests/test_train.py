@@ -10,6 +10,7 @@ import torch
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
+from drafter_train.machine import probe_cpu
 from drafter_train.config import CONF_DIR
 from drafter_train.recipes.cli import compose_config
 from drafter_train.drafters.eagle3.config import Eagle3DrafterConfig
@@ -82,6 +83,10 @@ def test_tiny_run_loss_goes_down_and_checkpoints_are_evaluated(tiny_data, tmp_pa
     evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evals if "eval/tau" in r] == [0, 6, 12]  # untrained baseline + every checkpoint
     assert (run_dir / "best").resolve().name.startswith("step-") and (run_dir / "latest").resolve().name == "step-12"
+    # the checkpoint's figures name their machine: the CPU as listed and what was probed usable
+    machine = json.loads((run_dir / "step-12" / "metrics.json").read_text())["machine"]
+    assert machine["cpu"] and machine["usable"] == probe_cpu() and machine["torch_threads"] >= 1
+    assert not any("machine" in k for r in evals for k in r)  # not repeated in every metrics.jsonl row
 
 
 def test_offline_teacher_matches_stored_logits(tiny_data, tmp_path):

@@ -24,6 +24,8 @@ from transformers import PreTrainedTokenizerBase
 
 from drafter_train.config import CONF_DIR, DatagenConfig, DatagenJobConfig
 from drafter_train.recipes.cli import register_configs
+from drafter_train.devices import default_device
+from drafter_train.machine import machine_info
 from drafter_train.preflight import check_inputs
 from drafter_train.recipes.cli import one_line_errors
 from drafter_train.data.chat import ChatTemplate
@@ -128,6 +130,7 @@ def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, backe
         settings,
         counts=counts,
         run=dict(run, **backend.run_info()),
+        machine=machine_info(default_device(), cfg.target.dtype),  # the latest run's: a resumed folder's last
         columns=list(features(cfg.datagen.store_topk, cfg.datagen.multi_turn)),
         complete=False,
         config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True),

@@ -16,8 +16,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from drafter_train.calibrate import (calibrate, calibration_record, engine_costs, engine_predictions,
-                                     machine_info)
+from drafter_train.calibrate import calibrate, calibration_record, engine_costs, engine_predictions
 from drafter_train.checkpoint import verify_drafter_folder
 from drafter_train.evaluation import calibration_decoder, check_decoder, evaluate_decoding, print_calibration, print_table
 from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig
@@ -32,6 +31,7 @@ from drafter_train.decoding.lookup import check_corpus
 from drafter_train.drafters.registry import make_drafter, model_kind
 from drafter_train.errors import CheckpointDamagedError, ConfigError
 from drafter_train.io import write_atomic
+from drafter_train.machine import machine_info
 from drafter_train.targets import encode_prompt, eos_token_ids, load_target, model_identity
 
 

@@ -25,7 +25,7 @@ from drafter_train.config import CONF_DIR, ExportConfig
 from drafter_train.recipes.cli import register_configs
 from drafter_train.errors import CheckpointDamagedError, ConfigError, DrafterTrainError
 from drafter_train.llamacpp import GgufJob, llamacpp_dir
-from drafter_train.targets import EMBEDDED_PREFIX, embedded_folder
+from drafter_train.targets import EMBEDDED_PREFIX, check_decoder_only, embedded_folder
 from drafter_train.model_card import MARKER, RunInfo, looks_local, model_card, read_run_info, step_text, target_names
 
 # Keys that describe how a file was loaded on the training machine, not the model.
@@ -282,6 +282,9 @@ def export(cfg: ExportConfig) -> ExportResult:
     cfg.require_inputs()
     step_dir = resolve_checkpoint(cfg)
     info = read_run_info(step_dir)
+    check_decoder_only(str(step_dir / "drafter"), "export.checkpoint")  # a seq2seq run: drafter-seq2seq's own export
+    if info.config.get("target", {}).get("path"):
+        check_decoder_only(str(info.config["target"]["path"]), "the run's target.path")
     info.calibration = read_calibration(cfg.calibration, step_dir / "drafter") if cfg.calibration else None
     out = prepare_output(cfg, step_dir)
     gguf = gguf_job(cfg, info) if cfg.format == "gguf" else None

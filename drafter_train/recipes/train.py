@@ -21,6 +21,7 @@ from drafter_train.checkpoint import (
     partial_checkpoint, resume_checkpoint, save_checkpoint, save_run_config, set_rng_state, start_checkpoint,
 )
 from drafter_train.config import CONF_DIR, TrainJobConfig
+from drafter_train.machine import machine_info
 from drafter_train.preflight import check_inputs
 from drafter_train.recipes.cli import on_main_process, one_line_errors, register_configs
 from drafter_train.data.batches import BatchStream, collate, token_counts
@@ -73,7 +74,8 @@ def evaluate_checkpoint(cfg, target, model, prompts, eos, overlap=None) -> dict:
     metrics = evaluate_decoding(target, drafter, prompts[0], cfg.eval, eos, progress=False, categories=prompts[1],
                                 kernels=cfg.target.cpu_kernels)
     model.train()
-    return {**metrics, "split": split_name(eval_prompts_path(cfg)), "overlap": overlap}
+    return {**metrics, "split": split_name(eval_prompts_path(cfg)), "overlap": overlap,
+            "machine": machine_info(target.device, cfg.target.dtype)}  # every figure names its machine
 
 
 def restore(saved: dict, optimizer, scheduler, stream: BatchStream, state: TrainState) -> None:
@@ -178,7 +180,7 @@ def train(cfg: TrainJobConfig) -> dict:
         metrics = evaluate_checkpoint(cfg, target, model, prompts, eos, overlap)
         row = {"step": step, **{k: metrics[k] for k in ("tau", "acceptance_rate", "speedup")}}
         eval_history.append(row)
-        logger.log({f"eval/{k}": v for k, v in metrics.items() if k not in ("per_position_acceptance", "per_category")},
+        logger.log({f"eval/{k}": v for k, v in metrics.items() if k not in ("per_position_acceptance", "per_category", "machine")},
                    step)
         logger.log_eval_table(eval_history, step)
         return metrics
