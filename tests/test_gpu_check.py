@@ -83,5 +83,5 @@ def test_make_results_renders_the_gpu_record_as_a_section():
     assert "peak allocated **31.5 GiB** (steps 2-30) against the plan's 30.0 GiB" in page
     assert "greedy speculative == plain on 1.000 of 4 prompts" in page
     assert "- stage train_failed_example: StageTimeout: over its budget of 200 s" in page
-    assert "- machine: NVIDIA H100 80GB HBM3 (79.2 GiB), x86, 16 torch threads" in page
+    assert "- machine: NVIDIA H100 80GB HBM3 (79.2 GiB), x86 (usable extensions not probed), 16 torch threads" in page
     assert "- result file: `benchmarks/results/gpu.json`" in page
