@@ -27,6 +27,11 @@ def rewrite_gguf(src: Path, dst: Path, fields: Mapping = {}, tensors: Mapping = 
             continue
         data = np.ascontiguousarray(tensors.get(tensor.name, tensor.data))
         writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    save_gguf(writer)
+
+
+def save_gguf(writer) -> None:
+    """Write a filled gguf.GGUFWriter's file in the order the format wants: header, metadata, tensors."""
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

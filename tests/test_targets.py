@@ -28,6 +28,7 @@ from drafter_train.targets import (
     model_identity,
 )
 from tests.conftest import REPO
+from tests.gguf_edit import save_gguf
 from tests.stubs import SPECIALS, WORDS, word_tokenizer
 
 
@@ -103,10 +104,7 @@ def write_tiny_gguf(path: Path) -> LlamaForCausalLM:
                 heads = cfg.num_attention_heads if gguf_name == "attn_q" else cfg.num_key_value_heads
                 weight = _permute(weight, heads)
             writer.add_tensor(f"blk.{i}.{gguf_name}.weight", weight)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    save_gguf(writer)
     return model
 
 
