@@ -25,10 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Optional, Sequence
-
-from transformers import AutoConfig
 
 from drafter_train.config import DatagenJobConfig, TargetConfig
 from drafter_train.data.generation import Continuation, cut_at_eos
@@ -37,7 +34,8 @@ from drafter_train.data.vllm_backend import BackendError, prompt_seed
 from drafter_train.errors import ConfigError
 from drafter_train.llamacpp import llamacpp_dir
 from drafter_train.llamacpp_server import free_port, post, running_server
-from drafter_train.targets import EMBEDDED_PREFIX, embedded_gguf, eos_token_ids, load_tokenizer
+from drafter_train.gguf_file import check_gguf
+from drafter_train.targets import EMBEDDED_PREFIX, embedded_gguf, load_tokenizer
 
 JOURNAL = "llamacpp-records.jsonl"  # finished responses, one JSON line each (module doc)
 LOG_NAME = "llama-server.log"
@@ -55,6 +53,14 @@ def served_gguf(target: TargetConfig) -> Path:
         raise ConfigError(f"target.path: datagen.backend=llamacpp serves a GGUF file; {target.path!r} is not one "
                           "(use a .gguf file, target.gguf_file, or a named target)")
     return path.absolute()
+
+
+def gguf_eos_ids(gguf: Path, tokenizer) -> list[int]:
+    """The target's EOS ids as its GGUF header declares them (eos, end-of-turn, end-of-message) and its tokenizer:
+    read from the header alone (transformers' GGUF config loader reads every tensor; seconds for a 1.5B)."""
+    metadata = check_gguf(gguf, "target.path").metadata
+    ids = {metadata.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")}
+    return sorted({int(i) for i in ids if i is not None} | ({tokenizer.eos_token_id} - {None}))
 
 
 def request_body(cfg: DatagenJobConfig, prompt: TrainPrompt) -> dict:
@@ -92,8 +98,7 @@ class LlamaCppBackend:
         self.cfg, settings = cfg, cfg.datagen.llamacpp
         self.gguf = served_gguf(cfg.target)
         self.tokenizer = load_tokenizer(str(self.gguf))
-        config = AutoConfig.from_pretrained(str(self.gguf.parent), gguf_file=self.gguf.name)
-        self.eos_token_ids = eos_token_ids(SimpleNamespace(config=config, generation_config=None), self.tokenizer)
+        self.eos_token_ids = gguf_eos_ids(self.gguf, self.tokenizer)
         self.root = llamacpp_dir(settings.llamacpp)
         self.server = self.root / "build" / "bin" / "llama-server"
         if not self.server.is_file():
