@@ -1,10 +1,12 @@
-"""Benchmark: drafter-datagen's vLLM backend against its HF backend on the same prompts.
+"""Benchmark: drafter-datagen's vLLM (or llama.cpp) backend against its HF backend on the same prompts.
 
     python -m benchmarks.datagen throughput --vllm-python .venv-vllm/bin/python   # tokens/s and agreement
+    python -m benchmarks.datagen throughput --engine llamacpp --datagen-overrides target=qwen2.5-coder-1.5b
     python -m benchmarks.datagen tau --vllm-python .venv-vllm/bin/python          # drafters trained on each
 
 throughput: the same training prompts are continued greedily by both backends, `--in-flight` prompts at a time (HF:
-datagen.batch_size; vLLM: datagen.vllm.max_num_seqs, the whole prompt set sent at once), interleaved HF / vLLM
+datagen.batch_size; vLLM: datagen.vllm.max_num_seqs, the whole prompt set sent at once; llama.cpp:
+datagen.llamacpp.parallel slots of llama-server on the target's GGUF, `--threads` threads), interleaved HF / vLLM
 `--repeats` times after an untimed warm-up; tokens/s is generated tokens over generate time (engine start
 excluded; it is printed apart).
 tau: drafter-datagen writes one folder per backend (same prompts, same held-out eval prompts), then the same short
@@ -31,7 +33,9 @@ from pathlib import Path
 
 from drafter_train.recipes.cli import compose_config
 
+from benchmarks.common import command_line, write_result
 from drafter_train.data.generation import HFBackend
+from drafter_train.data.llamacpp_backend import LlamaCppBackend
 from drafter_train.data.sources import open_source, select_prompts
 from drafter_train.data.vllm_backend import VllmBackend
 from drafter_train.drafters.registry import make_drafter
@@ -71,16 +75,16 @@ def throughput(args, common: list[str]) -> dict:
     for in_flight in args.in_flight:
         dg = dataclasses.replace(cfg.datagen, batch_size=in_flight)
         hf = HFBackend(model, tokenizer, dg, eos, pad_id(tokenizer, eos))
-        vcfg = compose_config("datagen", [*common, *vllm_overrides(args), f"datagen.vllm.max_num_seqs={in_flight}",
-                                          f"datagen.output_dir={Path(args.output_root) / 'throughput'}"])  # its log
         samples = {"hf": [], "vllm": []}
-        with VllmBackend(vcfg) as vllm:
+        with engine_backend(args, common, in_flight) as vllm:
             start = time.perf_counter()
             for backend in (hf, vllm):  # untimed warm-up (for vLLM: the engine start too)
                 generate_shard(backend, prompts[:2], dg, Throughput(2, 0, enabled=False))
             engine_start = time.perf_counter() - start
             for repeat in range(args.repeats):
                 for name, backend in (("hf", hf), ("vllm", vllm)):
+                    if isinstance(backend, LlamaCppBackend):
+                        backend.done.clear()  # its resume journal would answer repeats without the server
                     outputs[name, in_flight], tokens_per_s = timed_run(backend, prompts, dg)
                     samples[name].append(tokens_per_s)
                     print(json.dumps({"in_flight": in_flight, "backend": name, "repeat": repeat,
@@ -158,6 +162,33 @@ def tau(args, common: list[str]) -> dict:
     return result
 
 
+def engine_backend(args, common: list[str], in_flight: int):
+    """The backend compared with HF (named "vllm" in the figures whatever --engine says, for older result files)."""
+    log_dir = f"datagen.output_dir={Path(args.output_root) / 'throughput'}"  # its log (and llama.cpp's journal)
+    if args.engine == "llamacpp":
+        return LlamaCppBackend(compose_config("datagen", [
+            *common, "datagen.backend=llamacpp", f"datagen.llamacpp.parallel={in_flight}",
+            f"datagen.llamacpp.threads={args.threads}", log_dir]))
+    return VllmBackend(compose_config("datagen", [*common, *vllm_overrides(args),
+                                                  f"datagen.vllm.max_num_seqs={in_flight}", log_dir]))
+
+
+def write_llamacpp_result(args, rows: list[dict], prompts: int, max_new: int) -> None:
+    """benchmarks/results/datagen_llamacpp.json: tokens/s of both backends and their agreement, on this CPU."""
+    write_result(
+        "datagen_llamacpp", title="drafter-datagen: llama.cpp backend (llama-server slots) vs HF backend",
+        question="How fast does llama-server make training data on the target's GGUF, against transformers "
+                 "generate on its dequantised float32 copy, and how often are their greedy answers identical?",
+        command=command_line("benchmarks.datagen"), split=f"training prompts ({prompts}, up to {max_new} tokens)",
+        baseline="datagen.backend=hf, same prompts, batch = slots",
+        columns=["prompts in flight", "HF tok/s", "llama.cpp tok/s", "llama.cpp / HF", "identical answers"],
+        rows=[[r["in_flight"], r["hf_tokens_per_s"], r["vllm_tokens_per_s"],
+               r["vllm_tokens_per_s"] / r["hf_tokens_per_s"], r["agreement"]["identical"]] for r in rows],
+        notes=f"{args.threads} threads for llama-server; HF in this process with torch's threads. Medians of "
+              f"{args.repeats}. llama.cpp runs the Q4_K arithmetic of the GGUF itself, HF the dequantised weights "
+              "in float32: answers part where the top two logits nearly tie (margins in the run's JSON).")
+
+
 def vllm_overrides(args) -> list[str]:
     return ["datagen.backend=vllm", f"datagen.vllm_python={args.vllm_python}",
             f"datagen.vllm.enforce_eager={str(args.enforce_eager).lower()}"]
@@ -166,6 +197,8 @@ def vllm_overrides(args) -> list[str]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=("throughput", "tau"))
+    parser.add_argument("--engine", choices=("vllm", "llamacpp"), default="vllm", help="the backend compared with HF")
+    parser.add_argument("--threads", type=int, default=2, help="llamacpp: llama-server's threads")
     parser.add_argument("--vllm-python", default=sys.executable, help="python of an environment with vLLM")
     parser.add_argument("--num-prompts", type=int, default=None, help="default: 64 (throughput), 128 (tau)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 96 (throughput), 64 (tau)")
@@ -189,6 +222,8 @@ def main():
     common = [f"datagen.max_new_tokens={max_new}", "datagen.max_prompt_tokens=128", "datagen.num_eval_prompts=16",
               f"datagen.shard_size={args.num_prompts}", *args.datagen_overrides]
     result = (throughput if thru else tau)(args, common)
+    if thru and args.engine == "llamacpp":
+        write_llamacpp_result(args, result["rows"], args.num_prompts, max_new)
     out = Path(args.output_root)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.mode}.json").write_text(json.dumps(

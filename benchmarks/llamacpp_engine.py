@@ -13,27 +13,18 @@ export.format=gguf` files, greedy, the same prompt token ids as our evaluator, o
 
 from __future__ import annotations
 
-import json
 import re
-import socket
-import subprocess
-import time
-import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
+
+# The server's lifecycle and requests live in the package (the llama.cpp datagen backend uses them too).
+from drafter_train.llamacpp_server import complete, free_port, running_server  # noqa: F401 (engine.free_port)
 
 # llama-server's debug line for every verify step (also the last one of a request, unlike its "accepted a/d" line)
 STEP = re.compile(r"add accepted tokens: sampled=-?\d+, ids\.size=(\d+), n_draft=(\d+)")
 # llama-server's running totals per drafter (printed after every request): calls and ms of begin, draft, accept
 DRAFT_STATS = re.compile(r"statistics\s+(\S+): #calls\(b,g,a\) =\s*\d+\s+(\d+)\s+\d+.*?"
                          r"dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def server_command(bin_dir: Path, target: Path, drafter: Optional[Path], spec_type: Optional[str], draft_len: int,
@@ -57,48 +48,6 @@ def server_command(bin_dir: Path, target: Path, drafter: Optional[Path], spec_ty
         if f32_cache:
             command += ["-ctkd", "f32", "-ctvd", "f32"]
     return command
-
-
-@contextmanager
-def running_server(command: list[str], log: Path, startup_s: float = 180) -> Iterator[str]:
-    """Start llama-server, wait for /health, yield its URL; stopped (by its own pid) on exit."""
-    port = command[command.index("--port") + 1]
-    url = f"http://127.0.0.1:{port}"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(f"llama-server exited ({proc.returncode}): {' | '.join(tail)}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server not ready after {startup_s:.0f} s (log: {log})")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def complete(url: str, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> dict:
-    """One greedy /completion on token ids -> {"tokens": [...], "timings": {...}}; ignore_eos: make all
-    max_new_tokens (timing runs whose output does not matter)."""
-    body = json.dumps({"prompt": prompt, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
-                       "return_tokens": True, "cache_prompt": False, "seed": 0, "ignore_eos": ignore_eos}).encode()
-    request = urllib.request.Request(f"{url}/completion", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=600) as response:
-        reply = json.loads(response.read())
-    return {"tokens": list(reply.get("tokens", [])), "timings": reply.get("timings", {})}
 
 
 def decode_prompts(command: list[str], log: Path, prompts: list[list[int]], max_new_tokens: int,

@@ -22,7 +22,7 @@ TREE_BRANCHING = ("topk", "iid")
 # run's own only.
 BASELINE_KERNELS = ("all", "same")
 THINKING_MODES = ("keep", "strip")
-DATAGEN_BACKENDS = ("hf", "vllm")
+DATAGEN_BACKENDS = ("hf", "vllm", "llamacpp")
 # eval.overlap: what an evaluation prompt that overlaps the training data does (data/overlap.py).
 OVERLAP_MODES = ("warn", "refuse", "off")
 _EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
@@ -395,6 +395,24 @@ class VllmEngineConfig:
 
 
 @dataclass
+class LlamaCppServerConfig:
+    """`datagen.backend=llamacpp`: the llama-server that serves the target's GGUF file (data/llamacpp_backend.py)."""
+
+    # Parallel slots: prompts decoded together by the server's continuous batching.
+    parallel: int = 4
+    # CPU threads of the server (None: all of this machine's cores).
+    threads: Optional[int] = None
+    # The llama.cpp folder scripts/setup_llamacpp.sh built (None: $DRAFTER_TRAIN_LLAMACPP, else .llamacpp).
+    llamacpp: Optional[str] = None
+    # Seconds to wait for the server to load the model.
+    startup_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        check_field(self.parallel >= 1, "datagen.llamacpp.parallel", f"must be >= 1, got {self.parallel}")
+        check_field(self.threads is None or self.threads >= 1, "datagen.llamacpp.threads", "must be >= 1")
+
+
+@dataclass
 class DatagenConfig:
     """Target-generated distillation data (`drafter-datagen`)."""
 
@@ -442,6 +460,7 @@ class DatagenConfig:
     # drafter_train: `pip install drafter-train[vllm]`); else e.g. the venv built by scripts/setup_vllm.sh.
     vllm_python: Optional[str] = None
     vllm: VllmEngineConfig = field(default_factory=VllmEngineConfig)
+    llamacpp: LlamaCppServerConfig = field(default_factory=LlamaCppServerConfig)
     # Evaluation prompt files (shipped split names such as dev and test, or paths): source prompts equal to one of
     # theirs or sharing a long run of words with one (data/overlap.py) are dropped, counted in datagen.json.
     exclude: List[str] = field(default_factory=list)
@@ -470,6 +489,9 @@ class DatagenConfig:
                f"must be one of {DATAGEN_BACKENDS}, got {self.backend!r}")
         check_field(self.thinking in THINKING_MODES, "datagen.thinking",
                     f"must be one of {THINKING_MODES}, got {self.thinking!r}")
+        check_field(not (self.backend == "llamacpp" and self.store_topk), "datagen.store_topk",
+                    "not with datagen.backend=llamacpp: llama-server's n_probs are probabilities after its sampling "
+                    "settings, not the raw logits stored; use backend=hf or vllm")
         check_field(not (self.multi_turn and self.store_topk), "datagen.store_topk", "not with datagen.multi_turn "
                     "(regenerated turns are re-rendered, so stored logits would not line up; use loss.teacher=online)")
 

@@ -8,6 +8,7 @@ Everything goes through ``AutoModelForCausalLM`` / ``AutoTokenizer``: no modelin
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.metadata
 import importlib.util
 import os
@@ -24,6 +25,7 @@ from drafter_train.config import TargetConfig
 from drafter_train.devices import default_device
 from drafter_train.cpu_kernels import use_grouped_attention, use_onednn_linears
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
+from drafter_train.named_targets import NAMED, installed_gguf
 
 EMBEDDED_PREFIX = "embedded:"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -62,9 +64,11 @@ def load_target(cfg: TargetConfig) -> tuple[PreTrainedModel, PreTrainedTokenizer
 def model_name(path: str) -> str:
     """A target's name for titles: the embedded model's own name (SmolLM2-135M-Instruct for embedded:smollm2), else
     the folder's or hub id's last part."""
-    embedded = _EMBEDDED.get(path.removeprefix(EMBEDDED_PREFIX)) if path.startswith(EMBEDDED_PREFIX) else None
-    if embedded is not None:
-        return Path(embedded.file).name.split(".")[0]
+    name = path.removeprefix(EMBEDDED_PREFIX) if path.startswith(EMBEDDED_PREFIX) else None
+    if name in _EMBEDDED:
+        return Path(_EMBEDDED[name].file).name.split(".")[0]
+    if name in NAMED:
+        return NAMED[name].title
     return Path(path).name
 
 
@@ -197,6 +201,9 @@ def model_identity(cfg: TargetConfig) -> dict:
             identity["source"] = f"{embedded.dist}=={importlib.metadata.version(embedded.dist)}:{embedded.file}"
     except importlib.metadata.PackageNotFoundError:
         pass
+    named = NAMED.get(cfg.path.removeprefix(EMBEDDED_PREFIX)) if cfg.path.startswith(EMBEDDED_PREFIX) else None
+    if named is not None:
+        identity["source"] = named.source()
     return identity
 
 
@@ -214,26 +221,57 @@ def cache_root(cache_dir: Optional[str] = None) -> Path:
 
 
 def embedded_folder(path: str, cache_dir: Optional[str] = None) -> Path:
-    """The HF folder of an ``embedded:NAME`` model, dequantised from its wheel's GGUF file on first use."""
-    embedded = _embedded(path)
-    folder = cache_root(cache_dir) / embedded.folder
+    """The HF folder of an ``embedded:NAME`` model, dequantised from its GGUF file on first use."""
+    name = _embedded_name(path)
+    subfolder = _EMBEDDED[name].folder if name in _EMBEDDED else NAMED[name].folder
+    folder = cache_root(cache_dir) / subfolder
     # The folder only ever appears through an atomic rename of a complete copy, so existing means complete.
     if not folder.is_dir():
-        _dequantise_into(_embedded_gguf(embedded), folder)
+        _dequantise_into(embedded_gguf(path, cache_dir), folder)
     return folder
 
 
-def embedded_gguf(path: str) -> Path:
-    """The GGUF file of an ``embedded:NAME`` model as its wheel installed it (llama.cpp's smoke run reads it too)."""
-    return _embedded_gguf(_embedded(path))
+def embedded_gguf(path: str, cache_dir: Optional[str] = None) -> Path:
+    """The GGUF file of an ``embedded:NAME`` model (what llama.cpp serves): inside its wheel (SmolLM2), or assembled
+    into the cache by scripts/setup_targets.sh (the named targets, named_targets.py)."""
+    name = _embedded_name(path)
+    if name in _EMBEDDED:
+        return _embedded_gguf(_EMBEDDED[name])
+    return installed_gguf(NAMED[name], cache_root(cache_dir))
 
 
-def _embedded(path: str) -> _Embedded:
+def target_folder(path: str, gguf_file: Optional[str] = None, cache_dir: Optional[str] = None) -> Optional[Path]:
+    """The target as a local HF folder, for tools that read its files (llama.cpp's converter): an embedded or named
+    target's dequantised copy, a local folder as it is, a local GGUF file's dequantised copy (made once into the
+    cache); None for a hub id."""
+    if path.startswith(EMBEDDED_PREFIX):
+        return embedded_folder(path, cache_dir)
+    local = Path(path).expanduser()
+    if local.is_dir() and not gguf_file:
+        return local.absolute()
+    if local.is_file() or (local.is_dir() and gguf_file):
+        source, name = _locate(path, gguf_file)
+        return gguf_folder(Path(source, name), cache_dir)
+    return None
+
+
+def gguf_folder(gguf: Path, cache_dir: Optional[str] = None) -> Path:
+    """A user's GGUF file dequantised once into the cache, under a name tied to the file's path, size and mtime (a
+    rewritten file gets a fresh copy)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    folder = cache_root(cache_dir) / "dequantised" / f"{gguf.stem}-{key}"
+    if not folder.is_dir():
+        _dequantise_into(gguf, folder)
+    return folder
+
+
+def _embedded_name(path: str) -> str:
     name = path.removeprefix(EMBEDDED_PREFIX)
-    if name not in _EMBEDDED:
-        known = ", ".join(EMBEDDED_PREFIX + n for n in _EMBEDDED)
+    if name not in _EMBEDDED and name not in NAMED:
+        known = ", ".join(EMBEDDED_PREFIX + n for n in [*_EMBEDDED, *NAMED])
         raise ModelNotFoundError(f"{path}: unknown embedded model (known: {known})")
-    return _EMBEDDED[name]
+    return name
 
 
 def _embedded_gguf(embedded: _Embedded) -> Path:

@@ -66,13 +66,9 @@ def _permute(weight, n_head):
     return weight.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_tiny_gguf(path: Path) -> LlamaForCausalLM:
-    """A float32 llama GGUF with a byte-level BPE vocabulary and a chat template; returns the source model."""
-    tokens = list(bytes_to_unicode().values()) + ["he", "<s>", "</s>"]
-    model = tiny_llama(len(tokens))
-    cfg, state = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny")
+def add_tiny_header(writer, name: str, cfg, tokens: list[str]) -> None:
+    """A tiny model's hyperparameters and byte-level BPE vocabulary (its last two tokens: BOS, EOS)."""
+    writer.add_name(name)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
@@ -80,15 +76,24 @@ def write_tiny_gguf(path: Path) -> LlamaForCausalLM:
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(len(tokens))
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
     writer.add_token_types([1] * (len(tokens) - 2) + [3, 3])
     writer.add_token_merges(["h e"])
     writer.add_bos_token_id(len(tokens) - 2)
     writer.add_eos_token_id(len(tokens) - 1)
+
+
+def write_tiny_gguf(path: Path) -> LlamaForCausalLM:
+    """A float32 llama GGUF with a byte-level BPE vocabulary and a chat template; returns the source model."""
+    tokens = list(bytes_to_unicode().values()) + ["he", "<s>", "</s>"]
+    model = tiny_llama(len(tokens))
+    cfg, state = model.config, {k: v.numpy() for k, v in model.state_dict().items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    add_tiny_header(writer, "tiny", cfg, tokens)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_vocab_size(len(tokens))
     writer.add_chat_template(GGUF_TEMPLATE)
     writer.add_tensor("token_embd.weight", state["model.embed_tokens.weight"])
     writer.add_tensor("output_norm.weight", state["model.norm.weight"])

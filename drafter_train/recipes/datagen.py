@@ -1,7 +1,8 @@
 """`drafter-datagen`: the target's own continuations of training prompts, for distilling a drafter.
 
 Pipeline: prompt source (sources.py) -> eval/train split -> target generation by the chosen backend
-(``datagen.backend``: hf = generation.py in this process, vllm = vllm_backend.py in a worker process) -> resumable
+(``datagen.backend``: hf = generation.py in this process, vllm = vllm_backend.py in a worker process, llamacpp =
+llamacpp_backend.py on llama-server) -> resumable
 shards on disk (store.py). ``run_datagen(cfg)`` is the importable entry point; ``main`` wraps it in Hydra.
 
     drafter-datagen target=stories260k datagen.num_prompts=16 datagen.output_dir=data/x
@@ -37,6 +38,7 @@ from drafter_train.data.sources import (Selection, TrainPrompt, exclusion_index,
                                         source_name)
 from drafter_train.data.store import (FORMAT, SHARDS, DatagenStore, features, load_distill_dataset, load_eval_prompts,
                                       shard_name, tokenizer_fingerprint)
+from drafter_train.data.llamacpp_backend import LlamaCppBackend
 from drafter_train.data.vllm_backend import VllmBackend
 from drafter_train.targets import eos_token_ids, load_target, load_target_tokenizer, model_identity
 
@@ -92,11 +94,13 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     return store.root
 
 
-def open_backend(cfg: DatagenJobConfig) -> HFBackend | VllmBackend:
+def open_backend(cfg: DatagenJobConfig) -> HFBackend | VllmBackend | LlamaCppBackend:
     """hf: loads the target into this process. vllm: reads only its tokenizer and configs here (the engine starts
     in a worker process when the first shard is generated, so a finished folder never starts it)."""
     if cfg.datagen.backend == "vllm":
         return VllmBackend(cfg)
+    if cfg.datagen.backend == "llamacpp":
+        return LlamaCppBackend(cfg)
     model, tokenizer = load_target(cfg.target)
     eos = eos_token_ids(model, tokenizer)
     return HFBackend(model, tokenizer, cfg.datagen, eos, pad_id(tokenizer, eos))
@@ -119,7 +123,7 @@ def data_settings(cfg: DatagenJobConfig) -> dict:
     return {"format": FORMAT, "target": target, "generation": generation, "prompts": prompts}
 
 
-def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, backend: HFBackend | VllmBackend) -> dict:
+def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, backend: HFBackend | VllmBackend | LlamaCppBackend) -> dict:
     num_shards = -(-len(selection.train) // cfg.datagen.shard_size)
     counts = {"eval_prompts": len(selection.eval_prompts), "train_prompts": len(selection.train)}
     counts.update(skipped=selection.skipped, shards_total=num_shards)
@@ -151,7 +155,7 @@ def _generate_missing_shards(train: list, dg: DatagenConfig, store: DatagenStore
     return meter
 
 
-def _prompt_shard(backend: HFBackend | VllmBackend, dg: DatagenConfig, index: int, prompts: Sequence[TrainPrompt],
+def _prompt_shard(backend: HFBackend | VllmBackend | LlamaCppBackend, dg: DatagenConfig, index: int, prompts: Sequence[TrainPrompt],
                   meter: Throughput) -> list[dict]:
     # Seeded per shard, so a resumed run samples exactly what an uninterrupted one would have (the vLLM
     # backend seeds each prompt instead).
@@ -159,7 +163,7 @@ def _prompt_shard(backend: HFBackend | VllmBackend, dg: DatagenConfig, index: in
     return generate_shard(backend, prompts, dg, meter)
 
 
-def _conversation_shard(backend: HFBackend | VllmBackend, chat: ChatTemplate, dg: DatagenConfig,
+def _conversation_shard(backend: HFBackend | VllmBackend | LlamaCppBackend, chat: ChatTemplate, dg: DatagenConfig,
                         store: DatagenStore, index: int, convs: Sequence[TrainConversation],
                         meter: Throughput) -> list[dict]:
     """datagen.multi_turn: every assistant turn regenerated turn by turn (data/regenerate.py), resumable
@@ -174,7 +178,7 @@ def _conversation_shard(backend: HFBackend | VllmBackend, chat: ChatTemplate, dg
 
 
 def generate_shard(
-    backend: HFBackend | VllmBackend, prompts: Sequence[TrainPrompt], dg: DatagenConfig, meter: Throughput
+    backend: HFBackend | VllmBackend | LlamaCppBackend, prompts: Sequence[TrainPrompt], dg: DatagenConfig, meter: Throughput
 ) -> list[dict]:
     """Records for one shard, in prompt order; batches (backend.batch_size prompts, None = the whole shard: vLLM
     batches on its own) are formed by prompt length to waste less on padding."""

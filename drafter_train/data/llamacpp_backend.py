@@ -1,0 +1,179 @@
+"""datagen.backend=llamacpp: the target's continuations from llama-server, the engine that serves the target's GGUF
+file as it is (so the drafter learns what the served, quantised model writes).
+
+- The server runs with ``datagen.llamacpp.parallel`` slots and continuous batching; this process sends one
+  ``/completion`` request per prompt (token ids in, token ids out: ``return_tokens``), as many at a time as there are
+  slots. Prompts are tokenised here exactly as backend=hf does (chat template included).
+- Greedy at temperature 0; otherwise sampling at ``temperature`` with ``top_k`` (0 = off) and ``top_p`` only
+  (``samplers`` pinned, min_p and penalties off), each prompt seeded from ``datagen.seed`` and its index.
+- A response stops after the first EOS (kept) or ``max_new_tokens``. llama-server stops on the GGUF's own
+  end-of-generation set; a response that stops on a token outside ``eos_token_ids``, or runs past one of them, is
+  refused in one line: the two sets differ and the data would not end where training expects.
+- ``store_topk`` is refused (config.py): llama-server's ``n_probs`` are probabilities after its sampling settings,
+  not the raw logits the other backends store.
+- Parallel slots are not batch-invariant (which prompts share a step changes the float sums), so a resumed shard
+  must not regenerate what a killed run already had: every finished response is appended to
+  ``llamacpp-records.jsonl`` in the output folder (one JSON line, flushed and fsync'd), and reused on resume. A line
+  cut by a kill does not parse and is regenerated, so a record is used whole or not at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional, Sequence
+
+from drafter_train.config import DatagenJobConfig, TargetConfig
+from drafter_train.data.generation import Continuation, cut_at_eos
+from drafter_train.data.sources import TrainPrompt
+from drafter_train.data.vllm_backend import BackendError, prompt_seed
+from drafter_train.errors import ConfigError
+from drafter_train.llamacpp import llamacpp_dir
+from drafter_train.llamacpp_server import free_port, post, running_server
+from drafter_train.gguf_file import check_gguf
+from drafter_train.targets import EMBEDDED_PREFIX, embedded_gguf, load_tokenizer
+
+JOURNAL = "llamacpp-records.jsonl"  # finished responses, one JSON line each (module doc)
+LOG_NAME = "llama-server.log"
+
+
+def served_gguf(target: TargetConfig) -> Path:
+    """The GGUF file llama-server loads: an embedded or named target's own file, or target.path as a .gguf file (or a
+    folder plus target.gguf_file)."""
+    if target.path.startswith(EMBEDDED_PREFIX):
+        return embedded_gguf(target.path, target.cache_dir)
+    path = Path(target.path).expanduser()
+    if target.gguf_file:
+        path = path / target.gguf_file
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ConfigError(f"target.path: datagen.backend=llamacpp serves a GGUF file; {target.path!r} is not one "
+                          "(use a .gguf file, target.gguf_file, or a named target)")
+    return path.absolute()
+
+
+def gguf_eos_ids(gguf: Path, tokenizer) -> list[int]:
+    """The target's EOS ids as its GGUF header declares them (eos, end-of-turn, end-of-message) and its tokenizer:
+    read from the header alone (transformers' GGUF config loader reads every tensor; seconds for a 1.5B)."""
+    metadata = check_gguf(gguf, "target.path").metadata
+    ids = {metadata.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")}
+    return sorted({int(i) for i in ids if i is not None} | ({tokenizer.eos_token_id} - {None}))
+
+
+def request_body(cfg: DatagenJobConfig, prompt: TrainPrompt) -> dict:
+    """The /completion request of one prompt (module doc: what matches backend=hf)."""
+    dg = cfg.datagen
+    body = {"prompt": list(prompt.prompt_ids), "n_predict": dg.max_new_tokens, "return_tokens": True,
+            "cache_prompt": False, "temperature": 0.0, "top_k": 1, "samplers": ["top_k"]}
+    if dg.temperature > 0:
+        body.update(temperature=dg.temperature, top_k=dg.top_k, top_p=dg.top_p, min_p=0.0,
+                    samplers=["top_k", "top_p", "temperature"], seed=prompt_seed(dg.seed, prompt.index))
+    return body
+
+
+def to_continuation(reply: dict, eos: Sequence[int], max_new_tokens: int) -> Continuation:
+    """One server reply -> the response backend=hf would store, or a one-line error where the stop tokens differ."""
+    tokens = [int(t) for t in reply.get("tokens", [])]
+    response = cut_at_eos(tokens, set(eos))
+    if len(response) < len(tokens):
+        raise BackendError(f"llama-server went on past EOS token {response[-1]} (one of eos_token_ids {list(eos)}): "
+                           "its end-of-generation tokens differ from the target's")
+    if reply.get("stop_type") == "eos" and (not tokens or tokens[-1] not in eos):
+        raise BackendError(f"llama-server stopped on token {tokens[-1] if tokens else None}, which is not in "
+                           f"eos_token_ids {list(eos)}: its end-of-generation tokens differ from the target's")
+    if len(response) > max_new_tokens:
+        raise BackendError(f"llama-server returned {len(response)} tokens for n_predict={max_new_tokens}")
+    return Continuation(response)
+
+
+class LlamaCppBackend:
+    """The backend interface of generation.HFBackend, served by llama-server."""
+
+    batch_size: Optional[int] = None  # a whole shard per call: the server's slots batch
+
+    def __init__(self, cfg: DatagenJobConfig):
+        self.cfg, settings = cfg, cfg.datagen.llamacpp
+        self.gguf = served_gguf(cfg.target)
+        self.tokenizer = load_tokenizer(str(self.gguf))
+        self.eos_token_ids = gguf_eos_ids(self.gguf, self.tokenizer)
+        self.root = llamacpp_dir(settings.llamacpp)
+        self.server = self.root / "build" / "bin" / "llama-server"
+        if not self.server.is_file():
+            raise ConfigError(f"datagen.llamacpp.llamacpp: no llama-server in {self.root / 'build' / 'bin'}; build "
+                              "llama.cpp with scripts/setup_llamacpp.sh or set $DRAFTER_TRAIN_LLAMACPP")
+        self.output = Path(cfg.datagen.output_dir).expanduser()
+        self.journal = self.output / JOURNAL
+        self.done, self.unreadable = self._read_journal()
+        self.resumed = 0
+        self._server = None
+        self._lock = threading.Lock()
+
+    def run_info(self) -> dict:
+        settings = self.cfg.datagen.llamacpp
+        return {"backend": "llamacpp", "llamacpp": {"gguf": self.gguf.name, "parallel": settings.parallel,
+                                                     "threads": settings.threads or os.cpu_count()}}
+
+    def generate(self, prompts: Sequence[TrainPrompt]) -> tuple[list[Continuation], float]:
+        """Continuations in prompt order (journaled ones reused), and the seconds the new requests took."""
+        missing = [p for p in prompts if p.index not in self.done]
+        self.resumed += len(prompts) - len(missing)
+        start = time.perf_counter()
+        if missing:
+            url = self._url()
+            with ThreadPoolExecutor(self.cfg.datagen.llamacpp.parallel) as pool:
+                list(pool.map(lambda p: self._complete(url, p), missing))
+        return [Continuation(list(self.done[p.index])) for p in prompts], time.perf_counter() - start
+
+    def __enter__(self) -> "LlamaCppBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._server is not None:
+            server, self._server = self._server, None
+            server.__exit__(None, None, None)
+
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _complete(self, url: str, prompt: TrainPrompt) -> None:
+        reply = post(f"{url}/completion", request_body(self.cfg, prompt))
+        continuation = to_continuation(reply, self.eos_token_ids, self.cfg.datagen.max_new_tokens)
+        line = json.dumps({"prompt_index": prompt.index, "response_ids": continuation.response_ids}) + "\n"
+        with self._lock:  # one whole line at a time, durable before it counts
+            with open(self.journal, "a", encoding="utf-8") as f:
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+            self.done[prompt.index] = continuation.response_ids
+
+    def _url(self) -> str:
+        if self._server is None:
+            dg, settings = self.cfg.datagen, self.cfg.datagen.llamacpp
+            threads = str(settings.threads or os.cpu_count())
+            context = settings.parallel * (dg.max_prompt_tokens + dg.max_new_tokens + 8)
+            command = [str(self.server), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(free_port()),
+                       "-t", threads, "-tb", threads, "-np", str(settings.parallel), "-c", str(context),
+                       "--cont-batching", "--no-warmup"]
+            self.output.mkdir(parents=True, exist_ok=True)
+            self._server = running_server(command, self.output / LOG_NAME, settings.startup_s)
+            try:
+                self._url_value = self._server.__enter__()
+            except RuntimeError as err:
+                self._server = None
+                raise BackendError(f"datagen.backend=llamacpp: {err}") from None
+        return self._url_value
+
+    def _read_journal(self) -> tuple[dict[int, list[int]], int]:
+        """Responses a previous run finished (whole lines only), and how many lines were cut or unreadable."""
+        done, unreadable = {}, 0
+        if not self.journal.is_file():
+            return done, unreadable
+        for line in self.journal.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+                done[int(record["prompt_index"])] = [int(t) for t in record["response_ids"]]
+            except (ValueError, KeyError, TypeError):
+                unreadable += 1
+        return done, unreadable

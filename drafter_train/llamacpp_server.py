@@ -1,0 +1,67 @@
+"""llama-server as a subprocess: started on a free port, waited for (/health), stopped by its own pid; and one
+`/completion` request on token ids. Shared by the llama.cpp datagen backend (data/llamacpp_backend.py) and the
+benchmarks' engine drivers (benchmarks/llamacpp_engine.py)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextmanager
+def running_server(command: list[str], log: Path, startup_s: float = 180) -> Iterator[str]:
+    """Start llama-server, wait for /health, yield its URL; stopped (by its own pid) on exit."""
+    port = command[command.index("--port") + 1]
+    url = f"http://127.0.0.1:{port}"
+    with log.open("w") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + startup_s
+        while True:
+            if proc.poll() is not None:
+                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+                raise RuntimeError(f"llama-server exited ({proc.returncode}): {' | '.join(tail)}")
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"llama-server not ready after {startup_s:.0f} s (log: {log})")
+            time.sleep(0.5)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def post(url: str, body: dict, timeout: float = 600) -> dict:
+    """POST a JSON body, return the JSON reply."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def complete(url: str, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> dict:
+    """One greedy /completion on token ids -> {"tokens": [...], "timings": {...}}; ignore_eos: make all
+    max_new_tokens (timing runs whose output does not matter)."""
+    reply = post(f"{url}/completion", {"prompt": prompt, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1,
+                                       "return_tokens": True, "cache_prompt": False, "seed": 0,
+                                       "ignore_eos": ignore_eos})
+    return {"tokens": list(reply.get("tokens", [])), "timings": reply.get("timings", {})}
