@@ -44,6 +44,20 @@ class GgufJob:
             convert_typed(self.root, self.target_dir, out / TARGET_FILE, self.gguf_type, name="target")
 
 
+def target_folder(target: dict, field: str) -> Path:
+    """The run's target (its `target` config: path, cache_dir) as a local HF folder: llama.cpp's converter reads its
+    vocabulary and shapes, and converts it. A hub id is refused in one line."""
+    from drafter_train.targets import EMBEDDED_PREFIX, embedded_folder
+
+    path = str(target.get("path", ""))
+    if path.startswith(EMBEDDED_PREFIX):
+        return embedded_folder(path, target.get("cache_dir"))
+    if Path(path).expanduser().is_dir():
+        return Path(path).expanduser().absolute()
+    raise ConfigError(f"{field}: the run's target.path {path!r} is not a local folder; llama.cpp's converter needs the "
+                      "target's files")
+
+
 class LlamaCppError(DrafterTrainError):
     """A llama.cpp tool failed on a file this project wrote (its last line of output says why)."""
 

@@ -1,4 +1,4 @@
-"""GGUF exports served by real llama.cpp (benchmarks/engine_check.py --engine llamacpp): llama.cpp's per-position
+"""GGUF exports served by real llama.cpp (drafter_train/engines/check.py, the engine check): llama.cpp's per-position
 acceptance agrees with our evaluator's on the same prompts (EAGLE-3 as draft-eagle3, an AR drafter as draft-simple),
 and broken exports are caught: wrong layer ids, a shuffled d2t, random weights, a dropped norm (each a copy of the
 good drafter.gguf with one thing changed, written with the gguf package).
@@ -44,14 +44,16 @@ def runs(stories_path, tmp_path_factory):
     return root, found
 
 
-def check(root: Path, run: Path, out: Path, *extra: str) -> tuple[int, dict]:
-    from benchmarks import engine_check
+def check(root: Path, run: Path, out: Path, **fields) -> tuple[int, dict]:
+    """The engine check of `run`'s latest checkpoint in llama.cpp (fields: more CheckSpec fields): (0 when it passed,
+    else 1; the result as written to llamacpp_check.json)."""
+    from drafter_train.engines.check import CheckSpec, check_llamacpp
 
-    status = engine_check.main(["--engine", "llamacpp", "--run", str(run), "--which", "latest",
-                                "--prompts", str(root / "prompts.jsonl"), "--num-prompts", "6",
-                                "--max-new-tokens", "32", "--tolerance", str(TOLERANCE), "--output", str(out),
-                                *extra])
-    return status, json.loads((out / "llamacpp_check.json").read_text())
+    check_llamacpp((run / "latest").resolve(), CheckSpec(
+        prompts=str(root / "prompts.jsonl"), num_prompts=6, max_new_tokens=32, tolerance=TOLERANCE, output=str(out),
+        **fields))
+    result = json.loads((out / "llamacpp_check.json").read_text())
+    return (0 if result["ok"] else 1), result
 
 
 def test_llamacpp_serves_the_eagle3_export_with_our_acceptance_and_catches_broken_exports(runs, tmp_path):
@@ -82,14 +84,14 @@ def test_llamacpp_serves_the_eagle3_export_with_our_acceptance_and_catches_broke
         folder = tmp_path / name.replace(" ", "-")
         shutil.copytree(good, folder)
         rewrite_gguf(good / DRAFTER_FILE, folder / DRAFTER_FILE, **edit)
-        status, result = check(root, found["eagle3"], tmp_path / f"{folder.name}-out", "--exported", str(folder),
-                               "--no-baseline")
+        status, result = check(root, found["eagle3"], tmp_path / f"{folder.name}-out", exported=str(folder),
+                               baseline=False)
         assert status == 1 and not result["comparison"]["agree"], (name, result["comparison"])
 
 
 def test_llamacpp_serves_an_ar_drafter_with_our_acceptance(runs, tmp_path):
     root, found = runs
-    status, result = check(root, found["ar"], tmp_path / "ok", "--draft-len", "3")
+    status, result = check(root, found["ar"], tmp_path / "ok", draft_len=3)
     ours, engine = result["ours"], result["llamacpp"]
     assert result["method"] == "draft-simple" and ours["per_position_acceptance"][0] > 0.3 + TOLERANCE, ours
     assert status == 0 and result["comparison"]["agree"], result["comparison"]
@@ -110,8 +112,8 @@ def test_llamacpp_runs_the_product_with_the_corpus_as_its_ngram_cache(runs, tmp_
     """--lookups ngram-cache --lookup-corpus: llama.cpp's n-gram cache (the corpus through llama-lookup-create) ahead
     of EAGLE-3 in one --spec-type list, our lookups ahead of ours; acceptance side by side, output equal to plain."""
     root, found = runs
-    status, result = check(root, found["eagle3"], tmp_path / "product", "--lookups", "ngram-cache",
-                           "--lookup-corpus", str(root / "data"))
+    status, result = check(root, found["eagle3"], tmp_path / "product", lookups="ngram-cache",
+                           lookup_corpus=str(root / "data"))
     assert status == 0 and result["method"] == "ngram-cache,draft-eagle3"
     assert result["comparison"]["agree"] is None and result["llamacpp"]["drafting_steps"] > 0
     assert (tmp_path / "product" / "corpus.lookup").stat().st_size > 0

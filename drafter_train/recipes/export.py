@@ -24,8 +24,7 @@ from drafter_train.recipes.cli import one_line_errors
 from drafter_train.config import CONF_DIR, ExportConfig
 from drafter_train.recipes.cli import register_configs
 from drafter_train.errors import CheckpointDamagedError, ConfigError, DrafterTrainError
-from drafter_train.llamacpp import GgufJob, llamacpp_dir
-from drafter_train.targets import EMBEDDED_PREFIX, embedded_folder
+from drafter_train.llamacpp import GgufJob, llamacpp_dir, target_folder
 from drafter_train.model_card import MARKER, RunInfo, looks_local, model_card, read_run_info, step_text, target_names
 
 # Keys that describe how a file was loaded on the training machine, not the model.
@@ -308,15 +307,7 @@ def gguf_job(cfg: ExportConfig, info: RunInfo) -> GgufJob:
     kind's own refusals) and the run's target as a local HF folder (the converter reads its vocabulary; gguf_target
     converts it)."""
     check_format(cfg.format, info)  # a kind without a gguf writer: refused before looking for llama.cpp
-    target = info.config.get("target", {})
-    path = str(target.get("path", ""))
-    if path.startswith(EMBEDDED_PREFIX):
-        target_dir = embedded_folder(path, target.get("cache_dir"))
-    elif Path(path).expanduser().is_dir():
-        target_dir = Path(path).expanduser().absolute()
-    else:
-        raise ConfigError(f"export.format=gguf: the run's target.path {path!r} is not a local folder; llama.cpp's "
-                          "converter needs the target's files")
+    target_dir = target_folder(info.config.get("target", {}), "export.format=gguf")
     return GgufJob(llamacpp_dir(cfg.llamacpp), target_dir, cfg.gguf_type, cfg.gguf_target)
 
 
