@@ -119,3 +119,47 @@ def test_llamacpp_runs_the_product_with_the_corpus_as_its_ngram_cache(runs, tmp_
     assert (tmp_path / "product" / "corpus.lookup").stat().st_size > 0
     log = (tmp_path / "product" / "llamacpp_spec.log").read_text(errors="replace")
     assert "called impl ngram-cache" in log and "called impl draft-eagle3" in log
+
+
+def test_drafter_eval_in_llamacpp_agrees_with_ours_and_catches_a_broken_export(runs, stories_path, tmp_path,
+                                                                                monkeypatch):
+    """drafter-eval eval.engine=llamacpp on the EAGLE-3 run (the engine path: the drafter through its kind's gguf
+    writer, the target's export cached by fingerprint, llama-server plain and speculative): llama.cpp's per-position
+    acceptance agrees with ours on the same prompts; a drafter.gguf with a shuffled d2t, written by the same path,
+    is caught."""
+    import gguf
+    from omegaconf import OmegaConf
+
+    from drafter_train.engines import export
+    from drafter_train.recipes.evaluate import run_eval_job
+    from tests.stubs import compose_cfg
+
+    root, found = runs
+    monkeypatch.setenv("DRAFTER_TRAIN_CACHE", str(tmp_path / "cache"))
+
+    def evaluate(name: str) -> dict:
+        return run_eval_job(OmegaConf.to_object(compose_cfg("eval", [
+            f"target.path={stories_path}", "target.chat_template=false",
+            f"drafter.path={found['eagle3'] / 'latest' / 'drafter'}", f"eval.prompts={root / 'prompts.jsonl'}",
+            "eval.num_prompts=6", "eval.max_new_tokens=32", "eval.draft_len=2", "eval.baseline_kernels=same",
+            "eval.engine=llamacpp", f"eval.output={tmp_path / name / 'metrics.json'}"])))["engine"]
+
+    good = evaluate("ok")
+    assert good["drafting_steps"] > 0 and good["ours"]["per_position_acceptance"][0] > 0.3 + TOLERANCE, good
+    assert all(abs(d) <= TOLERANCE for d in good["per_position_diff"]), good
+    assert good["speedup"] > 0 and len(list((tmp_path / "cache").rglob("target.gguf"))) == 1
+
+    written = export.export_llamacpp
+
+    def shuffled_d2t(*args, **kwargs):
+        files = written(*args, **kwargs)
+        data = {t.name: np.array(t.data) for t in gguf.GGUFReader(files.drafter).tensors}
+        copy = files.drafter.with_name("good.gguf")
+        shutil.move(files.drafter, copy)
+        rewrite_gguf(copy, files.drafter, tensors={"d2t": np.random.default_rng(0).permutation(data["d2t"])})
+        return files
+
+    monkeypatch.setattr(export, "export_llamacpp", shuffled_d2t)
+    broken = evaluate("broken")
+    assert any(abs(d) > TOLERANCE for d in broken["per_position_diff"]), broken
+    assert len(list((tmp_path / "cache").rglob("target.gguf"))) == 1  # the target's export was reused

@@ -146,7 +146,8 @@ def check_vllm(step_dir: Path, spec: CheckSpec) -> dict:
     out = Path(spec.output or step_dir.parent / "vllm").absolute()
     out.mkdir(parents=True, exist_ok=True)
     drafter_dir = Path(spec.exported).absolute() if spec.exported else \
-        export_vllm(step_dir / "drafter", out / "drafter", "engine_check --engine vllm").drafter
+        export_vllm(step_dir / "drafter", out / "drafter", "engine_check --engine vllm",
+                    draft_len=spec.draft_len or info.draft_len).drafter
     draft_len = spec.draft_len or info.draft_len
     exported_config = json.loads((drafter_dir / "config.json").read_text())
     target_cfg, target, _, prompts, eos, ours, ours_record = evaluate_ours(step_dir, info.config, spec, draft_len)
@@ -206,6 +207,7 @@ def check_llamacpp(step_dir: Path, spec: CheckSpec) -> dict:
         target, drafter = Path(spec.target_gguf or exported / TARGET_FILE), exported / DRAFTER_FILE
     else:
         files = export_llamacpp(step_dir / "drafter", out / "drafter", root, spec.gguf_type, field,
+                                info.config.get("target", {}), spec.draft_len or info.draft_len,
                                 Path(spec.target_gguf) if spec.target_gguf else None)
         target, drafter = files.target, files.drafter
         (out / "drafter" / TARGET_FILE).symlink_to(target)  # the folder serves as `exported` later

@@ -13,7 +13,6 @@ Every refusal is one line naming `field` (e.g. eval.engine=llamacpp), before any
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 from dataclasses import dataclass
@@ -23,7 +22,6 @@ from typing import Optional
 from drafter_train.errors import ConfigError
 from drafter_train.llamacpp import DRAFTER_FILE, TARGET_FILE, GgufJob, convert_typed, target_folder
 
-ENGINES = ("llamacpp", "vllm")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf")
 
 
@@ -50,6 +48,18 @@ def engine_method(kind, engine: str, field: str) -> str:
         raise ConfigError(f"{field}: {kind.description} (drafter kind {kind.name}) has no GGUF export for llama.cpp; "
                           f"kinds with one: {with_one}")
     return kind.engine_methods["gguf"]
+
+
+def check_layout(kind, engine: str, config: dict, field: str) -> None:
+    """The kind's own refusal of a layout the engine cannot run (e.g. EAGLE-3's per-layer fc_norm in llama.cpp),
+    from the drafter's config (its config.json, or the drafter config before training), named for `field`."""
+    check = kind.export_checks.get("gguf" if engine == "llamacpp" else engine)
+    if check is None:
+        return
+    try:
+        check(config)
+    except ConfigError as err:
+        raise ConfigError(f"{field}: {str(err).split(': ', 1)[-1]}") from None
 
 
 def run_config(drafter_dir: Path) -> dict:
@@ -96,16 +106,18 @@ def cached_target_gguf(root: Path, target_dir: Path, gguf_type: str, cache_dir: 
     return out
 
 
-def export_llamacpp(drafter_dir: Path, out: Path, root: Path, gguf_type: str, field: str,
-                    target_gguf: Optional[Path] = None, cache_dir: Optional[Path] = None) -> EngineFiles:
-    """drafter.gguf in `out` (the kind's gguf writer) and the target GGUF (given, else the cached export)."""
+def export_llamacpp(drafter_dir: Path, out: Path, root: Path, gguf_type: str, field: str, target: dict,
+                    draft_len: int, target_gguf: Optional[Path] = None,
+                    cache_dir: Optional[Path] = None) -> EngineFiles:
+    """drafter.gguf in `out` (the kind's gguf writer) and the target GGUF (given, else the cached export of `target`,
+    a target config as a dict: path, cache_dir)."""
     from drafter_train.drafters.registry import folder_kind, get_kind
 
     kind = folder_kind(str(drafter_dir)) or get_kind("ar")
     method = engine_method(kind, "llamacpp", field)
+    check_layout(kind, "llamacpp", folder_config(drafter_dir), field)  # before the target is even looked for
     config = run_config(drafter_dir)
-    target_dir = target_folder(config.get("target", {}), field)
-    draft_len = int(config.get("drafter", {}).get("draft_len") or 1)
+    target_dir = target_folder(target, field)
     keep_embeddings = not config.get("drafter", {}).get("freeze_embeddings", True)
     if out.exists():
         shutil.rmtree(out)
@@ -114,12 +126,14 @@ def export_llamacpp(drafter_dir: Path, out: Path, root: Path, gguf_type: str, fi
         kind.export_formats["gguf"](drafter_dir, out, draft_len, str(target_dir), keep_embeddings, job=job)
     except ConfigError as err:  # the kind's layout refusal, named for the field the user set
         raise ConfigError(f"{field}: {str(err).split(': ', 1)[-1]}") from None
-    target = Path(target_gguf) if target_gguf else cached_target_gguf(root, target_dir, gguf_type, cache_dir)
-    return EngineFiles(target=target, drafter=out / DRAFTER_FILE, method=method)
+    gguf = Path(target_gguf) if target_gguf else cached_target_gguf(root, target_dir, gguf_type, cache_dir)
+    return EngineFiles(target=gguf, drafter=out / DRAFTER_FILE, method=method)
 
 
-def export_vllm(drafter_dir: Path, out: Path, field: str) -> EngineFiles:
-    """The kind's vLLM folder in `out` (or the drafter's own folder for a plain causal LM) and the target's folder."""
+def export_vllm(drafter_dir: Path, out: Path, field: str, target: Optional[dict] = None,
+                draft_len: Optional[int] = None) -> EngineFiles:
+    """The kind's vLLM folder in `out` (or the drafter's own folder for a plain causal LM) and the target's folder.
+    target (path, cache_dir) and draft_len: default the run's."""
     from drafter_train.drafters.registry import folder_kind, get_kind
     from drafter_train.model_card import target_names
     from drafter_train.targets import EMBEDDED_PREFIX, embedded_folder
@@ -127,26 +141,28 @@ def export_vllm(drafter_dir: Path, out: Path, field: str) -> EngineFiles:
     kind = folder_kind(str(drafter_dir)) or get_kind("ar")
     method = engine_method(kind, "vllm", field)
     config = run_config(drafter_dir)
-    target = config.get("target", {})
+    target = target if target is not None else config.get("target", {})
     path = str(target.get("path", ""))
     target_dir = embedded_folder(path, target.get("cache_dir")) if path.startswith(EMBEDDED_PREFIX) else Path(path)
     if "vllm" not in kind.export_formats:
         return EngineFiles(target=target_dir.absolute(), drafter=drafter_dir.absolute(), method=method)
     if out.exists():
         shutil.rmtree(out)
-    draft_len = int(config.get("drafter", {}).get("draft_len") or 1)
+    draft_len = draft_len or int(config.get("drafter", {}).get("draft_len") or 1)
     keep_embeddings = not config.get("drafter", {}).get("freeze_embeddings", True)
     verifier = target_names(_info(drafter_dir, config, draft_len), None)[2]
     kind.export_formats["vllm"](drafter_dir, out, draft_len, verifier, keep_embeddings)
     return EngineFiles(target=target_dir.absolute(), drafter=out, method=method)
 
 
+def folder_config(drafter_dir: Path) -> dict:
+    import json
+
+    path = drafter_dir / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def _info(drafter_dir: Path, config: dict, draft_len: int):
     from drafter_train.model_card import RunInfo
 
     return RunInfo(drafter_dir.parent, None, config, {}, [], draft_len)
-
-
-def exported_config(folder: Path) -> dict:
-    path = folder / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
