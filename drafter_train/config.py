@@ -587,6 +587,14 @@ class TrainConfig:
     resume: str = "auto"
     # Evaluate the untrained drafter before the first step (the baseline every checkpoint is compared with).
     eval_at_start: bool = True
+    # Also evaluate every saved checkpoint in this serving engine, on the same (dev) prompts: ours (our decoder only)
+    # or llamacpp. Settings: eval.engine_gguf_type / engine_target_gguf / engine_threads (drafter-eval's); the target's
+    # export, the engine's plain decoding and its step costs are measured once per run. metrics.json: engine.
+    eval_engine: str = "ours"
+    # Which checkpoint is `best`: tau (our decoder's) or engine (the served speedup predicted from the acceptance
+    # measured in the engine with the engine's measured step costs; the measured speedup is recorded beside it, but
+    # moves 3-24 % between rounds on 2 cores, more than one run's checkpoints differ).
+    best_by: str = "tau"
     log_every: int = 10
     seed: int = 0
 
@@ -597,6 +605,11 @@ class TrainConfig:
         check_field(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         check_field(self.mixed_precision in ("no", "bf16"), "train.mixed_precision", "must be no or bf16")
         check_field(self.resume in ("auto", "never"), "train.resume", f"must be auto or never, got {self.resume!r}")
+        check_field(self.eval_engine in ("ours", "llamacpp"), "train.eval_engine",
+                    f"must be ours or llamacpp, got {self.eval_engine!r}")
+        check_field(self.best_by in ("tau", "engine"), "train.best_by", f"must be tau or engine, got {self.best_by!r}")
+        check_field(self.best_by != "engine" or self.eval_engine != "ours", "train.best_by",
+                    "engine ranks by the engine's figures: set train.eval_engine=llamacpp")
         check_field(bool(self.run_name) and "/" not in self.run_name, "train.run_name", "must be a plain folder name")
 
 

@@ -190,3 +190,84 @@ def test_the_target_export_is_reused_by_its_fingerprint(tmp_path, monkeypatch):
     (target / "config.json").write_text('{"a": 2}')  # another target
     assert export.cached_target_gguf(tmp_path, target, "f32", tmp_path / "cache") != first
     assert converted == ["f32", "q8_0", "f32"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Checkpoint evaluation in the engine during training (train.eval_engine, train.best_by)
+
+
+class CheckpointFake(FakeEngine):
+    """A llama-server stand-in for checkpoint evaluation: the first checkpoint's drafter is accepted at every step,
+    the second's never; plain decoding as FakeEngine's."""
+
+    started: list = []
+
+    def __init__(self, drafter_dir):
+        super().__init__()
+        self.bin_dir, self.target, self.drafter, self.spec_type = Path("bin"), Path("t.gguf"), drafter_dir, "draft-simple"
+        CheckpointFake.started.append(self)
+
+    def decode(self, prompts, max_new_tokens, speculative):
+        served = super().decode(prompts, max_new_tokens, speculative)
+        if speculative:
+            accepted = 2 if len(CheckpointFake.started) == 1 else 0
+            served.steps = [(accepted, 2)] * (6 // (accepted + 1)) * len(prompts)
+        return served
+
+
+def test_best_follows_the_engine_and_metrics_hold_both_decoders(tiny_data, tmp_path, monkeypatch):
+    from drafter_train.engines import evaluate, llamacpp_cost
+    from tests.test_train import train_cfg
+
+    CheckpointFake.started = []
+    calibrations = []
+    monkeypatch.setenv("DRAFTER_TRAIN_LLAMACPP", str(fake_llamacpp(tmp_path / "llcpp")))
+    monkeypatch.setattr(evaluate, "start_engine", lambda engine, cfg, drafter_dir, *rest: CheckpointFake(drafter_dir))
+    monkeypatch.setattr(llamacpp_cost, "server_curves", lambda *args: calibrations.append(args[-1]) or {
+        "ms_1": 10.0, "kinds": {"ar": {"relative": {1: 1.0, 3: 1.5}}}})
+    from drafter_train.recipes.train import train
+
+    cfg = train_cfg(tiny_data, tmp_path, "train.eval_engine=llamacpp", "train.best_by=engine",
+                    "train.eval_at_start=false", "eval.draft_len=2")
+    train(cfg)
+    run_dir = tmp_path / cfg.train.run_name
+    assert len(CheckpointFake.started) == 2 and calibrations == [{"ar": (2,)}]  # step costs measured once per run
+    assert [e.calls for e in CheckpointFake.started] == [["plain", "spec"], ["spec"]]  # plain decoding once per run
+    first, second = (json.loads((run_dir / f"step-{n}" / "metrics.json").read_text()) for n in (3, 6))
+    for metrics in (first, second):
+        engine = metrics["engine"]
+        assert {"tau", "per_position_acceptance", "predicted_speedup", "measured_speedup", "seconds"} <= set(engine)
+        assert engine["ours"]["tau"] == metrics["tau"] and engine["tau_diff"] == pytest.approx(engine["tau"] - metrics["tau"])
+    assert first["engine"]["predicted_speedup"] > second["engine"]["predicted_speedup"]
+    assert (run_dir / "best").resolve().name == "step-3"  # the engine's ranking, whatever tau says
+    tracked = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in tracked if "eval/engine_predicted_speedup" in r] == [3, 6]
+    assert all("eval/tau" in r for r in tracked if "eval/engine_tau" in r)
+
+
+def test_training_refuses_an_engine_layout_before_anything_loads(tiny_data, tmp_path, monkeypatch):
+    from drafter_train.recipes import train as recipe
+    from tests.test_train import train_cfg
+
+    def heavy(*args, **kwargs):
+        raise AssertionError("loaded a model before refusing")
+
+    monkeypatch.setattr(recipe, "load_target", heavy)
+    monkeypatch.setenv("DRAFTER_TRAIN_LLAMACPP", str(fake_llamacpp(tmp_path / "llcpp")))
+    cfg = train_cfg(tiny_data, tmp_path, "drafter=eagle3", "drafter.path=new", "drafter.fc_norm=true",
+                    "train.eval_engine=llamacpp")
+    with pytest.raises(ConfigError, match="^train.eval_engine=llamacpp: llama.cpp's EAGLE-3 has no per-layer fc_norm"):
+        recipe.train(cfg)
+    monkeypatch.setenv("DRAFTER_TRAIN_LLAMACPP", str(tmp_path / "none"))
+    with pytest.raises(ConfigError, match="scripts/setup_llamacpp.sh"):
+        recipe.train(train_cfg(tiny_data, tmp_path, "train.eval_engine=llamacpp"))
+    with pytest.raises(ConfigError, match="train.best_by"):
+        train_cfg(tiny_data, tmp_path, "train.best_by=engine")
+
+
+def test_runs_saved_before_engine_ranking_still_resume():
+    from drafter_train.checkpoint import TrainState
+
+    state = TrainState()
+    state.load_state_dict({"step": 3, "tokens_seen": 10, "best_tau": 1.2, "best_step": 3})  # an older run's state
+    assert state.best_engine_speedup == float("-inf") and state.best_step == 3

