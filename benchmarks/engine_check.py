@@ -57,6 +57,7 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-len", type=int, default=None, help="default: the run's drafter.draft_len")
     parser.add_argument("--prompts", default=None, help="prompt file (default: the evaluator's built-in prompts)")
     parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--categories", default=None, help="only prompts of these task categories (comma list)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
     parser.add_argument("--no-baseline", action="store_true", help="skip the engine without the drafter (tokens/s)")
@@ -88,7 +89,8 @@ def run_check(args) -> int:
     from drafter_train.recipes.export import resolve_checkpoint
 
     step_dir = resolve_checkpoint(ExportConfig(run_dir=args.run, checkpoint=args.checkpoint, which=args.which))
-    spec = CheckSpec(prompts=args.prompts, num_prompts=args.num_prompts, max_new_tokens=args.max_new_tokens,
+    spec = CheckSpec(prompts=args.prompts, num_prompts=args.num_prompts,
+                     categories=args.categories.split(",") if args.categories else None, max_new_tokens=args.max_new_tokens,
                      draft_len=args.draft_len, tolerance=args.tolerance, baseline=not args.no_baseline,
                      threads=args.threads, output=args.output, exported=args.exported, llamacpp=args.llamacpp,
                      gguf_type=args.gguf_type, target_gguf=args.target_gguf, spec_type=args.spec_type,

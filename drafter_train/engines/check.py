@@ -54,6 +54,7 @@ class CheckSpec:
 
     prompts: Optional[str] = None
     num_prompts: int = 4
+    categories: Optional[list[str]] = None  # only prompts of these task categories (the file's `category` column)
     max_new_tokens: int = 64
     draft_len: Optional[int] = None
     tolerance: float = DEFAULT_TOLERANCE
@@ -109,7 +110,7 @@ def evaluate_ours(step_dir: Path, config: dict, spec: CheckSpec, draft_len: int)
     target_cfg = TargetConfig(**{k: v for k, v in config.get("target", {}).items() if k in fields})
     target, tokenizer = load_target(target_cfg)
     eos = eos_token_ids(target, tokenizer)
-    prompts, _ = prompt_ids(tokenizer, target_cfg, spec.prompts, spec.num_prompts)
+    prompts, _ = prompt_ids(tokenizer, target_cfg, spec.prompts, spec.num_prompts, spec.categories)
     drafter = load_drafter(DrafterConfig(path=str(step_dir / "drafter")), target, tokenizer, "float32")
     eval_cfg = EvalConfig(draft_len=draft_len, max_new_tokens=spec.max_new_tokens, warmup=1,
                           lookup=our_lookups(spec.lookups, spec.lookup_corpus))

@@ -160,14 +160,15 @@ def median_server_curves(rounds: Sequence[dict]) -> dict:
     return {"ms_1": ms_1, "kinds": kinds}
 
 
-def calibration_prompts(target: str, prompts: Optional[str], num_prompts: int) -> list[list[int]]:
+def calibration_prompts(target: str, prompts: Optional[str], num_prompts: int,
+                        categories: Optional[list[str]] = None) -> list[list[int]]:
     """Token ids of the calibration prompts (the target's tokenizer alone, no model loaded)."""
     from drafter_train.config import TargetConfig
     from drafter_train.data.prompts import prompt_ids
     from drafter_train.targets import load_target_tokenizer
 
     cfg = TargetConfig(path=target)
-    return prompt_ids(load_target_tokenizer(cfg), cfg, prompts, num_prompts)[0]
+    return prompt_ids(load_target_tokenizer(cfg), cfg, prompts, num_prompts, categories)[0]
 
 
 def bench_curve(bin_dir: Path, gguf: Path, sizes: list[int], depth: int, repeats: int, threads: int) -> dict[int, float]:

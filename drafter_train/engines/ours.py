@@ -60,7 +60,8 @@ class Ours:
     """The target (auto kernels), its prompts, and every decoder of ours, ready to time one prompt set each."""
 
     def __init__(self, target: str, drafter: str, corpus: Optional[str], prompts: Optional[str], num_prompts: int,
-                 draft_len: int, max_new_tokens: int, threads: int, ar_drafter: Optional[str] = None):
+                 draft_len: int, max_new_tokens: int, threads: int, ar_drafter: Optional[str] = None,
+                 categories: Optional[list[str]] = None):
         import torch
 
         from drafter_train.config import CorpusLookupConfig, DrafterConfig, EvalConfig, LookupConfig, TargetConfig, \
@@ -76,7 +77,7 @@ class Ours:
         target_cfg = TargetConfig(path=target)
         self.target, self.tokenizer = load_target(target_cfg)
         self.eos = eos_token_ids(self.target, self.tokenizer)
-        self.prompts, _ = prompt_ids(self.tokenizer, target_cfg, prompts, num_prompts)
+        self.prompts, _ = prompt_ids(self.tokenizer, target_cfg, prompts, num_prompts, categories)
         self.states = kernel_states(self.target, "auto", ("auto", "default"))
         k = draft_len
         siblings = TreeConfig(top_k=k, depth=1, total_tokens=k)
