@@ -139,7 +139,7 @@ def test_drafter_eval_in_llamacpp_agrees_with_ours_and_catches_a_broken_export(r
 
     def evaluate(name: str) -> dict:
         return run_eval_job(OmegaConf.to_object(compose_cfg("eval", [
-            f"target.path={stories_path}", "target.chat_template=false",
+            f"target.path={stories_path}", "target.chat_template=false", "drafter=path",
             f"drafter.path={found['eagle3'] / 'latest' / 'drafter'}", f"eval.prompts={root / 'prompts.jsonl'}",
             "eval.num_prompts=6", "eval.max_new_tokens=32", "eval.draft_len=2", "eval.baseline_kernels=same",
             "eval.engine=llamacpp", f"eval.output={tmp_path / name / 'metrics.json'}"])))["engine"]
@@ -163,3 +163,31 @@ def test_drafter_eval_in_llamacpp_agrees_with_ours_and_catches_a_broken_export(r
     broken = evaluate("broken")
     assert any(abs(d) > TOLERANCE for d in broken["per_position_diff"]), broken
     assert len(list((tmp_path / "cache").rglob("target.gguf"))) == 1  # the target's export was reused
+
+
+def test_two_checkpoints_ranked_in_llamacpp(stories_path, tmp_path, monkeypatch):
+    """train.eval_engine=llamacpp train.best_by=engine on stories260K, two checkpoints: each checkpoint's
+    metrics.json holds both decoders' figures, llama.cpp's agreeing with ours, and `best` is the checkpoint the
+    engine's predicted served speedup ranks first."""
+    from omegaconf import OmegaConf
+
+    from drafter_train.recipes.train import train
+    from tests.stubs import compose_cfg
+
+    monkeypatch.setenv("DRAFTER_TRAIN_CACHE", str(tmp_path / "cache"))
+    train_on_stories(stories_path, tmp_path, {}, steps=0, num_prompts=32)  # the data only
+    train(OmegaConf.to_object(compose_cfg("train", [
+        f"target.path={stories_path}", "target.chat_template=false", f"train.data_dir={tmp_path / 'data'}",
+        f"train.output_root={tmp_path / 'runs'}", "train.max_steps=80", "train.save_every=40", "train.batch_size=4",
+        "train.warmup_steps=0", "train.lr=3e-3", "train.eval_at_start=false", "train.run_name=e3",
+        "train.eval_engine=llamacpp", "train.best_by=engine", *STORIES_EAGLE3, "eval.num_prompts=4",
+        "eval.max_new_tokens=24", "eval.draft_len=2", "eval.warmup=0", "eval.baseline_kernels=same"])))
+    run = tmp_path / "runs" / "e3"
+    found = {n: json.loads((run / f"step-{n}" / "metrics.json").read_text()) for n in (40, 80)}
+    for metrics in found.values():
+        engine = metrics["engine"]
+        assert engine["drafting_steps"] > 0 and engine["predicted_speedup"] > 0 and engine["measured_speedup"] > 0
+        assert all(abs(d) <= TOLERANCE for d in engine["per_position_diff"]), engine
+    best = max(found, key=lambda n: found[n]["engine"]["predicted_speedup"])
+    assert (run / "best").resolve().name == f"step-{best}"
+    assert len(list((tmp_path / "cache").rglob("target.gguf"))) == 1

@@ -184,7 +184,7 @@ def train(cfg: TrainJobConfig) -> dict:
     def checkpoint_eval(step: int, model) -> dict:
         metrics = evaluate_checkpoint(cfg, target, model, prompts, eos, overlap)
         if engine is not None:  # the checkpoint's drafter as it will be saved, in the engine
-            folder = run_dir / "engine-eval" / "drafter"
+            folder = run_dir / ".engine-eval" / "drafter"  # beside the run's config.yaml; engine files go elsewhere
             shutil.rmtree(folder, ignore_errors=True)
             model.save_pretrained(folder)
             tokenizer.save_pretrained(folder)
