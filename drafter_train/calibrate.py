@@ -238,7 +238,7 @@ SERVER_STEP_KINDS = ("eagle3", "ngram", "ar")  # which of llama-server's measure
 def engine_costs(record: dict) -> list[dict]:
     """The verify-cost curves in a benchmarks/engines.py result file (its data.cost_curves): engine, precision,
     ms of a 1-token pass and the relative cost by n (JSON's string keys made ints). Where the file has llama-server's
-    own verify step (curve["server"], benchmarks/llamacpp_cost.py: logits at every position and the drafter's work
+    own verify step (curve["server"], drafter_train/engines/llamacpp_cost.py: logits at every position and the drafter's work
     on the verify batch, which llama-bench's pass leaves out), that step is the curve: its EAGLE-3 step first, else
     its n-gram (verify only), else its draft-model step; `source` says which."""
     out = []

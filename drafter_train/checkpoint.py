@@ -43,6 +43,8 @@ class TrainState:
     tokens_seen: int = 0
     best_tau: float = float("-inf")
     best_step: int = -1
+    # train.best_by=engine: the best predicted served speedup so far (runs saved before it resume with the default)
+    best_engine_speedup: float = float("-inf")
 
     def state_dict(self) -> dict:
         return asdict(self)

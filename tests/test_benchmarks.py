@@ -108,7 +108,8 @@ def test_make_results_leaves_a_readme_without_markers_alone(tmp_path):
 
 
 def test_engine_check_serves_every_kind_with_a_vllm_export_and_refuses_the_others_in_one_line():
-    from benchmarks.engine_check import vllm_method
+    from drafter_train.engines.vllm_cpu import vllm_method
+    from drafter_train.errors import ConfigError
     from drafter_train.drafters.registry import all_kinds, get_kind
 
     assert {k: vllm_method(get_kind(k)) for k in ("eagle3", "dflash", "ar")} == {
@@ -116,7 +117,7 @@ def test_engine_check_serves_every_kind_with_a_vllm_export_and_refuses_the_other
     for kind in all_kinds():
         if kind.name in ("eagle3", "dflash", "ar"):
             continue
-        with pytest.raises(SystemExit) as refused:
+        with pytest.raises(ConfigError) as refused:
             vllm_method(kind)
         message = str(refused.value)
         assert "\n" not in message and f"drafter kind {kind.name}" in message, message
@@ -172,9 +173,9 @@ def test_engine_check_command_names_the_artifacts_command_first():
 
 
 def test_vllm_workers_run_offline_on_the_cores_asked_without_our_path(monkeypatch):
-    """engine_check's and vllm_engine's vLLM workers: vLLM's interpreter with -P (benchmarks/ off its path), offline,
-    without our PYTHONPATH or an LD_PRELOAD; vllm_engine asks for its own KV cache size and cores."""
-    from benchmarks.engine_check import vllm_env, worker_command
+    """The vLLM-cpu engine's worker: vLLM's interpreter with -P (its folder off its path), offline, without our
+    PYTHONPATH or an LD_PRELOAD; the engine table's rows ask for their own KV cache size and cores."""
+    from drafter_train.engines.vllm_cpu import WORKER, vllm_env, worker_command
 
     monkeypatch.setenv("PYTHONPATH", "/repo")
     monkeypatch.setenv("LD_PRELOAD", "libiomp5.so")
@@ -184,8 +185,8 @@ def test_vllm_workers_run_offline_on_the_cores_asked_without_our_path(monkeypatc
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     env = vllm_env(VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0-3")
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3"
-    command = worker_command("/venv/bin/python", "benchmarks/vllm_engine.py", "--serve", "r.json")
-    assert command[:2] == ["/venv/bin/python", "-P"] and command[2].endswith("/benchmarks/vllm_engine.py")
+    command = worker_command("/venv/bin/python", WORKER, "--serve", "r.json")
+    assert command[:2] == ["/venv/bin/python", "-P"] and command[2].endswith("/drafter_train/engines/vllm_cpu_worker.py")
     assert command[3:] == ["--serve", "r.json"]
 
 

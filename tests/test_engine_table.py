@@ -1,4 +1,4 @@
-"""The engine table (benchmarks/engine_table.py via make_results) on a fixture result file, and the llama.cpp
+"""The engine table (benchmarks/make_results.py) on a fixture result file, and the llama.cpp
 commands benchmarks/engines.py and engine_check build: the product's comma list, the static corpus cache, plain
 decoding without any --spec-type, the stand-alone AR drafter as a draft model, and the drafting time read from
 llama-server's log. Nothing here runs an engine."""
@@ -9,10 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import engine_check, engines, make_results
+from benchmarks import engines as engines_driver
+from benchmarks import make_results
 from benchmarks.common import write_result
-from benchmarks.engine_table import engine_section, pays_lines, server_step_table, speculation_table, speed_table
-from benchmarks.llamacpp_engine import drafting_ms, server_command
+from benchmarks.make_results import engine_section, pays_lines, server_step_table, speculation_table, speed_table
+from drafter_train.engines import check as engine_check
+from drafter_train.engines import table as engines
+from drafter_train.engines import vllm_cpu as vllm_engine
+from drafter_train.engines.llamacpp_server import drafting_ms, server_command
+from drafter_train.errors import ConfigError
 from drafter_train.targets import model_name
 
 
@@ -70,7 +75,7 @@ def test_pays_lines_by_hand():
     assert "**ours f32**: speculation pays (best: product, 1.25x" in ours
     assert "draft length 1: tau 1.05 (per-position acceptance 0.05)" in ours
     assert "draft length 2: tau 1.10 (per-position acceptance 0.09)" in ours
-    # llama-server's measured EAGLE-3 step (benchmarks/llamacpp_cost.py) replaces llama-bench's pass: 1 + (2.4 - 1) / 2
+    # llama-server's measured EAGLE-3 step (drafter_train/engines/llamacpp_cost.py) replaces llama-bench's pass: 1 + (2.4 - 1) / 2
     # = 1.7 at draft length 1 (interpolated), 2.4 at 2; plus 0.2 of drafting: 1 + a = 1.9, 1 + a + a^2 = 2.6
     stepped = [dict(CURVES[0], server={"ms_1": 5.0, "kinds": {"eagle3": {"relative": {"1": 1.0, "3": 2.4}}}})]
     llama = pays_lines(ROWS, stepped)[0]
@@ -131,9 +136,9 @@ def test_product_spec_type_and_refusals():
     assert engine_check.llamacpp_spec_type("draft-eagle3", "ngram-cache") == "ngram-cache,draft-eagle3"
     assert engine_check.llamacpp_spec_type("draft-simple", "ngram-simple,ngram-mod", None) == \
         "ngram-simple,ngram-mod,draft-simple"
-    with pytest.raises(SystemExit, match="--lookups ngram-fancy: not a llama.cpp n-gram mode"):
+    with pytest.raises(ConfigError, match="--lookups ngram-fancy: not a llama.cpp n-gram mode"):
         engine_check.llamacpp_spec_type("draft-eagle3", "ngram-fancy")
-    with pytest.raises(SystemExit, match="--lookup-corpus is read by llama.cpp's ngram-cache mode"):
+    with pytest.raises(ConfigError, match="--lookup-corpus is read by llama.cpp's ngram-cache mode"):
         engine_check.llamacpp_spec_type("draft-eagle3", "ngram-simple", "data/x")
 
 
@@ -195,7 +200,7 @@ def test_engines_adds_the_ar_drafter_as_a_draft_model_per_precision(tmp_path):
 
 def test_engines_takes_the_ar_exports_and_folder_together(capsys):
     with pytest.raises(SystemExit):
-        engines.main(["--exports", "x", "--drafter", "d", "--corpus", "c", "--ar-exports", "ar"])
+        engines_driver.main(["--exports", "x", "--drafter", "d", "--corpus", "c", "--ar-exports", "ar"])
     assert "--ar-exports and --ar-drafter go together" in capsys.readouterr().err
 
 
@@ -233,12 +238,10 @@ def test_drafting_ms_sums_the_last_running_total_of_each_drafter():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# vLLM-cpu rows (benchmarks/vllm_engine.py): what its worker's replies become; nothing here starts vLLM
+# vLLM-cpu rows (drafter_train/engines/vllm_cpu.py): what its worker's replies become; nothing here starts vLLM
 
 
 def test_vllm_decoders_and_the_product_it_cannot_run():
-    from benchmarks import vllm_engine
-
     decoders = vllm_engine.vllm_decoders(2, Path("e3"), Path("ar"))
     assert [(d["decoder"], d["method"], d.get("drafter")) for d in decoders] == [
         ("plain", None, None), ("free n-gram", "ngram", None), ("EAGLE-3", "eagle3", "e3"),
@@ -258,8 +261,6 @@ VLLM_REPLY = {"tokens": [[5] * 10, [6] * 6], "seconds": [0.5, 0.3], "draft_s": 0
 def test_vllm_record_from_its_per_request_steps():
     """16 tokens in 0.8 s; the verify steps made 3 + 1 + 2 + 3 = 9 of them, the other 7 came from plain passes:
     tau 16 / (7 + 4); position 1 accepted in 3 of 4 steps, position 2 in 2 of the 3 that reached it."""
-    from benchmarks import vllm_engine
-
     eagle3 = vllm_engine.vllm_decoders(2, Path("e3"))[2]
     record = vllm_engine.vllm_record(eagle3, VLLM_REPLY)
     assert record["row"] == {"engine": "vLLM-cpu", "precision": "f32", "decoder": "EAGLE-3",
@@ -275,8 +276,6 @@ def test_vllm_record_from_its_per_request_steps():
 def test_vllm_rows_get_predictions_from_vllms_curve_and_a_dash_for_the_product():
     """Predicted: 16 tokens over 7 one-token passes + 4 passes of 3 tokens (1.2 each) + 40 ms of drafting (2
     passes of 20 ms) = 16 / 13.8."""
-    from benchmarks import vllm_engine
-
     decoders = vllm_engine.vllm_decoders(2, Path("e3"))
     found = {"vLLM-cpu plain": vllm_engine.vllm_record(decoders[0], dict(VLLM_REPLY, seconds=[0.4, 0.4])),
              "vLLM-cpu EAGLE-3": vllm_engine.vllm_record(decoders[2], VLLM_REPLY)}
@@ -298,6 +297,4 @@ def test_vllm_rows_get_predictions_from_vllms_curve_and_a_dash_for_the_product()
 def test_vllm_step_overhead_is_wall_time_outside_the_model_runner_per_step():
     """0.8 s of generate calls, 0.6 s of it in 20 model-runner steps: 10 ms per step elsewhere (scheduler, front
     end), which the verify-cost curve adds to each step's model-runner time."""
-    from benchmarks import vllm_engine
-
     assert vllm_engine.step_overhead_ms(dict(VLLM_REPLY, engine_step_s=0.6, engine_steps=20)) == pytest.approx(10.0)

@@ -1,4 +1,4 @@
-"""llama-server's verify-step calibration (benchmarks/llamacpp_cost.py) and how benchmarks/engines.py predicts a
+"""llama-server's verify-step calibration (drafter_train/engines/llamacpp_cost.py) and how the engine table (drafter_train/engines/table.py) predicts a
 llama.cpp row from it: the verify kind of each --spec-type, the calibration server's command (synthetic acceptance
 0), the step cost taken from a run's timings and logged steps, the median over rounds, and the prediction from the
 row's kind curve with the free first token of each request left out. Hand-computed references; no engine runs."""
@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import engines, llamacpp_cost
-from benchmarks.llamacpp_cost import (calibration_command, drafts_for, median_server_curves, plain_step_ms,
+from drafter_train.engines import llamacpp_cost
+from drafter_train.engines import table as engines
+from drafter_train.engines.llamacpp_cost import (calibration_command, drafts_for, median_server_curves, plain_step_ms,
                                       repeating_prompt, step_cost, verify_kind)
 from drafter_train.calibrate import predicted_steps_speedup
 

@@ -139,14 +139,15 @@ def test_vllm_serves_a_norm_before_fc_export_with_our_acceptance_and_needs_its_i
 
 
 def test_vllm_engine_rows_drive_live_engines_per_round(e3_run, tmp_path):
-    """benchmarks/vllm_engine.py on real vLLM: one engine per decoder, started once and driven in two rounds; the
+    """The engine table's vLLM-cpu rows (drafter_train/engines/vllm_cpu.py) on real vLLM: one engine per decoder, started once and driven in two rounds; the
     EAGLE-3 engine's steps (per-request metrics) and drafting time (timed inside the engine), and a verify-cost
     curve whose timed steps compute exactly n tokens after the cached prefix."""
-    from benchmarks import vllm_engine
-    from benchmarks.engines import median_curves, summarize
+    from drafter_train.engines import vllm_cpu as vllm_engine
+    from drafter_train.engines.export import export_vllm
+    from drafter_train.engines.table import median_curves, summarize
 
     root, run = e3_run
-    eagle3 = vllm_engine.export_for_vllm(str(run / "latest" / "drafter"), tmp_path / "e3")
+    eagle3 = export_vllm(run / "latest" / "drafter", tmp_path / "e3", "test").drafter
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(root / "target")

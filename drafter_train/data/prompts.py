@@ -209,3 +209,18 @@ def _as_text(value: object, column: str, path: str, section: str, field_key: str
             f"{section}.{field_key}: column {column!r} of {path} holds {type(value).__name__}, not text"
         )
     return value.strip()
+
+
+def prompt_ids(tokenizer, target_cfg, prompts: Optional[str], num_prompts: int,
+               categories: Optional[Sequence[str]] = None) -> tuple[list[list[int]], list]:
+    """The first `num_prompts` prompts of `prompts` (of those in `categories`, when given) as token ids (chat
+    template as the target config says), and their task categories."""
+    from drafter_train.targets import encode_prompt
+
+    records = load_prompt_records(prompts, num_prompts if not categories else 10 ** 9)
+    if categories:
+        records = [r for r in records if r[1] in set(categories)][:num_prompts]
+        if not records:
+            raise ConfigError(f"prompt categories {','.join(categories)}: no such prompts in {prompts}")
+    return ([encode_prompt(tokenizer, text, target_cfg.chat_template) for text, _ in records],
+            [category for _, category in records])

@@ -81,6 +81,9 @@ class DrafterKind:
     prepare_data: Callable = lambda cfg, data, response_key, target, tokenizer, accelerator: data
     # export.format -> writer(step_dir, out_dir, info): formats besides the project's own HF folder.
     export_formats: Mapping[str, Callable] = field(default_factory=dict)
+    # export.format -> (the drafter's config as a dict) -> None: refuses, in one line, a layout that format's engine
+    # cannot run (checked before any conversion, and before training with train.eval_engine).
+    export_checks: Mapping[str, Callable[[dict], None]] = field(default_factory=dict)
     # Whether transformers' assisted generation can drive it (its export then carries assistant settings).
     hf_assistant: bool = False
     # export.format -> the engine's name for the method that serves this kind (vLLM `speculative_config.method`,

@@ -29,6 +29,7 @@ from drafter_train.data.prompts import load_prompt_records, refuse_test_split, s
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
 from drafter_train.drafters.registry import make_drafter, model_kind
+from drafter_train.engines.evaluate import evaluate_in_engine, print_engine, refuse_early, start_engine
 from drafter_train.errors import CheckpointDamagedError, ConfigError
 from drafter_train.io import write_atomic
 from drafter_train.machine import machine_info
@@ -54,12 +55,18 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
     """Load everything named by the config, evaluate, write metrics.json and return the metrics."""
     output = metrics_path(cfg.eval)
     cal = cfg.eval.calibration
+    engine_field = f"eval.engine={cfg.eval.engine}"
+    if cfg.eval.engine != "ours":  # one line each, before anything heavy: not built, no export, a layout it cannot run
+        refuse_early(cfg.eval.engine, cfg.eval, Path(cfg.drafter.path), engine_field)
     if cal.enabled:
         refuse_test_split(cfg.eval.prompts, "eval.prompts", "eval.calibration")
         curves = engine_curves(cal.engine_costs)
     check_writable(output)
     _check_intact(cfg.drafter.path)
     check_inputs(cfg)
+    engine = None if cfg.eval.engine == "ours" else start_engine(
+        cfg.eval.engine, cfg.eval, Path(cfg.drafter.path), output.parent / "engine", engine_field,
+        {"path": cfg.target.path, "cache_dir": cfg.target.cache_dir}, ())
     target, tokenizer = load_target(cfg.target)
     check_decoder(target, cfg.eval)
     check_corpus(cfg.eval.lookup.corpus, tokenizer, "eval.lookup.corpus.path")
@@ -78,6 +85,10 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
         eval_cfg = candidates[0].apply(cfg.eval)
     metrics = evaluate_decoding(target, drafter, prompt_ids[:num], eval_cfg, eos,
                                 categories=[c for _, c in records[:num]], kernels=cfg.target.cpu_kernels)
+    if engine is not None:
+        if cfg.eval.engine == "vllm":
+            engine.eos = sorted(eos)
+        metrics["engine"] = evaluate_in_engine(engine, prompt_ids[:num], eval_cfg, metrics)
     policy = row_policy(target)
     metrics.update(split=split_name(cfg.eval.prompts), overlap=overlap)
     metrics.update(target=model_identity(cfg.target), drafter=cfg.drafter.path, drafter_kind=model_kind(model).name,
@@ -125,6 +136,8 @@ def _hydra_main(cfg: DictConfig) -> None:
     with one_line_errors("drafter-eval"):
         metrics = run_eval_job(to_job_config(cfg))
     print_table(metrics)
+    if "engine" in metrics:
+        print_engine(metrics["engine"])
     print(f"metrics written to {metrics_path(cfg.eval).resolve()}", file=sys.stderr)
 
 

@@ -24,8 +24,8 @@ from drafter_train.recipes.cli import one_line_errors
 from drafter_train.config import CONF_DIR, ExportConfig
 from drafter_train.recipes.cli import register_configs
 from drafter_train.errors import CheckpointDamagedError, ConfigError, DrafterTrainError
-from drafter_train.llamacpp import GgufJob, llamacpp_dir
-from drafter_train.targets import check_decoder_only, target_folder
+from drafter_train.llamacpp import GgufJob, llamacpp_dir, target_folder
+from drafter_train.targets import check_decoder_only
 from drafter_train.model_card import MARKER, RunInfo, looks_local, model_card, read_run_info, step_text, target_names
 
 # Keys that describe how a file was loaded on the training machine, not the model.
@@ -311,13 +311,7 @@ def gguf_job(cfg: ExportConfig, info: RunInfo) -> GgufJob:
     kind's own refusals) and the run's target as a local HF folder (the converter reads its vocabulary; gguf_target
     converts it)."""
     check_format(cfg.format, info)  # a kind without a gguf writer: refused before looking for llama.cpp
-    target = info.config.get("target", {})
-    path = str(target.get("path", ""))
-    # A GGUF target (named, embedded or the user's own file) is read through its dequantised copy, made once.
-    target_dir = target_folder(path, target.get("gguf_file"), target.get("cache_dir"))
-    if target_dir is None:
-        raise ConfigError(f"export.format=gguf: the run's target.path {path!r} is not a local folder or GGUF file; "
-                          "llama.cpp's converter needs the target's files")
+    target_dir = target_folder(info.config.get("target", {}), "export.format=gguf")
     return GgufJob(llamacpp_dir(cfg.llamacpp), target_dir, cfg.gguf_type, cfg.gguf_target)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 import sys
 import time
 
@@ -35,6 +36,7 @@ from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
 from drafter_train.drafters.registry import DrafterKind, kind_config, make_drafter, resolve_kind
 from drafter_train.errors import DrafterTrainError
+from drafter_train.engines.evaluate import CheckpointEngine
 from drafter_train.evaluation import check_decoder, evaluate_decoding
 from drafter_train.targets import eos_token_ids, load_target, model_vocab_size
 from drafter_train.tracking import RunLogger, log_with
@@ -127,6 +129,8 @@ def train(cfg: TrainJobConfig) -> dict:
         return fit(cfg)
     check_inputs(cfg)
     tcfg = cfg.train
+    if tcfg.eval_engine != "ours":  # one line, before anything loads: not built, no export, a layout it cannot run
+        refuse_engine_before_training(cfg)
     run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
     config = OmegaConf.to_container(OmegaConf.structured(cfg))  # plain dict: saved, compared, tracked
     if tcfg.resume == "auto":
@@ -176,12 +180,23 @@ def train(cfg: TrainJobConfig) -> dict:
     logger.log({"launch/num_processes": accelerator.num_processes,
                 "launch/distributed_type": accelerator.distributed_type.value}, state.step)
 
+    engine = None if tcfg.eval_engine == "ours" else CheckpointEngine(
+        cfg.eval, {"path": cfg.target.path, "cache_dir": cfg.target.cache_dir}, run_dir / "engine-eval", prompts[0])
+
     def checkpoint_eval(step: int, model) -> dict:
         metrics = evaluate_checkpoint(cfg, target, model, prompts, eos, overlap)
-        row = {"step": step, **{k: metrics[k] for k in ("tau", "acceptance_rate", "speedup")}}
+        if engine is not None:  # the checkpoint's drafter as it will be saved, in the engine
+            folder = run_dir / ".engine-eval" / "drafter"  # beside the run's config.yaml; engine files go elsewhere
+            shutil.rmtree(folder, ignore_errors=True)
+            model.save_pretrained(folder)
+            tokenizer.save_pretrained(folder)
+            metrics["engine"] = engine.evaluate(folder, metrics)
+        row = {"step": step, **{k: metrics[k] for k in ("tau", "acceptance_rate", "speedup")},
+               **engine_scalars(metrics)}
         eval_history.append(row)
-        logger.log({f"eval/{k}": v for k, v in metrics.items() if k not in ("per_position_acceptance", "per_category", "machine")},
-                   step)
+        logger.log({f"eval/{k}": v for k, v in metrics.items()
+                    if k not in ("per_position_acceptance", "per_category", "machine", "engine")} | {
+                    f"eval/{k}": v for k, v in engine_scalars(metrics).items()}, step)
         logger.log_eval_table(eval_history, step)
         return metrics
 
@@ -223,6 +238,30 @@ def train(cfg: TrainJobConfig) -> dict:
     return last or {}
 
 
+def engine_scalars(metrics: dict) -> dict:
+    """The engine's figures for the tracker and the eval table, beside our decoder's (none without an engine)."""
+    engine = metrics.get("engine")
+    if not engine:
+        return {}
+    return {"engine_tau": engine["tau"], "engine_tau_diff": engine["tau_diff"],
+            "engine_acceptance_1": (engine["per_position_acceptance"] or [0.0])[0],
+            "engine_predicted_speedup": engine["predicted_speedup"],
+            "engine_measured_speedup": engine["measured_speedup"], "engine_seconds": engine["seconds"]}
+
+
+def refuse_engine_before_training(cfg: TrainJobConfig) -> None:
+    """train.eval_engine=llamacpp: the build, the kind's export and the drafter's layout (EAGLE-3's per-layer
+    fc_norm), checked from the config before any model loads."""
+    from drafter_train.engines.evaluate import refuse_build
+    from drafter_train.engines.export import check_layout, engine_method
+
+    field = f"train.eval_engine={cfg.train.eval_engine}"
+    refuse_build(cfg.train.eval_engine, cfg.eval, field)
+    kind = resolve_kind(cfg.drafter)
+    engine_method(kind, cfg.train.eval_engine, field)
+    check_layout(kind, cfg.train.eval_engine, dataclasses.asdict(cfg.drafter), field)
+
+
 def save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optimizer, scheduler, stream, state,
                       evaluate):
     """Evaluate the current drafter, write step-<N> (atomically), move `latest`/`best`, prune old steps.
@@ -239,7 +278,11 @@ def save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optim
     metrics = {}
     if accelerator.is_main_process:
         metrics = evaluate(state.step, model)
-        if metrics["tau"] > state.best_tau:
+        if cfg.train.best_by == "engine":
+            score = metrics["engine"]["predicted_speedup"]
+            if score is not None and score > state.best_engine_speedup:
+                state.best_engine_speedup, state.best_step = score, state.step
+        elif metrics["tau"] > state.best_tau:
             state.best_tau, state.best_step = metrics["tau"], state.step
         training_state = {
             "optimizer": optimizer_state(accelerator, optimizer), "scheduler": scheduler.state_dict(),

@@ -137,10 +137,10 @@ def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, ke
 
 def check_gguf(config: dict) -> None:
     """Refuse, in one line, an EAGLE-3 drafter llama.cpp would run differently from how it was trained."""
-    if config["fc_norm"]:
+    if config.get("fc_norm"):
         raise ConfigError("export.format=gguf: llama.cpp's EAGLE-3 has no per-layer fc_norm (only norm_before_fc, one "
                           "norm over all fused layers); train with drafter.fc_norm=false drafter.norm_before_fc=true")
-    if len(config["target_layers"]) != 3:
+    if len(config.get("target_layers") or (0, 0, 0)) != 3:  # unset: the default low/mid/high three
         raise ConfigError(f"export.format=gguf: llama.cpp's EAGLE-3 fuses exactly 3 target layers, this drafter "
                           f"fuses {len(config['target_layers'])}")
 

@@ -367,6 +367,7 @@ KIND = register(DrafterKind(
     prepare_data=conditioned.data_preparer(feature_layers),
     prepare_batch=conditioned.attach_cached_features,
     export_formats=eagle3_export.FORMATS,
+    export_checks={"gguf": eagle3_export.check_gguf},
     engine_methods={"vllm": "eagle3", "sglang": "EAGLE3", "gguf": "draft-eagle3"},
     summary="An EAGLE-3 draft head: one decoder layer reading the target's own hidden states, with a reduced draft "
             "vocabulary.",

@@ -1,5 +1,5 @@
-"""The llama.cpp side of benchmarks/engine_check.py (--engine llamacpp): llama-server on `drafter-export
-export.format=gguf` files, greedy, the same prompt token ids as our evaluator, once with the drafter and once without.
+"""llama.cpp as an engine: llama-server on GGUF files (a given target GGUF, or `export.format=gguf` exports), greedy,
+the same prompt token ids as our evaluator, with the drafter and without.
 
 - Prompts go in as token ids (`/completion` with a list prompt), outputs come back as token ids (`return_tokens`), so
   the engine's speculative output is compared token by token with its own plain output, and nothing depends on
@@ -19,6 +19,10 @@ from typing import Optional
 
 # The server's lifecycle and requests live in the package (the llama.cpp datagen backend uses them too).
 from drafter_train.llamacpp_server import complete, free_port, running_server  # noqa: F401 (engine.free_port)
+
+from drafter_train.engines.base import Served
+from drafter_train.errors import ConfigError
+from drafter_train.llamacpp import SETUP
 
 # llama-server's debug line for every verify step (also the last one of a request, unlike its "accepted a/d" line)
 STEP = re.compile(r"add accepted tokens: sampled=-?\d+, ids\.size=(\d+), n_draft=(\d+)")
@@ -78,24 +82,41 @@ def drafting_ms(log_text: str) -> float:
     return sum(last.values())
 
 
-def acceptance_from_steps(steps: list[tuple[int, int]], draft_len: int) -> dict:
-    """Verify steps (accepted, drafted) -> conditional per-position acceptance and the mean acceptance length
-    (1 + accepted drafts per drafting step), as engine_check compares them."""
-    drafting = [(a, d) for a, d in steps if d > 0]
-    reached = [sum(1 for a, d in drafting if d > i and a >= i) for i in range(draft_len)]
-    accepted = [sum(1 for a, d in drafting if a > i) for i in range(draft_len)]
-    return {"per_position_acceptance": [a / r if r else 0.0 for a, r in zip(accepted, reached)],
-            "mean_acceptance_length": 1 + sum(a for a, _ in drafting) / max(len(drafting), 1),
-            "drafting_steps": len(drafting), "accepted_per_position": accepted, "reached_per_position": reached}
+def server_bin(root: Path, field: str, tools: tuple = ("llama-server",)) -> Path:
+    """build/bin of the llama.cpp folder; refused in one line (naming the set-up script) when a tool is not built."""
+    bin_dir = root / "build" / "bin"
+    for name in tools:
+        if not (bin_dir / name).is_file():
+            raise ConfigError(f"{field}: no {name} in {bin_dir} (build it with {SETUP}, or set "
+                              "$DRAFTER_TRAIN_LLAMACPP to the folder it built)")
+    return bin_dir
 
 
-def output_mismatches(spec: list[list[int]], plain: list[list[int]]) -> list[dict]:
-    """Prompts whose speculative output differs from plain: the prompt index and the first differing position.
-    Greedy speculative decoding is lossless in exact arithmetic; in the engine a batched verify pass and a
-    one-token pass round differently, so a near-tie can flip (reported, not hidden)."""
-    found = []
-    for index, (a, b) in enumerate(zip(spec, plain)):
-        if a != b:
-            first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-            found.append({"prompt": index, "first_difference": first, "spec_len": len(a), "plain_len": len(b)})
-    return found
+class LlamaServer:
+    """The Engine interface over llama-server: one server per decode() call (plain: the target alone; speculative:
+    with the drafter file and --spec-type), each prompt one request after a warm-up request."""
+
+    name = "llama.cpp"
+
+    def __init__(self, bin_dir: Path, target: Path, drafter: Optional[Path], spec_type: Optional[str],
+                 draft_len: int, threads: int, log_dir: Path, f32_cache: bool,
+                 lookup_cache: Optional[Path] = None):
+        self.bin_dir, self.target, self.drafter, self.spec_type = bin_dir, target, drafter, spec_type
+        self.draft_len, self.threads, self.f32_cache, self.lookup_cache = draft_len, threads, f32_cache, lookup_cache
+        self.log_dir = log_dir
+        self.last: dict = {}  # the last decode's raw record (draft_n, gen_ms ...)
+
+    def command(self, speculative: bool) -> list[str]:
+        return server_command(self.bin_dir, self.target, self.drafter if speculative else None,
+                              self.spec_type if speculative else None, self.draft_len, self.threads, free_port(),
+                              self.f32_cache, self.lookup_cache if speculative else None)
+
+    def decode(self, prompts: list[list[int]], max_new_tokens: int, speculative: bool) -> Served:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / ("llamacpp_spec.log" if speculative else "llamacpp_plain.log")
+        self.last = decode_prompts(self.command(speculative), log, prompts, max_new_tokens)
+        return Served(tokens=self.last["tokens"], tokens_per_s=self.last["tokens_per_s"], steps=self.last["steps"],
+                      draft_ms=self.last["draft_ms"], free_tokens=self.last["requests"])
+
+    def close(self) -> None:
+        """Each decode() stops its own server."""
