@@ -293,10 +293,6 @@ def engine_section(name: str, result: dict) -> list[str]:
     return lines
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 # ---- the GPU check (benchmarks/gpu_check.py writes gpu.json) ---------------------------------------------------
 
 
@@ -360,3 +356,7 @@ def gpu_section(name: str, result: dict) -> list[str]:
                       "1 token reduce in different orders, so greedy outputs part at near-ties (the margins above: a "
                       "few bf16 steps); in float32 they must not, and did not.", ""]
     return lines
+
+
+if __name__ == "__main__":
+    sys.exit(main())
