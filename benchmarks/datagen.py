@@ -179,7 +179,7 @@ def write_llamacpp_result(args, rows: list[dict], prompts: int, max_new: int) ->
         "datagen_llamacpp", title="drafter-datagen: llama.cpp backend (llama-server slots) vs HF backend",
         question="How fast does llama-server make training data on the target's GGUF, against transformers "
                  "generate on its dequantised float32 copy, and how often are their greedy answers identical?",
-        command=command_line("benchmarks.datagen"), split=f"training prompts ({prompts}, up to {max_new} tokens)",
+        command=command_line("datagen"), split=f"training prompts ({prompts}, up to {max_new} tokens)",
         baseline="datagen.backend=hf, same prompts, batch = slots",
         columns=["prompts in flight", "HF tok/s", "llama.cpp tok/s", "llama.cpp / HF", "identical answers"],
         rows=[[r["in_flight"], r["hf_tokens_per_s"], r["vllm_tokens_per_s"],

@@ -54,7 +54,7 @@ def bench(target, files: dict[str, Path], threads: int) -> None:
         "llama_bench", title=f"{target.title} Q4_K_M in llama-bench: 1-token decode and a 4-token pass",
         question="What does a verify pass over 4 tokens cost against a 1-token decode step on this CPU, for the "
                  "original qwen2 file and its llama re-export?",
-        command=command_line("benchmarks.llama_reexport"), split="none (llama-bench's synthetic tokens)",
+        command=command_line("llama_reexport"), split="none (llama-bench's synthetic tokens)",
         baseline="the 1-token decode step (tg)",
         columns=["file", "tg tok/s", "pp4 tok/s", "cost of a 4-token pass / a 1-token pass"], rows=rows,
         notes=f"llama-bench -p 4 -n 16 -d 256 -r 3 -t {threads}: context depth 256.")
@@ -87,7 +87,7 @@ def main() -> None:
         "llama_reexport", title=f"{target.title} Q4_K_M re-exported as llama: same greedy output in llama.cpp",
         question="Does the qwen2 -> llama re-export (q/k rows permuted for the NORM rope) decode exactly as the "
                  "original file in llama-server?",
-        command=command_line("benchmarks.llama_reexport"), split=f"{DEV} (first {len(records)})",
+        command=command_line("llama_reexport"), split=f"{DEV} (first {len(records)})",
         baseline="the original qwen2 GGUF in the same llama-server build",
         columns=["prompt", "category", "tokens", "same greedy tokens", "qwen2 tok/s", "llama tok/s"], rows=rows,
         notes=f"{same}/{len(rows)} prompts give identical greedy tokens ({args.max_new_tokens} new tokens, "
