@@ -329,9 +329,12 @@ def test_offline_features_equal_online_ones(tiny_data, tmp_path):
     batch = attach_cached_features(collate(records, "response_ids", 512, 0), records, cfg)
     online_features, online_hidden = target_signals(target, collate(records, "response_ids", 512, 0), [0, 1, 2])
     real = batch.attention_mask.bool()
-    torch.testing.assert_close(batch.features.float()[real], online_features[real].bfloat16().float())
+    # The cache holds 16-bit features computed in other batch shapes than this batch's: fp32 sums in another order
+    # can round to the neighbouring bf16 value (seen once in 17k values on an AVX2 EPYC), so within one bf16 step.
+    one_step = dict(rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(batch.features.float()[real], online_features[real].bfloat16().float(), **one_step)
     torch.testing.assert_close(batch.target_hidden.float()[batch.resp_mask],
-                               online_hidden[batch.resp_mask].bfloat16().float())
+                               online_hidden[batch.resp_mask].bfloat16().float(), **one_step)
 
 
 def test_a_feature_cache_made_by_another_target_or_layer_set_is_refused(tiny_data, tmp_path):

@@ -166,7 +166,12 @@ def test_a_folder_resumes_only_with_its_backend(folders, tmp_path, monkeypatch):
     ],
 )
 def test_one_line_refusals(folders, tmp_path, monkeypatch, overrides, env, error, message):
-    (folders[0] / "model.gguf").write_bytes(b"")
+    import gguf
+
+    from tests.gguf_edit import save_gguf
+
+    # a well-formed GGUF (the start-up check refuses a broken one before the backend is asked)
+    save_gguf(gguf.GGUFWriter(str(folders[0] / "model.gguf"), "llama"))
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     cfg = job(folders, tmp_path / "out", "datagen.backend=vllm", *(o.format(root=folders[0]) for o in overrides))
