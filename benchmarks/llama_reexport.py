@@ -21,7 +21,7 @@ from pathlib import Path
 from benchmarks.common import DEV, command_line, read_jsonl, write_result
 from drafter_train.llama_reexport import reexport_as_llama
 from drafter_train.llamacpp import llamacpp_dir
-from drafter_train.llamacpp_server import free_port, post, running_server
+from drafter_train.llamacpp_http import free_port, post, running_server
 from drafter_train.named_targets import installed_gguf, named_target
 from drafter_train.targets import cache_root
 

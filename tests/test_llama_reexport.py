@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from drafter_train.errors import ConfigError
-from drafter_train.llamacpp_server import complete, free_port, running_server
+from drafter_train.llamacpp_http import complete, free_port, running_server
 from drafter_train.llama_reexport import neox_to_norm_rows, reexport_as_llama
 from tests.gguf_edit import save_gguf
 from tests.test_targets import add_tiny_header, write_tiny_gguf

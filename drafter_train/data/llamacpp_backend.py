@@ -33,7 +33,7 @@ from drafter_train.data.sources import TrainPrompt
 from drafter_train.data.vllm_backend import BackendError, prompt_seed
 from drafter_train.errors import ConfigError
 from drafter_train.llamacpp import llamacpp_dir
-from drafter_train.llamacpp_server import free_port, post, running_server
+from drafter_train.llamacpp_http import free_port, post, running_server
 from drafter_train.gguf_file import check_gguf
 from drafter_train.targets import EMBEDDED_PREFIX, embedded_gguf, load_tokenizer
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 # The server's lifecycle and requests live in the package (the llama.cpp datagen backend uses them too).
-from drafter_train.llamacpp_server import complete, free_port, running_server  # noqa: F401 (engine.free_port)
+from drafter_train.llamacpp_http import complete, free_port, running_server  # noqa: F401 (engine.free_port)
 
 from drafter_train.engines.base import Served
 from drafter_train.errors import ConfigError

@@ -1,6 +1,6 @@
 """llama-server as a subprocess: started on a free port, waited for (/health), stopped by its own pid; and one
-`/completion` request on token ids. Shared by the llama.cpp datagen backend (data/llamacpp_backend.py) and the
-benchmarks' engine drivers (benchmarks/llamacpp_engine.py)."""
+`/completion` request on token ids. Shared by the llama.cpp datagen backend (data/llamacpp_backend.py), which sits below
+the engines, and the llama.cpp engine (engines/llamacpp_server.py)."""
 
 from __future__ import annotations
 
