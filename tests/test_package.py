@@ -27,8 +27,10 @@ def wheel_venv(tmp_path_factory) -> Path:
     """A venv that sees the system site-packages (torch, transformers ...) with the wheel installed, no deps."""
     root = tmp_path_factory.mktemp("wheel")
     src = root / "src"  # build from a copy: the checkout's build/ and egg-info stay untouched
-    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".git", "checkpoints", "data", "*.egg-info", "build",
-                                                             "__pycache__", ".venv*", "outputs", "multirun", "tests"))
+    top_level = {".git", "checkpoints", "data", "build", "outputs", "multirun", "tests"}  # the package has data/ too
+    anywhere = shutil.ignore_patterns("*.egg-info", "__pycache__", ".venv*")
+    shutil.copytree(REPO, src, ignore=lambda folder, names: anywhere(folder, names)
+                    | ({*names} & top_level if Path(folder) == REPO else set()))
     built = run([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(root / "dist")], src)
     assert built.returncode == 0, built.stderr[-2000:]
     wheel = next((root / "dist").glob("drafter_train-*.whl"))
