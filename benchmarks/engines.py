@@ -117,6 +117,11 @@ def main(argv=None) -> int:
                         help="prompts of llama-server's verify-step calibration (never the timed ones)")
     parser.add_argument("--calibration-num-prompts", type=int, default=4)
     parser.add_argument("--calibration-new-tokens", type=int, default=32)
+    parser.add_argument("--calibration-rounds", type=int, default=None,
+                        help="measure llama-bench's curves and llama-server's step costs in the first N rounds only "
+                             "(default: every round; a 1.5B's calibration takes minutes a round)")
+    parser.add_argument("--ngram-drafts", default=",".join(map(str, llamacpp_cost.NGRAM_DRAFTS)),
+                        help="draft lengths the n-gram verify step is calibrated at")
     parser.add_argument("--ar-exports", type=Path, default=None,
                         help="AR_DIR/<precision>/drafter.gguf: the stand-alone AR drafter's gguf exports")
     parser.add_argument("--ar-drafter", default=None, help="the same AR drafter's folder, for our decoder")
@@ -172,15 +177,8 @@ def main(argv=None) -> int:
             print(f"engines: round {r + 1}/{args.rounds}: {key}", file=sys.stderr)
             found[key] = llamacpp_record(d, run_llamacpp(d, bin_dir, prompts, args.max_new_tokens,
                                                          args.threads, args.output / "server.log"))
-        for precision, target in {d["precision"]: d["target"] for d in decoders}.items():
-            curves[("llama.cpp", precision)] = bench_curve(bin_dir, target, sizes, args.depth, 3, args.threads)
-            print(f"engines: round {r + 1}/{args.rounds}: llama-server step costs, {precision}", file=sys.stderr)
-            drafters = {llamacpp_cost.cost_key(x): x["drafter"] for x in decoders
-                        if x["precision"] == precision and x.get("drafter")}
-            server[precision] = llamacpp_cost.server_curves(
-                bin_dir, target, drafters, calibration, args.calibration_new_tokens, args.threads,
-                precision == "f32", args.output / "calibration.log",
-                llamacpp_cost.drafts_for([x for x in decoders if x["precision"] == precision]))
+        if args.calibration_rounds is None or r < args.calibration_rounds:
+            calibrate_llamacpp(args, decoders, bin_dir, calibration, sizes, curves, server, f"round {r + 1}")
         server_rounds.append(server)
         if ours is None:
             rounds.append(found)
@@ -203,8 +201,9 @@ def main(argv=None) -> int:
         vllm.close()
     cost_curves = median_curves(curve_rounds)
     for curve in cost_curves:
-        if curve["engine"] == "llama.cpp":
-            curve["server"] = llamacpp_cost.median_server_curves([s[curve["precision"]] for s in server_rounds])
+        measured = [s[curve["precision"]] for s in server_rounds if curve["precision"] in s]
+        if curve["engine"] == "llama.cpp" and measured:
+            curve["server"] = llamacpp_cost.median_server_curves(measured)
     rows = summarize(rounds, cost_curves, prompt_categories, args.code_categories.split(","))
     add_ours_acceptance(rows, args.ours_acceptance)
     record = {"rows": rows, "prompt_categories": prompt_categories, "cost_curves": cost_curves,
@@ -218,6 +217,23 @@ def main(argv=None) -> int:
     if args.result:
         write_engines_result(record, args)
     return 0
+
+
+def calibrate_llamacpp(args, decoders: list[dict], bin_dir: Path, calibration: list[list[int]], sizes: list[int],
+                       curves: dict, server: dict, when: str) -> None:
+    """One round's llama.cpp cost measurements into `curves` and `server`: llama-bench's pass curve per precision,
+    and llama-server's own step per cost key where that precision has speculative rows (none: nothing to predict)."""
+    ngram_drafts = [int(n) for n in args.ngram_drafts.split(",") if n]
+    for precision, target in {d["precision"]: d["target"] for d in decoders}.items():
+        curves[("llama.cpp", precision)] = bench_curve(bin_dir, target, sizes, args.depth, 3, args.threads)
+        mine = [x for x in decoders if x["precision"] == precision]
+        if not any(x["spec_type"] for x in mine):
+            continue
+        print(f"engines: {when}: llama-server step costs, {precision}", file=sys.stderr)
+        drafters = {llamacpp_cost.cost_key(x): x["drafter"] for x in mine if x.get("drafter")}
+        server[precision] = llamacpp_cost.server_curves(
+            bin_dir, target, drafters, calibration, args.calibration_new_tokens, args.threads, precision == "f32",
+            args.output / "calibration.log", llamacpp_cost.drafts_for(mine, ngram_drafts))
 
 
 def all_decoders(args, engines: list[str]) -> list[dict]:

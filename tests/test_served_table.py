@@ -186,8 +186,9 @@ def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
     prompts.write_text("".join(json.dumps({"prompt": f"write {w} now", "category": c}) + "\n"
                                for w, c in [("a", "coding"), ("b", "chat"), ("c", "coding"), ("d", "chat"),
                                             ("e", "coding")]))
-    monkeypatch.setattr(driver, "bench_curve", lambda *a: {1: 10.0, 2: 12.0})
-    monkeypatch.setattr(llamacpp_cost, "server_curves", lambda *a: {"ms_1": 10.0, "kinds": {
+    benched, calibrated = [], []
+    monkeypatch.setattr(driver, "bench_curve", lambda *a: benched.append(a[1]) or {1: 10.0, 2: 12.0})
+    monkeypatch.setattr(llamacpp_cost, "server_curves", lambda *a: calibrated.append(a[-1]) or {"ms_1": 10.0, "kinds": {
         key: {"ms": {1: 10.0, 3: 15.0}, "relative": {1: 1.0, 3: 1.5}} for key in a[-1]}})
     monkeypatch.setattr(driver.llamacpp_cost, "prompt_set", _word_prompts(llamacpp_cost.prompt_set))
     monkeypatch.setattr(driver.llamacpp_cost, "calibration_prompts", lambda *a, **k: [[5, 6, 7]])
@@ -197,15 +198,18 @@ def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
                         "--target-gguf", f"q4={target}", "--draft-gguf", f"small={small}", "--product", "small",
                         "--ngram-modes", "ngram-simple", "--prompts", str(prompts), "--per-category", "2",
                         "--rounds", "2", "--max-new-tokens", "4", "--output", str(tmp_path / "out"),
-                        "--result", "--result-name", "served_test"])
+                        "--result", "--result-name", "served_test", "--calibration-rounds", "1",
+                        "--ngram-drafts", "4,16", "--target-gguf", f"plainonly={target}"])
     assert code == 0
+    # calibrated in the first round only; the plain-only precision gets llama-bench's curve, no step calibration
+    assert benched == [target, target] and calibrated == [{"ngram": (4, 16), "ar:small": (2, 8)}]
     result = json.loads((results / "served_test.json").read_text())
     rows = result["data"]["engine_rows"]
-    assert [(r["decoder"], r.get("label")) for r in rows] == [("plain", None), ("free n-gram", None),
+    assert [(r["decoder"], r.get("label")) for r in rows] == [("plain", None), ("plain", None), ("free n-gram", None),
                                                               ("AR drafter", "small"), ("product", "small")]
     assert result["data"]["served"] and result["data"]["prompt_categories"] == ["coding", "chat", "coding", "chat"]
     assert all(r["by_group"]["code"]["prompts"] == 2 and r["by_group"]["rest"]["prompts"] == 2 for r in rows)
-    spec = rows[2]
+    spec = rows[3]
     assert spec["cost_key"] == "ar:small" and spec["predicted_speedup"] is not None
     assert spec["acceptance_per_position"] and 0 <= spec["acceptance_per_position"][0] <= 1
     assert "first 2 of each category" in result["split"]
@@ -221,3 +225,65 @@ def _word_prompts(real):
         keep = [(t, c) for t, c in records if taken.setdefault(c, []).append(t) or len(taken[c]) <= per_category]
         return [[ord(ch) % 50 + 3 for ch in t] for t, _ in keep], [c for _, c in keep]
     return prompt_set
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Opt-in: every row type once, in real llama.cpp, on stories260K (where llama.cpp is built and stories260K present)
+
+from drafter_train.llamacpp import llamacpp_dir  # noqa: E402
+from tests.test_gguf import gguf_export, stories_runs  # noqa: E402,F401 (stories_runs: the fixture)
+
+needs_server = pytest.mark.skipif(not (llamacpp_dir() / "build" / "bin" / "llama-server").is_file(),
+                                  reason=f"llama.cpp is not built in {llamacpp_dir()} (scripts/setup_llamacpp.sh)")
+
+
+@pytest.mark.slow
+@needs_server
+@pytest.mark.usefixtures("llamacpp_smoke")
+def test_every_served_row_type_runs_in_llamacpp(stories_runs, stories_path, tmp_path, monkeypatch):  # noqa: F811
+    """One prompt per category, one round: plain at a given GGUF (f32) and an exported type (q8_0); all of
+    llama-server's n-gram modes; a trained EAGLE-3 export, the product (ngram-cache with the corpus's static cache
+    ahead of it), a q8_0-quantised AR drafter and a stock draft model (the f32 file serving the q8_0 target); each
+    speculative row with llama.cpp's acceptance, its category groups and a prediction from its own calibrated step;
+    then make_results renders the section."""
+    from benchmarks import engines as driver
+    from drafter_train.llamacpp import write_lookup_cache
+    from drafter_train.targets import load_tokenizer
+
+    monkeypatch.setenv("DRAFTER_TRAIN_CACHE", str(tmp_path / "cache"))
+    eagle, ar = tmp_path / "eagle", tmp_path / "ar"
+    gguf_export(stories_runs["eagle3"], eagle, gguf_type="f32")
+    gguf_export(stories_runs["ar"], ar, gguf_type="f32", gguf_target=False, drafter_gguf_type="q8_0")
+    lookup = write_lookup_cache(llamacpp_dir(), eagle / "target.gguf", stories_runs["eagle3"].parent.parent / "data",
+                                tmp_path / "corpus.lookup", load_tokenizer(str(stories_path)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in [
+        ("Once upon a time, there was a little", "coding"), ("The dog ran to the", "chat"),
+        ("Lily saw a big", "coding")]))
+    results = tmp_path / "results"
+    monkeypatch.setattr(driver, "write_result", functools.partial(write_result, results_dir=results))
+    assert driver.main([
+        "--engines", "llama.cpp", "--target", str(stories_path), "--target-gguf", f"f32={eagle / 'target.gguf'}",
+        "--export-types", "q8_0", "--draft-gguf", f"e3={eagle / 'drafter.gguf'}",
+        "--draft-gguf", f"ar={ar / 'drafter.gguf'}", "--draft-gguf", f"stock={eagle / 'target.gguf'}@q8_0",
+        "--product", "e3", "--lookup-cache", str(lookup), "--ngram-modes", "all", "--prompts", str(prompts),
+        "--per-category", "1", "--rounds", "1", "--max-new-tokens", "12", "--draft-len", "2",
+        "--calibration-prompts", str(prompts), "--calibration-num-prompts", "1", "--calibration-new-tokens", "8",
+        "--sizes", "1,2", "--depth", "16", "--output", str(tmp_path / "out"), "--result",
+        "--result-name", "served_stories"]) == 0
+    result = json.loads((results / "served_stories.json").read_text())
+    rows = result["data"]["engine_rows"]
+    got = [(r["precision"], r["decoder"], r.get("label")) for r in rows]
+    assert got == [("f32", "plain", None), ("q8_0", "plain", None),
+                   *[("f32", "free n-gram", None)] * 5, ("f32", "EAGLE-3", "e3"), ("f32", "product", "e3"),
+                   ("f32", "AR drafter", "ar"), ("q8_0", "AR drafter", "stock")]
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and set(row["by_group"]) == {"coding", "chat", "code", "rest"}
+        if row.get("label"):  # every drafter row: llama.cpp's acceptance and a prediction from its own step
+            assert len(row["acceptance_per_position"]) == 2 and row["predicted_speedup"] is not None, row
+    stock = next(r for r in rows if r.get("label") == "stock")
+    assert stock["cost_key"] == "ar:stock" and stock["acceptance_per_position"][0] > 0.9  # the target drafting itself
+    docs = tmp_path / "results.md"
+    assert make_results.main(["--results-dir", str(results), "--docs", str(docs), "--readme",
+                              str(tmp_path / "none.md")]) == 0
+    assert "| f32 | product (e3) |" in docs.read_text()

@@ -68,15 +68,16 @@ def verify_kind(spec_type: Optional[str]) -> Optional[str]:
     return "ngram"
 
 
-def drafts_for(decoders: Sequence[dict]) -> dict[str, tuple[int, ...]]:
-    """The draft lengths to calibrate per verify kind for llama.cpp decoders (benchmarks/engines.py's dicts): each
-    drafting decoder's draft length, the n-gram cache's longest draft where it runs ahead of EAGLE-3 (the product),
-    and NGRAM_DRAFTS for the free n-gram modes. Sizes between are interpolated (calibrate.cost_at)."""
+def drafts_for(decoders: Sequence[dict], ngram_drafts: Sequence[int] = NGRAM_DRAFTS) -> dict[str, tuple[int, ...]]:
+    """The draft lengths to calibrate per cost key (cost_key: the verify kind, or kind:label) for llama.cpp decoders
+    (benchmarks/engines.py's dicts): each drafting decoder's draft length, the n-gram cache's longest draft where it
+    runs ahead of a drafter (the product), and `ngram_drafts` for the free n-gram modes. Sizes between are
+    interpolated (calibrate.cost_at)."""
     out: dict[str, set] = {}
     for d in decoders:
         kind = cost_key(d)
         if kind == "ngram":
-            out.setdefault(kind, set()).update(NGRAM_DRAFTS)
+            out.setdefault(kind, set()).update(ngram_drafts)
         elif kind is not None:
             out.setdefault(kind, set()).add(d["draft_len"])
             if "ngram" in d["spec_type"]:

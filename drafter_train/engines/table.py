@@ -283,12 +283,12 @@ def table_rows(rows: list[dict]) -> list[list]:
 
 
 def median_curves(curve_rounds: list[dict]) -> list[dict]:
-    """Per engine and precision: the median over rounds of each size's ms, and the curve relative to n = 1. Our
-    sibling tree's pass (tree<n>) is kept apart: `tree_relative`."""
+    """Per engine and precision: the median over the rounds that measured it of each size's ms, and the curve
+    relative to n = 1. Our sibling tree's pass (tree<n>) is kept apart: `tree_relative`."""
     out = []
-    for key in curve_rounds[0]:
-        sizes = curve_rounds[0][key]
-        ms = {n: median(c[key][n] for c in curve_rounds) for n in sizes}
+    for key in dict.fromkeys(k for c in curve_rounds for k in c):  # a key measured in some rounds only: those
+        measured = [c[key] for c in curve_rounds if key in c]
+        ms = {n: median(m[n] for m in measured) for n in measured[0]}
         chain = {n: v for n, v in ms.items() if isinstance(n, int)}
         curve = {"engine": key[0], "precision": key[1], "ms_1": chain[1],
                  "ms": chain, "relative": {n: v / chain[1] for n, v in chain.items()}}
