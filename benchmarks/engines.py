@@ -15,12 +15,14 @@ The served table (llama.cpp alone; targets and drafters named by label, prompts 
 --target-gguf LABEL=FILE: a GGUF served as it is (plain at every label); --export-types: --target exported at these
 gguf types (cached by fingerprint, drafter_train/engines/export.py); --draft-gguf LABEL=FILE[@PRECISION]: a drafter
 GGUF served with that precision's target (default the first --target-gguf): its header's architecture picks the
---spec-type (eagle3: draft-eagle3, dflash: draft-dflash, anything else a draft model: draft-simple); --product
-LABEL: --product-ngram ahead of that drafter (with --lookup-cache, llama.cpp's static n-gram cache of the corpus);
---ngram-modes run at --spec-precisions (default the first target; `all`: every mode llama-server takes);
---ours-acceptance LABEL=metrics.json: drafter-eval's per-position acceptance set beside llama.cpp's for that row;
---per-category N: the first N prompts of each category; --code-categories: "code" against "rest"; --result-name:
-the result file's name.
+--spec-type (eagle3: draft-eagle3, dflash: draft-dflash, anything else a draft model: draft-simple); EAGLE-3 and
+DFlash need a target whose graph exposes its layers (a qwen2 file's llama re-export, drafter_train/llama_reexport.py);
+--draft-len-of LABEL=N: that drafter's draft length (default --draft-len); --product LABEL: --product-ngram ahead of
+that drafter (with --lookup-cache, llama.cpp's static n-gram cache of the corpus); --ngram-modes run at
+--spec-precisions (default the first target; `all`: every mode llama-server takes); --ours-acceptance
+LABEL=metrics.json: drafter-eval's per-position acceptance set beside llama.cpp's for that row; --per-category N: the
+first N prompts of each category; --code-categories: "code" against "rest"; --calibration-rounds N: llama-bench's
+curves and llama-server's step costs measured in the first N rounds only; --result-name: the result file's name.
 
 DIR holds one `drafter-export export.format=gguf` folder per precision (DIR/f32, DIR/f16, DIR/q8_0: target.gguf and
 the EAGLE-3 drafter.gguf of a `drafter.norm_before_fc=true` run) and, optionally, DIR/corpus.lookup: the corpus as
@@ -101,6 +103,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-gguf", action="append", default=[],
                         help="LABEL=FILE[@PRECISION]: a drafter GGUF (draft model, EAGLE-3, DFlash)")
     parser.add_argument("--product", action="append", default=[], help="a --draft-gguf LABEL to run the product with")
+    parser.add_argument("--draft-len-of", action="append", default=[],
+                        help="LABEL=N: that drafter's draft length (default --draft-len)")
     parser.add_argument("--product-ngram", default=PRODUCT_NGRAM, help="the n-gram modes ahead of the product's drafter")
     parser.add_argument("--lookup-cache", type=Path, default=None, help="llama-lookup-create's static n-gram cache")
     parser.add_argument("--spec-precisions", default="", help="the precisions the free n-gram modes run at")
@@ -136,7 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", type=int, default=128, help="cached tokens before a timed verify pass")
     parser.add_argument("--sizes", default="1,2,3,4,5,6,8", help="pass sizes of the cost curves")
     parser.add_argument("--output", type=Path, default=Path("checkpoints/engines"))
-    parser.add_argument("--result", action="store_true", help="write benchmarks/results/engines.json")
+    parser.add_argument("--result", action="store_true", help="write benchmarks/results/<--result-name>.json")
     add_vllm_args(parser)
     add_prompt_args(parser, num_prompts=16, max_new_tokens=48)
     args = parser.parse_args(argv)
@@ -248,12 +252,18 @@ def all_decoders(args, engines: list[str]) -> list[dict]:
     targets = served_targets(args)
     if not targets:
         return out
+    lengths = dict(value.partition("=")[::2] for value in args.draft_len_of)
     drafters = []
     for value in args.draft_gguf:
         label, path, precision = parse_labelled(value, "--draft-gguf")
         spec_type, decoder = drafter_spec_type(path, "--draft-gguf")
+        length = lengths.pop(label, "")
+        if length and not length.isdigit():
+            raise ConfigError(f"--draft-len-of: {label}={length}: not a whole number")
         drafters.append({"label": label, "file": path, "precision": precision, "spec_type": spec_type,
-                         "decoder": decoder})
+                         "decoder": decoder, "draft_len": int(length) if length else None})
+    if lengths:
+        raise ConfigError(f"--draft-len-of: {', '.join(lengths)}: no --draft-gguf of that label")
     spec_precisions = [p for p in args.spec_precisions.split(",") if p]
     if set(spec_precisions) - set(targets):
         raise ConfigError(f"--spec-precisions: {','.join(spec_precisions)}: not among the targets ({', '.join(targets)})")

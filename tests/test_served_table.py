@@ -194,7 +194,8 @@ def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
     monkeypatch.setattr(driver.llamacpp_cost, "calibration_prompts", lambda *a, **k: [[5, 6, 7]])
     results = tmp_path / "results"
     monkeypatch.setattr(driver, "write_result", functools.partial(write_result, results_dir=results))
-    code = driver.main(["--engines", "llama.cpp", "--llamacpp", str(llcpp), "--target", str(tmp_path),
+    (tmp_path / "metrics.json").write_text(json.dumps({"per_position_acceptance": [0.5, 0.25]}))
+    code = driver.main(["--ours-acceptance", f"small={tmp_path / 'metrics.json'}", "--draft-len-of", "small=3","--engines", "llama.cpp", "--llamacpp", str(llcpp), "--target", str(tmp_path),
                         "--target-gguf", f"q4={target}", "--draft-gguf", f"small={small}", "--product", "small",
                         "--ngram-modes", "ngram-simple", "--prompts", str(prompts), "--per-category", "2",
                         "--rounds", "2", "--max-new-tokens", "4", "--output", str(tmp_path / "out"),
@@ -202,7 +203,7 @@ def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
                         "--ngram-drafts", "4,16", "--target-gguf", f"plainonly={target}"])
     assert code == 0
     # calibrated in the first round only; the plain-only precision gets llama-bench's curve, no step calibration
-    assert benched == [target, target] and calibrated == [{"ngram": (4, 16), "ar:small": (2, 8)}]
+    assert benched == [target, target] and calibrated == [{"ngram": (4, 16), "ar:small": (3, 8)}]
     result = json.loads((results / "served_test.json").read_text())
     rows = result["data"]["engine_rows"]
     assert [(r["decoder"], r.get("label")) for r in rows] == [("plain", None), ("plain", None), ("free n-gram", None),
@@ -210,9 +211,14 @@ def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
     assert result["data"]["served"] and result["data"]["prompt_categories"] == ["coding", "chat", "coding", "chat"]
     assert all(r["by_group"]["code"]["prompts"] == 2 and r["by_group"]["rest"]["prompts"] == 2 for r in rows)
     spec = rows[3]
+    assert spec["ours_acceptance_per_position"] == rows[4]["ours_acceptance_per_position"] == [0.5, 0.25]
+    assert "ours_acceptance_per_position" not in rows[2] and "--spec-draft-n-max 3" in spec["setting"]
     assert spec["cost_key"] == "ar:small" and spec["predicted_speedup"] is not None
     assert spec["acceptance_per_position"] and 0 <= spec["acceptance_per_position"][0] <= 1
     assert "first 2 of each category" in result["split"]
+    with pytest.raises(SystemExit, match="--draft-len-of: other: no --draft-gguf of that label"):
+        driver.main(["--engines", "llama.cpp", "--llamacpp", str(llcpp), "--target-gguf", f"q4={target}",
+                     "--draft-len-of", "other=2"])
 
 
 def _word_prompts(real):
