@@ -88,7 +88,7 @@ def test_calibration_commands_reject_every_draft():
 def test_repeating_prompt_gives_an_ngram_lookup_its_full_draft():
     prompt = [5, 6, 7, 6, 9]
     got = repeating_prompt(prompt, period=8, repeats=3)
-    chunk = [5, 6, 7, 9, 1000, 1001, 1002, 1003]  # distinct: the prompt's own tokens, then ids from 1000
+    chunk = [5, 6, 7, 9, 256, 257, 258, 259]  # distinct: the prompt's own tokens, then ids from 256
     assert got == prompt + chunk * 3
     # llama.cpp's ngram-simple (n-gram of 3): the last 3 tokens are found one period back, the 7 after them follow
     tail = got[-3:]

@@ -50,6 +50,9 @@ CACHE_DRAFTS = 8  # the most the static n-gram cache (ngram-cache) drafts in one
 NGRAM_MATCH = 1  # ngram-simple's n-gram length while calibrating: any match drafts (its drafts are rejected anyway)
 NGRAM_PROMPTS = 2  # the n-gram kind's long steps: fewer calibration prompts
 REPEAT_PERIOD = 64  # the calibration prompt of the ngram kind repeats a chunk of this many tokens (> every draft)
+# its chunk is topped up with ids from here on: past the special tokens of the vocabularies seen, inside the smallest
+# (stories260K's 512; ids past a vocabulary make llama-server answer 400)
+FILLER_START = 256
 
 
 def verify_kind(spec_type: Optional[str]) -> Optional[str]:
@@ -111,11 +114,11 @@ def calibration_command(bin_dir: Path, target: Path, kind: Optional[str], drafts
 
 
 def repeating_prompt(prompt: list[int], period: int = REPEAT_PERIOD, repeats: int = 3) -> list[int]:
-    """The prompt followed by `repeats` copies of a chunk of `period` distinct tokens (the prompt's own, topped up with
-    ids from 1000 on): the target continues the repetition, so an n-gram lookup finds a draft of up to period - 1
-    tokens at every step (distinct tokens: no shorter match inside the chunk)."""
+    """The prompt followed by `repeats` copies of a chunk of `period` distinct tokens (the prompt's own, topped up
+    with ids from FILLER_START on): the target continues the repetition, so an n-gram lookup finds a draft of up to
+    period - 1 tokens at every step (distinct tokens: no shorter match inside the chunk)."""
     distinct = list(dict.fromkeys(prompt))
-    chunk = (distinct + [t for t in range(1000, 1000 + 2 * period) if t not in set(distinct)])[:period]
+    chunk = (distinct + [t for t in range(FILLER_START, FILLER_START + 2 * period) if t not in set(distinct)])[:period]
     return prompt + chunk * repeats
 
 
