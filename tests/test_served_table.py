@@ -249,16 +249,22 @@ needs_server = pytest.mark.skipif(not (llamacpp_dir() / "build" / "bin" / "llama
 def test_every_served_row_type_runs_in_llamacpp(stories_runs, stories_path, tmp_path, monkeypatch):  # noqa: F811
     """One prompt per category, one round: plain at a given GGUF (f32) and an exported type (q8_0); all of
     llama-server's n-gram modes; a trained EAGLE-3 export, the product (ngram-cache with the corpus's static cache
-    ahead of it), a q8_0-quantised AR drafter and a stock draft model (the f32 file serving the q8_0 target); each
-    speculative row with llama.cpp's acceptance, its category groups and a prediction from its own calibrated step;
-    then make_results renders the section."""
+    ahead of it), a DFlash export (draft-dflash, its step calibrated too), a q8_0-quantised AR drafter and a stock
+    draft model (the f32 file serving the q8_0 target); each speculative row with llama.cpp's acceptance, its
+    category groups and a prediction from its own calibrated step; then make_results renders the section."""
     from benchmarks import engines as driver
     from drafter_train.llamacpp import write_lookup_cache
     from drafter_train.targets import load_tokenizer
 
+    from tests.test_engine_llamacpp import STORIES_DFLASH
+    from tests.test_gguf import train_on_stories
+
     monkeypatch.setenv("DRAFTER_TRAIN_CACHE", str(tmp_path / "cache"))
-    eagle, ar = tmp_path / "eagle", tmp_path / "ar"
+    eagle, ar, dflash = tmp_path / "eagle", tmp_path / "ar", tmp_path / "dflash"
     gguf_export(stories_runs["eagle3"], eagle, gguf_type="f32")
+    (tmp_path / "dflash-run").mkdir()
+    dflash_run = train_on_stories(stories_path, tmp_path / "dflash-run", {"dflash": STORIES_DFLASH}, steps=2)["dflash"]
+    gguf_export(dflash_run, dflash, gguf_type="f32", gguf_target=False)
     gguf_export(stories_runs["ar"], ar, gguf_type="f32", gguf_target=False, drafter_gguf_type="q8_0")
     lookup = write_lookup_cache(llamacpp_dir(), eagle / "target.gguf", stories_runs["eagle3"].parent.parent / "data",
                                 tmp_path / "corpus.lookup", load_tokenizer(str(stories_path)))
@@ -272,6 +278,7 @@ def test_every_served_row_type_runs_in_llamacpp(stories_runs, stories_path, tmp_
         "--engines", "llama.cpp", "--target", str(stories_path), "--target-gguf", f"f32={eagle / 'target.gguf'}",
         "--export-types", "q8_0", "--draft-gguf", f"e3={eagle / 'drafter.gguf'}",
         "--draft-gguf", f"ar={ar / 'drafter.gguf'}", "--draft-gguf", f"stock={eagle / 'target.gguf'}@q8_0",
+        "--draft-gguf", f"df={dflash / 'drafter.gguf'}", "--draft-len-of", "df=4",
         "--product", "e3", "--lookup-cache", str(lookup), "--ngram-modes", "all", "--prompts", str(prompts),
         "--per-category", "1", "--rounds", "1", "--max-new-tokens", "12", "--draft-len", "2",
         "--calibration-prompts", str(prompts), "--calibration-num-prompts", "1", "--calibration-new-tokens", "8",
@@ -282,11 +289,15 @@ def test_every_served_row_type_runs_in_llamacpp(stories_runs, stories_path, tmp_
     got = [(r["precision"], r["decoder"], r.get("label")) for r in rows]
     assert got == [("f32", "plain", None), ("q8_0", "plain", None),
                    *[("f32", "free n-gram", None)] * 5, ("f32", "EAGLE-3", "e3"), ("f32", "product", "e3"),
-                   ("f32", "AR drafter", "ar"), ("q8_0", "AR drafter", "stock")]
+                   ("f32", "AR drafter", "ar"), ("q8_0", "AR drafter", "stock"), ("f32", "DFlash", "df")]
     for row in rows:
         assert row["tokens_per_s"] > 0 and set(row["by_group"]) == {"coding", "chat", "code", "rest"}
         if row.get("label"):  # every drafter row: llama.cpp's acceptance and a prediction from its own step
-            assert len(row["acceptance_per_position"]) == 2 and row["predicted_speedup"] is not None, row
+            assert len(row["acceptance_per_position"]) == (4 if row["label"] == "df" else 2), row
+            assert row["predicted_speedup"] is not None, row
+    steps = next(c for c in result["data"]["cost_curves"] if c["precision"] == "f32")["server"]["kinds"]
+    assert set(steps) == {"ngram", "eagle3:e3", "ar:ar", "dflash:df"}
+    assert steps["dflash:df"]["relative"]["5"] > 1  # DFlash's verify step over 5 tokens, measured
     stock = next(r for r in rows if r.get("label") == "stock")
     assert stock["cost_key"] == "ar:stock" and stock["acceptance_per_position"][0] > 0.9  # the target drafting itself
     docs = tmp_path / "results.md"
