@@ -59,8 +59,9 @@ def served_gguf(target: TargetConfig) -> Path:
 # Token texts llama.cpp puts in its end-of-generation set whatever the GGUF header declares (src/llama-vocab.cpp of
 # the vendored source: its EOG texts, and the FIM pad / repo / file-separator tokens it finds by text). A Qwen2.5
 # GGUF declares only <|im_end|> (151645) as EOS, yet llama-server also stops on <|endoftext|> (151643) and on
-# <|fim_pad|>, <|repo_name|>, <|file_sep|>. The server's own list (EOG_LINE, printed as it loads) is checked against
-# this one when it starts.
+# <|fim_pad|>, <|repo_name|>, <|file_sep|> (and '</s>' 128247: its load log warns "control-looking token: 128247
+# '</s>'" and makes it one). The server's own list (EOG_LINE) is checked against this one when the server prints it;
+# at its default verbosity (3) the vendored llama-server does not, so the check then has nothing to compare.
 LLAMACPP_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>",
                       "<EOT>", "<|end_of_text|>", "<eos>", "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>",
                       "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>")
