@@ -277,17 +277,19 @@ def test_ar_gguf_is_a_llama_draft_model_on_the_targets_vocabulary(stories_runs, 
                     reason=f"llama.cpp is not built in {llamacpp_dir()} (scripts/setup_llamacpp.sh)")
 @pytest.mark.usefixtures("llamacpp_smoke")
 def test_a_quantised_ar_drafter_loads_and_drafts_in_llama_server(stories_runs, tmp_path):
-    """export.drafter_gguf_type=q4_0 (stories260K's 64-wide rows split into q4_0's 32-blocks): the drafter's matrices
-    are Q4_0, and llama-server serves it as the f32 target's draft model: it drafts, and greedy output equals plain."""
+    """export.drafter_gguf_type=q4_0: the drafter's 64-wide matrices are Q4_0 (ffn_down's 172-wide rows do not split
+    into q4_0's 32-blocks: llama-quantize keeps them F16), and llama-server serves it as the f32 target's draft model:
+    it drafts, and greedy output equals plain."""
     from drafter_train.engines.llamacpp_server import LlamaServer
 
     out = tmp_path / "gguf"
     gguf_export(stories_runs["ar"], out, gguf_type="f32", drafter_gguf_type="q4_0")
     _, tensors, _ = read_gguf(out / "drafter.gguf")
-    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == "Q4_0"
+    assert tensors["blk.1.attn_q.weight"].tensor_type.name == "Q4_0"
+    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == "F16"
     server = LlamaServer(llamacpp_dir() / "build" / "bin", out / "target.gguf", out / "drafter.gguf", "draft-simple",
                          3, 2, tmp_path / "logs", f32_cache=True)
-    prompts = [[1, 403, 261, 379, 374, 306], [1, 349, 1050, 284]]
+    prompts = [[1, 403, 261, 379, 374, 306], [1, 349, 450, 284]]  # ids inside stories260K's 512
     plain = server.decode(prompts, 24, speculative=False)
     spec = server.decode(prompts, 24, speculative=True)
     assert sum(d for _, d in spec.steps) > 0 and spec.tokens == plain.tokens
