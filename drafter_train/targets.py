@@ -266,6 +266,12 @@ def gguf_folder(gguf: Path, cache_dir: Optional[str] = None) -> Path:
     return folder
 
 
+def named_path(value: str) -> str:
+    """A model option's value as the loaders name it: an embedded or named target's bare name (smollm2,
+    qwen2.5-coder-0.5b) gets its embedded: prefix; anything else is kept."""
+    return EMBEDDED_PREFIX + value if value in _EMBEDDED or value in NAMED else value
+
+
 def _embedded_name(path: str) -> str:
     name = path.removeprefix(EMBEDDED_PREFIX)
     if name not in _EMBEDDED and name not in NAMED:

@@ -128,7 +128,58 @@ def test_norm_before_fc_vllm_export_states_it_where_vllm_reads_it(nbf_run, tmp_p
 
 def test_bad_gguf_type_fails_in_one_line():
     with pytest.raises(ConfigError, match="export.gguf_type: must be one of"):
-        ExportConfig(format="gguf", gguf_type="q4_0")
+        ExportConfig(format="gguf", gguf_type="q3_x")
+    with pytest.raises(ConfigError, match="export.drafter_gguf_type: must be one of") as err:
+        ExportConfig(format="gguf", drafter_gguf_type="int4")
+    assert "\n" not in str(err.value)
+
+
+def test_a_quantised_drafter_type_is_refused_for_float_only_kinds_before_anything_is_written(tmp_path):
+    """EAGLE-3 and DFlash are exported in float only (llama.cpp was checked serving them in float): a quantised
+    export.drafter_gguf_type is one line, before the staging folder is written."""
+    from drafter_train.llamacpp import GgufJob, convert_staged
+
+    job = GgufJob(tmp_path, tmp_path, "f16", drafter_gguf_type="q4_k_m")
+    for what in ("EAGLE-3", "DFlash"):
+        with pytest.raises(ConfigError, match=f"export.drafter_gguf_type: q4_k_m is not offered for {what} drafters"
+                           ) as err:
+            convert_staged(job, tmp_path / "out", "stage", lambda staging: pytest.fail("wrote the folder"), what)
+        assert "\n" not in str(err.value)
+    assert GgufJob(tmp_path, tmp_path, "f32").drafter_type == "f32"  # auto: f32 with an f32 target
+    assert GgufJob(tmp_path, tmp_path, "q8_0").drafter_type == "f16"  # else f16
+    assert GgufJob(tmp_path, tmp_path, "f32", drafter_gguf_type="f32").float_drafter_type("EAGLE-3") == "f32"
+
+
+def fake_converter(root: Path, log: Path) -> Path:
+    """A llama.cpp folder whose converter writes its --outtype into the out file and whose llama-quantize logs its
+    arguments and copies its input."""
+    import stat
+
+    (root / "llama.cpp").mkdir(parents=True)
+    (root / "llama.cpp" / "convert_hf_to_gguf.py").write_text(
+        "import sys\nargs = sys.argv\nopen(args[args.index('--outfile') + 1], 'w').write(args[args.index('--outtype') + 1])\n")
+    (root / "build" / "bin").mkdir(parents=True)
+    quantize = root / "build" / "bin" / "llama-quantize"
+    quantize.write_text(f'#!/bin/sh\necho "$(cat "$1") $3" >> {log}\ncp "$1" "$2"\n')
+    quantize.chmod(quantize.stat().st_mode | stat.S_IXUSR)
+    return root
+
+
+def test_an_ar_drafter_is_quantised_by_llama_quantize_from_an_f16_file(tmp_path):
+    """export.drafter_gguf_type=q4_k_m on the AR kind: converted in f16, then llama-quantize to Q4_K_M; the f16
+    intermediate is gone. Float types convert directly."""
+    from drafter_train.drafters.ar.export import write_gguf
+    from drafter_train.llamacpp import GgufJob
+
+    log = tmp_path / "quantize.log"
+    root = fake_converter(tmp_path / "llcpp", log)
+    out = tmp_path / "out"
+    write_gguf(tmp_path, out, 3, "t", False, GgufJob(root, tmp_path, "f16", with_target=False,
+                                                     drafter_gguf_type="q4_k_m"))
+    assert log.read_text() == "f16 Q4_K_M\n" and (out / "drafter.gguf").read_text() == "f16"
+    assert sorted(p.name for p in out.iterdir()) == ["drafter.gguf"]
+    write_gguf(tmp_path, out, 3, "t", False, GgufJob(root, tmp_path, "f32", with_target=False))
+    assert (out / "drafter.gguf").read_text() == "f32" and log.read_text() == "f16 Q4_K_M\n"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -219,3 +270,26 @@ def test_ar_gguf_is_a_llama_draft_model_on_the_targets_vocabulary(stories_runs, 
                                trained["model.layers.1.mlp.down_proj.weight"], rtol=1e-3, atol=1e-3)
     assert len(tokens) == 512 and tokens[:3] == ["<unk>", "<s>", "</s>"]
     assert "--spec-type draft-simple" in (out / "README.md").read_text()
+
+
+@needs_converter
+@pytest.mark.skipif(not (llamacpp_dir() / "build" / "bin" / "llama-server").is_file(),
+                    reason=f"llama.cpp is not built in {llamacpp_dir()} (scripts/setup_llamacpp.sh)")
+@pytest.mark.usefixtures("llamacpp_smoke")
+def test_a_quantised_ar_drafter_loads_and_drafts_in_llama_server(stories_runs, tmp_path):
+    """export.drafter_gguf_type=q4_0: the drafter's 64-wide matrices are Q4_0 (ffn_down's 172-wide rows do not split
+    into q4_0's 32-blocks: llama-quantize keeps them F16), and llama-server serves it as the f32 target's draft model:
+    it drafts, and greedy output equals plain."""
+    from drafter_train.engines.llamacpp_server import LlamaServer
+
+    out = tmp_path / "gguf"
+    gguf_export(stories_runs["ar"], out, gguf_type="f32", drafter_gguf_type="q4_0")
+    _, tensors, _ = read_gguf(out / "drafter.gguf")
+    assert tensors["blk.1.attn_q.weight"].tensor_type.name == "Q4_0"
+    assert tensors["blk.1.ffn_down.weight"].tensor_type.name == "F16"
+    server = LlamaServer(llamacpp_dir() / "build" / "bin", out / "target.gguf", out / "drafter.gguf", "draft-simple",
+                         3, 2, tmp_path / "logs", f32_cache=True)
+    prompts = [[1, 403, 261, 379, 374, 306], [1, 349, 450, 284]]  # ids inside stories260K's 512
+    plain = server.decode(prompts, 24, speculative=False)
+    spec = server.decode(prompts, 24, speculative=True)
+    assert sum(d for _, d in spec.steps) > 0 and spec.tokens == plain.tokens

@@ -9,6 +9,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
@@ -95,6 +96,43 @@ def test_a_server_that_stops_on_other_tokens_is_refused_in_one_line(folders, tmp
     monkeypatch.setenv("FAKE_LLAMA_STOP_ON", "7")
     with pytest.raises(BackendError, match=r"^llama-server stopped on token 7, which is not in eos_token_ids \[258\]"):
         run_datagen(job(folders, tmp_path / "data"), progress=False)
+
+
+def test_a_server_whose_end_of_generation_tokens_differ_is_refused_in_one_line(folders, tmp_path, fake_env,
+                                                                              monkeypatch):
+    """llama-server prints its end-of-generation ids as it loads: the same as ours passes, another set is one line."""
+    monkeypatch.setenv("FAKE_LLAMA_EOG", "258")
+    run_datagen(job(folders, tmp_path / "same"), progress=False)
+    monkeypatch.setenv("FAKE_LLAMA_EOG", "257,258")
+    with pytest.raises(BackendError, match=r"^llama-server ends generations on tokens \[257, 258\], datagen on "
+                                           r"eos_token_ids \[258\]") as err:
+        run_datagen(job(folders, tmp_path / "other"), progress=False)
+    assert "\n" not in str(err.value)
+
+
+def test_eos_ids_are_llamacpps_end_of_generation_set_for_a_qwen_vocabulary(tmp_path):
+    """A Qwen2.5 GGUF declares only <|im_end|> as EOS; llama.cpp also ends on <|endoftext|> and its FIM pad / repo /
+    file-separator tokens (found by their text in the GGUF's own vocabulary): so do datagen's eos_token_ids. Other
+    special tokens are not; a token transformers adds to the tokenizer (not in the file) is not either."""
+    from types import SimpleNamespace
+
+    import gguf as gguf_package
+
+    from drafter_train.data import llamacpp_backend
+    from tests.gguf_edit import save_gguf
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_pad|>", "<|repo_name|>",
+                "<|file_sep|>"]
+    path = tmp_path / "qwen-vocab.gguf"
+    writer = gguf_package.GGUFWriter(path, "qwen2")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", *specials, "c"])
+    writer.add_eos_token_id(4)  # <|im_end|>
+    writer.add_tensor("w", np.zeros((2, 2), dtype=np.float32))
+    save_gguf(writer)
+    got = llamacpp_backend.gguf_eos_ids(path, SimpleNamespace(eos_token_id=4))
+    assert got == [2, 4, 6, 7, 8]  # <|endoftext|>, <|im_end|>, <|fim_pad|>, <|repo_name|>, <|file_sep|>
+    assert llamacpp_backend.gguf_eos_ids(path, SimpleNamespace(eos_token_id=10)) == [2, 4, 6, 7, 8, 10]
 
 
 def test_store_topk_and_non_gguf_targets_are_refused(folders, tmp_path):

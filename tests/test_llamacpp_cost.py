@@ -21,8 +21,9 @@ def test_verify_kind_of_each_spec_type():
     assert verify_kind("ngram-simple") == verify_kind("ngram-mod") == verify_kind("ngram-cache") == "ngram"
     assert verify_kind("draft-eagle3") == verify_kind("ngram-cache,draft-eagle3") == "eagle3"
     assert verify_kind("draft-simple") == "ar"
-    with pytest.raises(ValueError, match="draft-dflash"):
-        verify_kind("draft-dflash")
+    assert verify_kind("draft-dflash") == verify_kind("ngram-mod,draft-dflash") == "dflash"
+    with pytest.raises(ValueError, match="draft-mtp"):
+        verify_kind("draft-mtp")
 
 
 def test_drafts_for_the_decoders_present():
@@ -32,6 +33,36 @@ def test_drafts_for_the_decoders_present():
     assert drafts_for(decoders) == {"ngram": llamacpp_cost.NGRAM_DRAFTS, "eagle3": (2, llamacpp_cost.CACHE_DRAFTS),
                                     "ar": (3,)}
     assert drafts_for(decoders[:1]) == {}
+
+
+def test_each_labelled_drafter_gets_its_own_cost_key():
+    """Two draft models of one kind (a stock 0.5B and a trained AR drafter) cost differently per step: their
+    calibrations are kept apart by label; an n-gram row has no drafter and keeps the kind alone."""
+    decoders = [{"spec_type": "draft-simple", "draft_len": 3, "label": "0.5B"},
+                {"spec_type": "draft-simple", "draft_len": 2, "label": "ar-2l"},
+                {"spec_type": "ngram-cache,draft-dflash", "draft_len": 4, "label": "dflash"},
+                {"spec_type": "ngram-mod", "draft_len": 2, "label": "ignored"}]
+    assert [llamacpp_cost.cost_key(d) for d in decoders] == ["ar:0.5B", "ar:ar-2l", "dflash:dflash", "ngram"]
+    assert drafts_for(decoders) == {"ar:0.5B": (3,), "ar:ar-2l": (2,), "dflash:dflash": (4, llamacpp_cost.CACHE_DRAFTS),
+                                    "ngram": llamacpp_cost.NGRAM_DRAFTS}
+
+
+def test_server_curves_calibrate_each_key_with_its_own_drafter(monkeypatch):
+    """server_curves runs one synthetic-acceptance server per key and draft length, with that key's drafter file and
+    its kind's --spec-type (DFlash's draft-dflash included)."""
+    seen = []
+
+    def decode(command, log, prompts, n_new, ignore_eos):
+        seen.append((_value(command, "--spec-type") if "--spec-type" in command else None,
+                     _value(command, "-md") if "-md" in command else None))
+        return {"steps": [(0, 2)] * 4 if "--spec-type" in command else [], "generated": 10, "requests": 1,
+                "gen_ms": 100.0, "draft_ms": 0.0}
+
+    monkeypatch.setattr(llamacpp_cost.engine, "decode_prompts", decode)
+    got = llamacpp_cost.server_curves(Path("/b"), Path("/t.gguf"), {"ar:a": Path("/a.gguf"), "dflash": Path("/d.gguf")},
+                                      [[1, 2, 3]], 8, 2, False, Path("/log"), {"dflash": (2,), "ar:a": (2,)})
+    assert seen == [(None, None), ("draft-simple", "/a.gguf"), ("draft-dflash", "/d.gguf")]
+    assert set(got["kinds"]) == {"ar:a", "dflash"}
 
 
 def _value(command, flag):
@@ -57,7 +88,7 @@ def test_calibration_commands_reject_every_draft():
 def test_repeating_prompt_gives_an_ngram_lookup_its_full_draft():
     prompt = [5, 6, 7, 6, 9]
     got = repeating_prompt(prompt, period=8, repeats=3)
-    chunk = [5, 6, 7, 9, 1000, 1001, 1002, 1003]  # distinct: the prompt's own tokens, then ids from 1000
+    chunk = [5, 6, 7, 9, 256, 257, 258, 259]  # distinct: the prompt's own tokens, then ids from 256
     assert got == prompt + chunk * 3
     # llama.cpp's ngram-simple (n-gram of 3): the last 3 tokens are found one period back, the 7 after them follow
     tail = got[-3:]

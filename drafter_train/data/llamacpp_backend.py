@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,7 +35,7 @@ from drafter_train.data.vllm_backend import BackendError, prompt_seed
 from drafter_train.errors import ConfigError
 from drafter_train.llamacpp import llamacpp_dir
 from drafter_train.llamacpp_http import free_port, post, running_server
-from drafter_train.gguf_file import check_gguf
+from drafter_train.gguf_file import check_gguf, vocabulary_ids
 from drafter_train.targets import EMBEDDED_PREFIX, embedded_gguf, load_tokenizer
 
 JOURNAL = "llamacpp-records.jsonl"  # finished responses, one JSON line each (module doc)
@@ -55,12 +56,36 @@ def served_gguf(target: TargetConfig) -> Path:
     return path.absolute()
 
 
+# Token texts llama.cpp puts in its end-of-generation set whatever the GGUF header declares (src/llama-vocab.cpp of
+# the vendored source: its EOG texts, and the FIM pad / repo / file-separator tokens it finds by text). A Qwen2.5
+# GGUF declares only <|im_end|> (151645) as EOS, yet llama-server also stops on <|endoftext|> (151643) and on
+# <|fim_pad|>, <|repo_name|>, <|file_sep|> (and '</s>' 128247: its load log warns "control-looking token: 128247
+# '</s>'" and makes it one). The server's own list (EOG_LINE) is checked against this one when the server prints it;
+# at its default verbosity (3) the vendored llama-server does not, so the check then has nothing to compare.
+LLAMACPP_EOG_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>", "<|eom_id|>",
+                      "<EOT>", "<|end_of_text|>", "<eos>", "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>",
+                      "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>")
+EOG_LINE = re.compile(r"print_info: EOG token\s*= (\d+)")
+
+
 def gguf_eos_ids(gguf: Path, tokenizer) -> list[int]:
-    """The target's EOS ids as its GGUF header declares them (eos, end-of-turn, end-of-message) and its tokenizer:
-    read from the header alone (transformers' GGUF config loader reads every tensor; seconds for a 1.5B)."""
+    """The ids llama-server ends a generation on: the GGUF header's eos, end-of-turn and end-of-message ids (read
+    from the header alone: transformers' GGUF config loader reads every tensor, seconds for a 1.5B), the tokenizer's
+    EOS, and the tokens of the GGUF's own vocabulary llama.cpp marks end-of-generation by their text
+    (LLAMACPP_EOG_TEXTS; not the tokenizer's vocabulary, to which transformers may add an <|endoftext|>)."""
     metadata = check_gguf(gguf, "target.path").metadata
     ids = {metadata.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom")}
-    return sorted({int(i) for i in ids if i is not None} | ({tokenizer.eos_token_id} - {None}))
+    by_text = set(vocabulary_ids(gguf, LLAMACPP_EOG_TEXTS).values())
+    return sorted({int(i) for i in ids if i is not None} | ({tokenizer.eos_token_id} - {None}) | by_text)
+
+
+def check_server_eog(log_text: str, eos: Sequence[int]) -> None:
+    """The end-of-generation ids llama-server printed as it loaded the model against ours: a one-line BackendError
+    where they differ (no printed list, as from an older server: nothing to check)."""
+    served = sorted({int(i) for i in EOG_LINE.findall(log_text)})
+    if served and served != sorted(eos):
+        raise BackendError(f"llama-server ends generations on tokens {served}, datagen on eos_token_ids "
+                           f"{sorted(eos)}: the data would not end where the served model does")
 
 
 def request_body(cfg: DatagenJobConfig, prompt: TrainPrompt) -> dict:
@@ -163,6 +188,7 @@ class LlamaCppBackend:
             except RuntimeError as err:
                 self._server = None
                 raise BackendError(f"datagen.backend=llamacpp: {err}") from None
+            check_server_eog((self.output / LOG_NAME).read_text(errors="replace"), self.eos_token_ids)
         return self._url_value
 
     def _read_journal(self) -> tuple[dict[int, list[int]], int]:

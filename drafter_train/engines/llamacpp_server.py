@@ -57,20 +57,37 @@ def server_command(bin_dir: Path, target: Path, drafter: Optional[Path], spec_ty
 def decode_prompts(command: list[str], log: Path, prompts: list[list[int]], max_new_tokens: int,
                    ignore_eos: bool = False) -> dict:
     """All prompts one at a time on one server (after a warm-up request): outputs, timings, and the verify steps
-    (accepted, drafted) the server logged for them. The server's generation time (gen_ms) starts at each request's
-    first token, which the prompt pass made: `requests` tokens of `generated` cost no decode step."""
+    (accepted, drafted) the server logged for them, in all and per request (`per_prompt`: each request's tokens,
+    generation ms and steps, from the log lines written while it ran). The server's generation time (gen_ms) starts
+    at each request's first token, which the prompt pass made: `requests` tokens of `generated` cost no decode step."""
     with running_server(command, log) as url:
         complete(url, prompts[0], 8)  # warm-up, not counted
         warm = log.read_text(errors="replace")
-        replies = [complete(url, ids, max_new_tokens, ignore_eos) for ids in prompts]
+        replies, per_prompt, seen = [], [], len(warm)
+        for ids in prompts:
+            replies.append(complete(url, ids, max_new_tokens, ignore_eos))
+            text = log.read_text(errors="replace")
+            per_prompt.append(_request_record(replies[-1], _steps(text[seen:])))
+            seen = len(text)
         logged = log.read_text(errors="replace")[len(warm):]
-        steps = [(int(size) - 1, int(drafted)) for size, drafted in STEP.findall(logged)]
+        steps = _steps(logged)
     generated = sum(r["timings"].get("predicted_n", 0) for r in replies)
     seconds = sum(r["timings"].get("predicted_ms", 0.0) for r in replies) / 1000
     return {"tokens": [r["tokens"] for r in replies], "steps": steps, "tokens_per_s": generated / max(seconds, 1e-9),
-            "generated": generated, "gen_ms": 1000 * seconds, "requests": len(replies), "draft_ms": drafting_ms(warm + logged) - drafting_ms(warm),
+            "generated": generated, "gen_ms": 1000 * seconds, "requests": len(replies),
+            "draft_ms": drafting_ms(warm + logged) - drafting_ms(warm), "per_prompt": per_prompt,
             "draft_n": sum(r["timings"].get("draft_n", 0) for r in replies),
             "draft_n_accepted": sum(r["timings"].get("draft_n_accepted", 0) for r in replies)}
+
+
+def _steps(logged: str) -> list[tuple[int, int]]:
+    return [(int(size) - 1, int(drafted)) for size, drafted in STEP.findall(logged)]
+
+
+def _request_record(reply: dict, steps: list[tuple[int, int]]) -> dict:
+    """One request's own figures: tokens made (the first by the prompt pass), generation ms, its verify steps."""
+    return {"tokens": reply["timings"].get("predicted_n", len(reply["tokens"])),
+            "gen_ms": reply["timings"].get("predicted_ms", 0.0), "steps": steps}
 
 
 def drafting_ms(log_text: str) -> float:

@@ -2,19 +2,37 @@
 it made), medians over interleaved rounds, and the speedup each engine's cost curve predicts from a run's own steps
 (calibrate.predicted_steps_speedup) beside the speedup measured over the same engine's plain decoding. The driver is
 benchmarks/engines.py; drafter-eval and checkpoint evaluation use the same predictions for one engine.
+
+Two ways to name llama.cpp's decoders: an export folder per precision (`llamacpp_decoders`: DIR/<precision>/
+target.gguf and drafter.gguf, the main job's layout), or the served table's targets and drafter files by label
+(`served_decoders`: a given GGUF such as a Q4_K_M original, exports at stated types, a stock draft model, each
+trained drafter's export, the product ahead of a chosen drafter). Both give the same decoder dicts. A round keeps
+each prompt's own figures, so rows are also summed per prompt category (`group_figures`: each category, and the
+code categories against the rest).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 from statistics import median
-from typing import Optional
+from typing import Optional, Sequence
 
-from drafter_train.engines.llamacpp_cost import PRECISIONS, verify_kind
+from drafter_train.engines.base import acceptance_from_steps
+from drafter_train.engines.llamacpp_cost import PRECISIONS, cost_key, verify_kind
+from drafter_train.errors import ConfigError
 from drafter_train.engines.llamacpp_server import decode_prompts, free_port, server_command
 
 NGRAM_MODES = "ngram-simple,ngram-mod,ngram-cache"
+# every free n-gram mode llama-server's --spec-type takes (common/speculative.cpp of the vendored source): the served
+# table's default
+ALL_NGRAM_MODES = "ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache"
 PRODUCT_NGRAM = "ngram-cache"  # the context's n-grams plus the static corpus cache: prompt lookup + corpus lookup
+# a drafter GGUF's general.architecture -> llama-server's --spec-type and the table's decoder name; any other
+# architecture is a draft model (the target's own family, e.g. qwen2 or llama): draft-simple
+DRAFTER_SPEC_TYPES = {"eagle3": ("draft-eagle3", "EAGLE-3"), "dflash": ("draft-dflash", "DFlash")}
+DRAFT_MODEL = ("draft-simple", "AR drafter")
+CODE_CATEGORIES = ("coding", "code-completion")  # the shipped splits' code categories: "code" against "rest"
+ACCEPTANCE_POSITIONS = 8  # per-position acceptance kept for at most this many positions (n-gram drafts run longer)
 
 
 def llamacpp_decoders(exports: Path, ngram_modes: list[str], draft_len: int,
@@ -45,6 +63,55 @@ def llamacpp_decoders(exports: Path, ngram_modes: list[str], draft_len: int,
     return out
 
 
+def parse_labelled(value: str, option: str) -> tuple[str, Path, Optional[str]]:
+    """LABEL=PATH[@PRECISION] -> (label, path, precision or None); a malformed one is refused in one line."""
+    label, sep, rest = value.partition("=")
+    path, _, precision = rest.partition("@")
+    if not sep or not label or not path or "," in label or ":" in label:
+        raise ConfigError(f"{option}: expected LABEL=PATH[@PRECISION] (a label without ',' or ':'), got {value!r}")
+    if not Path(path).expanduser().is_file():
+        raise ConfigError(f"{option}: {label}: no such file {path}")
+    return label, Path(path).expanduser().absolute(), precision or None
+
+
+def drafter_spec_type(gguf: Path, option: str) -> tuple[str, str]:
+    """(llama-server's --spec-type, the table's decoder name) of a drafter GGUF, from its header's architecture."""
+    from drafter_train.gguf_file import check_gguf
+
+    return DRAFTER_SPEC_TYPES.get(check_gguf(gguf, option).architecture, DRAFT_MODEL)
+
+
+def served_decoders(targets: dict[str, Path], drafters: Sequence[dict], ngram_modes: Sequence[str], draft_len: int,
+                    spec_precisions: Sequence[str] = (), products: Sequence[str] = (),
+                    product_ngram: str = PRODUCT_NGRAM, lookup_cache: Optional[Path] = None) -> list[dict]:
+    """The served table's llama.cpp decoders. targets: precision label -> target GGUF (plain at every one);
+    ngram_modes run at each of spec_precisions (default: the first target); drafters: {label, file, precision
+    (default the first target), spec_type, decoder, draft_len (optional)}, each served with its precision's target;
+    products: drafter labels to run with `product_ngram` ahead of them (the static corpus cache where given)."""
+    first = next(iter(targets))
+    unknown = [d["label"] for d in drafters if (d.get("precision") or first) not in targets]
+    if unknown:
+        raise ConfigError(f"--draft-gguf: {', '.join(unknown)}: no target at its precision (targets: "
+                          f"{', '.join(targets)})")
+    labels = {d["label"] for d in drafters}
+    if set(products) - labels:
+        raise ConfigError(f"--product: {', '.join(sorted(set(products) - labels))}: no --draft-gguf of that label")
+    out = [dict(engine="llama.cpp", precision=p, target=t, decoder="plain", spec_type=None, draft_len=0)
+           for p, t in targets.items()]
+    for precision in spec_precisions or [first]:
+        out += [dict(engine="llama.cpp", precision=precision, target=targets[precision], decoder="free n-gram",
+                     spec_type=mode, draft_len=draft_len) for mode in ngram_modes]
+    for d in drafters:
+        precision = d.get("precision") or first
+        base = dict(engine="llama.cpp", precision=precision, target=targets[precision], drafter=d["file"],
+                    label=d["label"], draft_len=d.get("draft_len") or draft_len)
+        out.append(dict(base, decoder=d["decoder"], spec_type=d["spec_type"]))
+        if d["label"] in products:
+            out.append(dict(base, decoder="product", spec_type=f"{product_ngram},{d['spec_type']}",
+                            lookup_cache=lookup_cache))
+    return out
+
+
 def run_llamacpp(decoder: dict, bin_dir: Path, prompts: list[list[int]], max_new_tokens: int, threads: int,
                  log: Path) -> dict:
     command = server_command(bin_dir, decoder["target"], decoder.get("drafter"), decoder["spec_type"],
@@ -52,7 +119,8 @@ def run_llamacpp(decoder: dict, bin_dir: Path, prompts: list[list[int]], max_new
                                     f32_cache=decoder["precision"] == "f32", lookup_cache=decoder.get("lookup_cache"))
     served = decode_prompts(command, log, prompts, max_new_tokens)
     return {"tokens_per_s": served["tokens_per_s"], "tokens": served["generated"], "steps": served["steps"],
-            "draft_ms": served["draft_ms"], "outputs": served["tokens"], "requests": served["requests"]}
+            "draft_ms": served["draft_ms"], "outputs": served["tokens"], "requests": served["requests"],
+            "per_prompt": served["per_prompt"]}
 
 
 def ours_steps(stats) -> tuple[int, list[int], float]:
@@ -79,14 +147,17 @@ def _relative_for(row: dict, curve: dict) -> tuple[dict[int, float], float]:
     """The cost curve a row's verify passes follow and its 1-token cost in ms: our sibling trees' passes are tree
     passes (tree_relative); llama.cpp's steps cost what llama-server's step of their verify kind costs (server)."""
     server = curve.get("server")
-    if server and row.get("verify_kind") in server["kinds"]:
-        return server["kinds"][row["verify_kind"]]["relative"], server["ms_1"]
+    key = row.get("cost_key") or row.get("verify_kind")
+    if server and key in server["kinds"]:
+        return server["kinds"][key]["relative"], server["ms_1"]
     return {**curve["relative"], **(curve.get("tree_relative", {}) if row.get("tree") else {})}, curve["ms_1"]
 
 
-def summarize(rounds: list[dict], curves: list[dict]) -> list[dict]:
+def summarize(rounds: list[dict], curves: list[dict], categories: Optional[Sequence[str]] = None,
+              code: Sequence[str] = CODE_CATEGORIES) -> list[dict]:
     """Per decoder: median tokens/s over rounds, tau, speedup over its engine's plain decoding (same precision), the
-    prediction from the engine's curve, and the speedup over the fastest plain decoder of all."""
+    prediction from the engine's curve, and the speedup over the fastest plain decoder of all. categories: each
+    prompt's category (rounds that kept per-prompt figures): the same per prompt group (`by_group`)."""
     keys = list(rounds[0])
     rows = []
     for key in keys:
@@ -94,9 +165,11 @@ def summarize(rounds: list[dict], curves: list[dict]) -> list[dict]:
         row = dict(runs[0]["row"], tokens_per_s=median(run["tokens_per_s"] for run in runs),
                    tokens_per_s_rounds=[run["tokens_per_s"] for run in runs])
         for field in ("tau", "acceptance_per_position", "tokens", "plain_passes", "drafted", "draft_ms",
-                      "free_tokens", "verify_kind"):
+                      "free_tokens", "verify_kind", "cost_key"):
             if field in runs[-1]:
                 row[field] = runs[-1][field]
+        if categories and all("per_prompt" in run for run in runs):
+            row["by_group"] = group_figures([run["per_prompt"] for run in runs], categories, code)
         rows.append(row)
     fastest = max((r for r in rows if r["decoder"] == "plain"), key=lambda r: r["tokens_per_s"])
     curve_of = {(c["engine"], c["precision"]): c for c in curves}
@@ -106,6 +179,7 @@ def summarize(rounds: list[dict], curves: list[dict]) -> list[dict]:
         row["speedup_over_own_plain"] = row["tokens_per_s"] / own["tokens_per_s"] if own else None
         row["speedup_over_fastest"] = row["tokens_per_s"] / fastest["tokens_per_s"]
         row["fastest_plain"] = f"{fastest['engine']} {fastest['precision']}".strip()
+        group_speedups(row, fastest, own)
         curve = curve_of.get((row["engine"], row["precision"]))
         relative, ms_1 = _relative_for(row, curve) if curve else (None, None)
         row["predicted_speedup"] = predict(row, relative, ms_1) if curve else None
@@ -119,13 +193,54 @@ def summarize(rounds: list[dict], curves: list[dict]) -> list[dict]:
     return rows
 
 
+def group_figures(rounds: list[list[dict]], categories: Sequence[str], code: Sequence[str]) -> dict[str, dict]:
+    """Per prompt group (each category; "code": the code categories; "rest": the others) from each round's
+    per-prompt records {tokens, gen_ms, steps}: tokens/s (median over rounds of the group's tokens over its
+    generation time), the rounds' figures, and tau and the tokens from the last round's steps (the first token of
+    each request came from the prompt pass)."""
+    groups: dict[str, list[int]] = {}
+    for index, category in enumerate(categories):
+        groups.setdefault(str(category), []).append(index)
+        groups.setdefault("code" if category in code else "rest", []).append(index)
+    out = {}
+    for name, members in groups.items():
+        speeds = [sum(r[i]["tokens"] for i in members) / max(sum(r[i]["gen_ms"] for i in members) / 1000, 1e-9)
+                  for r in rounds]
+        last = [rounds[-1][i] for i in members]
+        made = sum(p["tokens"] - 1 for p in last)
+        drafting = [(a, d) for p in last for a, d in p["steps"] if d > 0]
+        passes = max(made - sum(a + 1 for a, _ in drafting), 0) + len(drafting)
+        out[name] = {"prompts": len(members), "tokens_per_s": median(speeds), "tokens_per_s_rounds": speeds,
+                     "tau": made / max(passes, 1), "tokens": sum(p["tokens"] for p in last)}
+    return out
+
+
+def group_speedups(row: dict, fastest: dict, own: Optional[dict]) -> None:
+    """Each prompt group's speedup over the fastest plain row's and over the row's own plain decoding, same group."""
+    for name, group in row.get("by_group", {}).items():
+        for field, base in (("speedup_over_fastest", fastest), ("speedup_over_own_plain", own)):
+            theirs = (base or {}).get("by_group", {}).get(name)
+            group[field] = group["tokens_per_s"] / theirs["tokens_per_s"] if theirs else None
+
+
 def llamacpp_record(decoder: dict, served: dict) -> dict:
     """llama-server's first token of each request comes from the prompt pass, outside its generation time
     (free_tokens); each row's verify kind picks its server step-cost curve."""
     record = steps_record(_row(decoder), served, bool(decoder["spec_type"]))
+    if "per_prompt" in served:
+        record["per_prompt"] = served["per_prompt"]
     if decoder["spec_type"]:
-        record.update(free_tokens=served["requests"], verify_kind=verify_kind(decoder["spec_type"]))
+        record.update(free_tokens=served["requests"], verify_kind=verify_kind(decoder["spec_type"]),
+                      cost_key=cost_key(decoder), acceptance_per_position=per_position(served["steps"], decoder))
     return record
+
+
+def per_position(steps: list[tuple[int, int]], decoder: dict) -> list[float]:
+    """llama.cpp's per-position acceptance of a row: at the draft length for a drafter, at the longest draft (at
+    most ACCEPTANCE_POSITIONS) for n-gram modes, whose drafts run longer than the draft length."""
+    longest = max((d for _, d in steps), default=0)
+    positions = decoder["draft_len"] if decoder.get("drafter") else min(longest, ACCEPTANCE_POSITIONS)
+    return acceptance_from_steps(steps, positions)["per_position_acceptance"]
 
 
 def steps_record(row: dict, served: dict, speculative: bool) -> dict:
@@ -154,9 +269,12 @@ def ours_record(name: str, setting: str, ran: dict) -> dict:
 def _row(decoder: dict) -> dict:
     setting = "plain" if not decoder["spec_type"] else f"--spec-type {decoder['spec_type']}" + (
         f" --spec-draft-n-max {decoder['draft_len']}" if "draft" in decoder["spec_type"] else "") + (
-        " --lookup-cache-static corpus.lookup" if decoder.get("lookup_cache") else "")
-    return {"engine": decoder["engine"], "precision": decoder["precision"], "decoder": decoder["decoder"],
-            "setting": setting}
+        f" --lookup-cache-static {Path(decoder['lookup_cache']).name}" if decoder.get("lookup_cache") else "")
+    row = {"engine": decoder["engine"], "precision": decoder["precision"], "decoder": decoder["decoder"],
+           "setting": setting}
+    if decoder.get("label"):
+        row["label"] = decoder["label"]
+    return row
 
 
 def table_rows(rows: list[dict]) -> list[list]:
@@ -165,12 +283,12 @@ def table_rows(rows: list[dict]) -> list[list]:
 
 
 def median_curves(curve_rounds: list[dict]) -> list[dict]:
-    """Per engine and precision: the median over rounds of each size's ms, and the curve relative to n = 1. Our
-    sibling tree's pass (tree<n>) is kept apart: `tree_relative`."""
+    """Per engine and precision: the median over the rounds that measured it of each size's ms, and the curve
+    relative to n = 1. Our sibling tree's pass (tree<n>) is kept apart: `tree_relative`."""
     out = []
-    for key in curve_rounds[0]:
-        sizes = curve_rounds[0][key]
-        ms = {n: median(c[key][n] for c in curve_rounds) for n in sizes}
+    for key in dict.fromkeys(k for c in curve_rounds for k in c):  # a key measured in some rounds only: those
+        measured = [c[key] for c in curve_rounds if key in c]
+        ms = {n: median(m[n] for m in measured) for n in measured[0]}
         chain = {n: v for n, v in ms.items() if isinstance(n, int)}
         curve = {"engine": key[0], "precision": key[1], "ms_1": chain[1],
                  "ms": chain, "relative": {n: v / chain[1] for n, v in chain.items()}}

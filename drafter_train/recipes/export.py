@@ -312,7 +312,7 @@ def gguf_job(cfg: ExportConfig, info: RunInfo) -> GgufJob:
     converts it)."""
     check_format(cfg.format, info)  # a kind without a gguf writer: refused before looking for llama.cpp
     target_dir = target_folder(info.config.get("target", {}), "export.format=gguf")
-    return GgufJob(llamacpp_dir(cfg.llamacpp), target_dir, cfg.gguf_type, cfg.gguf_target)
+    return GgufJob(llamacpp_dir(cfg.llamacpp), target_dir, cfg.gguf_type, cfg.gguf_target, cfg.drafter_gguf_type)
 
 
 def read_calibration(path: str, drafter_dir: Path) -> dict:

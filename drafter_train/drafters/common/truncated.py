@@ -28,15 +28,17 @@ def parse_truncated(path: str) -> int | None:
     return int(value)
 
 
-def cut_from_target(target: PreTrainedModel, num_layers: int, share_weights: bool = True) -> PreTrainedModel:
-    """The target's first `num_layers` layers as a standalone causal LM of the same class.
+def cut_from_target(target: PreTrainedModel, num_layers: int, share_weights: bool = True,
+                    whose: str = "the target's") -> PreTrainedModel:
+    """The target's (or another model's: `whose` names it in errors) first `num_layers` layers as a standalone causal
+    LM of the same class.
 
     share_weights=True reuses the target's tensors (no memory cost; for evaluation). Use False to train the cut
     drafter without touching the target.
     """
     total = target.config.num_hidden_layers
     if not 1 <= num_layers < total:
-        raise ConfigError(f"drafter.path: truncated:N needs 1 <= N < {total} (the target's layers), got {num_layers}")
+        raise ConfigError(f"drafter.path: truncated:N needs 1 <= N < {total} ({whose} layers), got {num_layers}")
     config = copy.deepcopy(target.config)
     config.num_hidden_layers = num_layers
     if getattr(config, "layer_types", None):  # per-layer attention kinds (sliding/full) must match the layer count

@@ -1,0 +1,306 @@
+"""The served table (benchmarks/engines.py with targets and drafters named by label, drafter_train/engines/table.py):
+which llama.cpp decoders a set of targets and drafter GGUFs gives (plain at every precision, the free n-gram modes,
+each drafter by its header's architecture, the product), one-line refusals of malformed labels, each request's own
+steps and timings split out of llama-server's log (a stand-in server), the per-category figures and their speedups
+by hand, the driver end to end on the stand-in, and make_results' rendering of a synthetic served result file.
+Nothing here runs llama.cpp."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks import make_results
+from benchmarks.common import write_result
+from drafter_train.engines import table
+from drafter_train.engines.llamacpp_server import decode_prompts, free_port, server_command
+from drafter_train.errors import ConfigError
+from tests.gguf_edit import save_gguf
+
+FAKE = Path(__file__).resolve().parent / "fake_llamacpp" / "build" / "bin"
+
+
+def drafter_gguf(path: Path, architecture: str) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(path, architecture)
+    writer.add_tensor("w", np.zeros((2, 2), dtype=np.float32))
+    save_gguf(writer)
+    return path
+
+
+def test_served_decoders_for_targets_and_labelled_drafters(tmp_path):
+    """Plain at every target; the n-gram modes at the first target; each drafter with its precision's target and its
+    header's --spec-type; the product after its drafter, with the static cache."""
+    targets = {"q4_k_m": tmp_path / "q4.gguf", "q4_k_m-llama": tmp_path / "llama.gguf", "q8_0": tmp_path / "q8.gguf"}
+    eagle = drafter_gguf(tmp_path / "eagle.gguf", "eagle3")
+    small = drafter_gguf(tmp_path / "small.gguf", "qwen2")
+    drafters = []
+    for label, path, precision in [table.parse_labelled(f"0.5B={small}", "--draft-gguf"),
+                                   table.parse_labelled(f"e3={eagle}@q4_k_m-llama", "--draft-gguf")]:
+        spec_type, decoder = table.drafter_spec_type(path, "--draft-gguf")
+        drafters.append({"label": label, "file": path, "precision": precision, "spec_type": spec_type,
+                         "decoder": decoder})
+    cache = tmp_path / "corpus.lookup"
+    decoders = table.served_decoders(targets, drafters, ["ngram-simple", "ngram-map-k"], 3, products=["e3"],
+                                     lookup_cache=cache)
+    got = [(d["precision"], d["decoder"], d["spec_type"], d.get("label")) for d in decoders]
+    assert got == [("q4_k_m", "plain", None, None), ("q4_k_m-llama", "plain", None, None),
+                   ("q8_0", "plain", None, None), ("q4_k_m", "free n-gram", "ngram-simple", None),
+                   ("q4_k_m", "free n-gram", "ngram-map-k", None), ("q4_k_m", "AR drafter", "draft-simple", "0.5B"),
+                   ("q4_k_m-llama", "EAGLE-3", "draft-eagle3", "e3"),
+                   ("q4_k_m-llama", "product", "ngram-cache,draft-eagle3", "e3")]
+    product = decoders[-1]
+    assert product["target"] == targets["q4_k_m-llama"] and product["drafter"] == eagle
+    assert product["lookup_cache"] == cache and product["draft_len"] == 3
+    assert table._row(product)["setting"] == ("--spec-type ngram-cache,draft-eagle3 --spec-draft-n-max 3 "
+                                              "--lookup-cache-static corpus.lookup")
+    assert table.drafter_spec_type(drafter_gguf(tmp_path / "df.gguf", "dflash"), "x") == ("draft-dflash", "DFlash")
+    # the n-gram modes at the precisions asked
+    again = table.served_decoders(targets, [], ["ngram-mod"], 2, spec_precisions=["q8_0", "q4_k_m"])
+    assert [(d["precision"], d["spec_type"]) for d in again if d["spec_type"]] == [("q8_0", "ngram-mod"),
+                                                                                  ("q4_k_m", "ngram-mod")]
+
+
+def test_bad_labels_are_one_line(tmp_path):
+    real = drafter_gguf(tmp_path / "d.gguf", "llama")
+    for value, words in [("nolabel", "expected LABEL=PATH"), (f"a:b={real}", "expected LABEL=PATH"),
+                         ("x=/no/such.gguf", "x: no such file")]:
+        with pytest.raises(ConfigError, match=words) as err:
+            table.parse_labelled(value, "--draft-gguf")
+        assert "\n" not in str(err.value)
+    drafter = {"label": "d", "file": real, "precision": "f16", "spec_type": "draft-simple", "decoder": "AR drafter"}
+    with pytest.raises(ConfigError, match="--draft-gguf: d: no target at its precision"):
+        table.served_decoders({"q4": real}, [drafter], [], 2)
+    with pytest.raises(ConfigError, match="--product: e3: no --draft-gguf of that label"):
+        table.served_decoders({"q4": real}, [], [], 2, products=["e3"])
+    (tmp_path / "text.gguf").write_text("not a gguf")
+    with pytest.raises(ConfigError, match="--draft-gguf: .*text.gguf: not a GGUF file"):
+        table.drafter_spec_type(tmp_path / "text.gguf", "--draft-gguf")
+
+
+def test_each_request_keeps_its_own_steps_and_timings(tmp_path):
+    """The stand-in server logs sum(prompt) % 3 + 1 verify steps per request: decode_prompts splits the log by
+    request, and the totals stay what they were."""
+    prompts = [[1, 1], [1, 2], [3, 3], [2, 2]]  # 0, 1, 0 and 2 extra steps
+    command = server_command(FAKE, tmp_path / "t.gguf", None, "ngram-simple", 2, 1, free_port(), False)
+    served = decode_prompts(command, tmp_path / "server.log", prompts, 8)
+    per = served["per_prompt"]
+    assert [len(p["steps"]) for p in per] == [sum(p) % 3 + 1 for p in prompts]
+    assert all(p["steps"][0] == (1, 1) and all(s == (0, 1) for s in p["steps"][1:]) for p in per)
+    assert [p["tokens"] for p in per] == [len(t) for t in served["tokens"]]
+    assert served["steps"] == [s for p in per for s in p["steps"]]
+    assert sum(p["gen_ms"] for p in per) == pytest.approx(served["gen_ms"])
+
+
+def _prompt(tokens, ms, steps):
+    return {"tokens": tokens, "gen_ms": ms, "steps": steps}
+
+
+def test_group_figures_and_speedups_by_hand():
+    """Two code prompts and one chat prompt, two rounds. Round 2, code: 20 tokens in 1000 ms; tau: 18 tokens made
+    after the prompt passes, 2 drafting steps accepting 3 + 1 drafts (6 tokens), 12 plain passes: 18 / 14."""
+    categories = ["coding", "chat", "code-completion"]
+    spec_rounds = [[_prompt(10, 400.0, [(3, 4)]), _prompt(10, 1000.0, []), _prompt(10, 400.0, [(1, 4)])],
+                   [_prompt(10, 500.0, [(3, 4)]), _prompt(10, 1000.0, []), _prompt(10, 500.0, [(1, 4)])]]
+    got = table.group_figures(spec_rounds, categories, table.CODE_CATEGORIES)
+    assert set(got) == {"coding", "chat", "code-completion", "code", "rest"}
+    assert got["code"]["tokens_per_s_rounds"] == pytest.approx([25.0, 20.0])
+    assert got["code"]["tokens_per_s"] == pytest.approx(22.5) and got["code"]["prompts"] == 2
+    assert got["code"]["tau"] == pytest.approx(18 / 14) and got["rest"]["tau"] == pytest.approx(1.0)
+    plain_rounds = [[_prompt(10, 1000.0, [])] * 3] * 2
+
+    def record(rounds, row, tps):
+        return [{"tokens_per_s": tps, "row": row, "per_prompt": r} for r in rounds]
+
+    plain = {"engine": "llama.cpp", "precision": "q4", "decoder": "plain", "setting": "plain"}
+    spec = dict(plain, decoder="free n-gram", setting="--spec-type ngram-simple")
+    rounds = [{"plain": p, "spec": s} for p, s in zip(record(plain_rounds, plain, 10.0),
+                                                       record(spec_rounds, spec, 16.0))]
+    rows = table.summarize(rounds, [], categories)
+    spec_row = next(r for r in rows if r["decoder"] != "plain")
+    assert spec_row["by_group"]["code"]["speedup_over_fastest"] == pytest.approx(22.5 / 10)
+    assert spec_row["by_group"]["rest"]["speedup_over_own_plain"] == pytest.approx(1.0)
+    assert "per_prompt" not in spec_row  # per-prompt records stay out of the result file
+    assert "by_group" not in table.summarize(rounds, [])[0]  # no categories: no groups
+
+
+SERVED_ROWS = [
+    {"engine": "llama.cpp", "precision": "q4_k_m", "decoder": "plain", "setting": "plain", "tokens_per_s": 12.0,
+     "speedup_over_fastest": 1.0, "speedup_over_own_plain": 1.0, "predicted_speedup": None,
+     "by_group": {"code": {"tokens_per_s": 12.0, "speedup_over_fastest": 1.0},
+                  "rest": {"tokens_per_s": 11.5, "speedup_over_fastest": 1.0},
+                  "coding": {"tokens_per_s": 12.0, "speedup_over_fastest": 1.0},
+                  "chat": {"tokens_per_s": 11.5, "speedup_over_fastest": 1.0}}},
+    {"engine": "llama.cpp", "precision": "q8_0", "decoder": "plain", "setting": "plain", "tokens_per_s": 7.0,
+     "speedup_over_fastest": 7 / 12, "speedup_over_own_plain": 1.0, "predicted_speedup": None},
+    {"engine": "llama.cpp", "precision": "q4_k_m", "decoder": "AR drafter", "label": "0.5B",
+     "setting": "--spec-type draft-simple --spec-draft-n-max 3", "tokens_per_s": 10.8, "speedup_over_fastest": 0.9,
+     "speedup_over_own_plain": 0.9, "predicted_speedup": 0.95, "tau": 2.4,
+     "acceptance_per_position": [0.9, 0.8, 0.7], "ours_acceptance_per_position": [0.88, 0.8, 0.71],
+     "by_group": {"code": {"tokens_per_s": 12.6, "speedup_over_fastest": 1.05},
+                  "rest": {"tokens_per_s": 8.6, "speedup_over_fastest": 0.75},
+                  "coding": {"tokens_per_s": 12.6, "speedup_over_fastest": 1.05},
+                  "chat": {"tokens_per_s": 8.6, "speedup_over_fastest": 0.75}}},
+]
+
+
+def test_make_results_renders_a_served_table_from_its_result_file(tmp_path):
+    results = tmp_path / "results"
+    write_result("served_qwen1.5b", title="Qwen2.5-Coder-1.5B-Instruct served by llama.cpp", question="Which pays?",
+                 command="python -m benchmarks.engines ...", split="test split, first 4 of each category, 8 prompts",
+                 baseline="the fastest plain row", columns=["engine"], rows=[["unused"]], machine={"cpu": "Test CPU"},
+                 results_dir=results,
+                 data={"engine_rows": SERVED_ROWS, "cost_curves": [], "served": True, "rounds": 3,
+                       "max_new_tokens": 96, "code_categories": ["coding", "code-completion"]})
+    docs = tmp_path / "results.md"
+    assert make_results.main(["--results-dir", str(results), "--docs", str(docs),
+                              "--readme", str(tmp_path / "none.md")]) == 0
+    page = docs.read_text()
+    assert "## Qwen2.5-Coder-1.5B-Instruct served by llama.cpp" in page
+    assert "**q4_k_m plain, 12.0 tokens/s** (medians of 3 interleaved rounds, 96 new tokens" in page
+    assert ("| q4_k_m | AR drafter (0.5B) | --spec-type draft-simple --spec-draft-n-max 3 | 10.8 (0.90x) | "
+            "12.6 (1.05x) | 8.600 (0.75x) | 2.400 | 0.90 / 0.80 / 0.70 | 0.88 / 0.80 / 0.71 | 0.950 | 0.900 |") in page
+    assert "| q8_0 | plain | plain | 7.000 (0.58x) | – | – |" in page  # no categories kept: dashes
+    assert "| q4_k_m | AR drafter (0.5B) | 1.050 | 0.750 |" in page  # the per-category table
+    assert "| unused |" not in page and "- split: test split, first 4 of each category" in page
+
+
+def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
+    """benchmarks.engines with --target-gguf, --draft-gguf and --per-category on the stand-in server (llama-bench and
+    the step calibration replaced): every row, each with its category groups, in the result file it names."""
+    from benchmarks import engines as driver
+    from drafter_train.engines import llamacpp_cost
+
+    llcpp = tmp_path / "llcpp"
+    (llcpp / "build" / "bin").mkdir(parents=True)
+    (llcpp / "build" / "bin" / "llama-server").symlink_to(FAKE / "llama-server")
+    (llcpp / "build" / "bin" / "llama-bench").write_text("")  # replaced below: bench_curve
+    target = drafter_gguf(tmp_path / "target.gguf", "llama")
+    small = drafter_gguf(tmp_path / "small.gguf", "llama")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"write {w} now", "category": c}) + "\n"
+                               for w, c in [("a", "coding"), ("b", "chat"), ("c", "coding"), ("d", "chat"),
+                                            ("e", "coding")]))
+    benched, calibrated = [], []
+    monkeypatch.setattr(driver, "bench_curve", lambda *a: benched.append(a[1]) or {1: 10.0, 2: 12.0})
+    monkeypatch.setattr(llamacpp_cost, "server_curves", lambda *a: calibrated.append(a[-1]) or {"ms_1": 10.0, "kinds": {
+        key: {"ms": {1: 10.0, 3: 15.0}, "relative": {1: 1.0, 3: 1.5}} for key in a[-1]}})
+    monkeypatch.setattr(driver.llamacpp_cost, "prompt_set", _word_prompts(llamacpp_cost.prompt_set))
+    monkeypatch.setattr(driver.llamacpp_cost, "calibration_prompts", lambda *a, **k: [[5, 6, 7]])
+    results = tmp_path / "results"
+    monkeypatch.setattr(driver, "write_result", functools.partial(write_result, results_dir=results))
+    (tmp_path / "metrics.json").write_text(json.dumps({"per_position_acceptance": [0.5, 0.25]}))
+    code = driver.main(["--ours-acceptance", f"small={tmp_path / 'metrics.json'}", "--draft-len-of", "small=3","--engines", "llama.cpp", "--llamacpp", str(llcpp), "--target", str(tmp_path),
+                        "--target-gguf", f"q4={target}", "--draft-gguf", f"small={small}", "--product", "small",
+                        "--ngram-modes", "ngram-simple", "--prompts", str(prompts), "--per-category", "2",
+                        "--rounds", "2", "--max-new-tokens", "4", "--output", str(tmp_path / "out"),
+                        "--result", "--result-name", "served_test", "--calibration-rounds", "1",
+                        "--ngram-drafts", "4,16", "--target-gguf", f"plainonly={target}"])
+    assert code == 0
+    # calibrated in the first round only; the plain-only precision gets llama-bench's curve, no step calibration
+    assert benched == [target, target] and calibrated == [{"ngram": (4, 16), "ar:small": (3, 8)}]
+    result = json.loads((results / "served_test.json").read_text())
+    rows = result["data"]["engine_rows"]
+    assert [(r["decoder"], r.get("label")) for r in rows] == [("plain", None), ("plain", None), ("free n-gram", None),
+                                                              ("AR drafter", "small"), ("product", "small")]
+    assert result["data"]["served"] and result["data"]["prompt_categories"] == ["coding", "chat", "coding", "chat"]
+    assert all(r["by_group"]["code"]["prompts"] == 2 and r["by_group"]["rest"]["prompts"] == 2 for r in rows)
+    spec = rows[3]
+    assert spec["ours_acceptance_per_position"] == rows[4]["ours_acceptance_per_position"] == [0.5, 0.25]
+    assert "ours_acceptance_per_position" not in rows[2] and "--spec-draft-n-max 3" in spec["setting"]
+    assert spec["cost_key"] == "ar:small" and spec["predicted_speedup"] is not None
+    assert spec["acceptance_per_position"] and 0 <= spec["acceptance_per_position"][0] <= 1
+    assert "first 2 of each category" in result["split"]
+    with pytest.raises(SystemExit, match="--draft-len-of: other: no --draft-gguf of that label"):
+        driver.main(["--engines", "llama.cpp", "--llamacpp", str(llcpp), "--target-gguf", f"q4={target}",
+                     "--draft-len-of", "other=2"])
+
+
+def _word_prompts(real):
+    """prompt_set with a stand-in tokenizer: each prompt's characters' codes (no model folder needed)."""
+    def prompt_set(target, prompts, num_prompts, categories=None, per_category=None):
+        from drafter_train.data.prompts import load_prompt_records
+
+        records = load_prompt_records(prompts, 10 ** 9)
+        taken: dict = {}
+        keep = [(t, c) for t, c in records if taken.setdefault(c, []).append(t) or len(taken[c]) <= per_category]
+        return [[ord(ch) % 50 + 3 for ch in t] for t, _ in keep], [c for _, c in keep]
+    return prompt_set
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Opt-in: every row type once, in real llama.cpp, on stories260K (where llama.cpp is built and stories260K present)
+
+from drafter_train.llamacpp import llamacpp_dir  # noqa: E402
+from tests.test_gguf import gguf_export, stories_runs  # noqa: E402,F401 (stories_runs: the fixture)
+
+needs_server = pytest.mark.skipif(not (llamacpp_dir() / "build" / "bin" / "llama-server").is_file(),
+                                  reason=f"llama.cpp is not built in {llamacpp_dir()} (scripts/setup_llamacpp.sh)")
+
+
+@pytest.mark.slow
+@needs_server
+@pytest.mark.usefixtures("llamacpp_smoke")
+def test_every_served_row_type_runs_in_llamacpp(stories_runs, stories_path, tmp_path, monkeypatch):  # noqa: F811
+    """One prompt per category, one round: plain at a given GGUF (f32) and an exported type (q8_0); all of
+    llama-server's n-gram modes; a trained EAGLE-3 export, the product (ngram-cache with the corpus's static cache
+    ahead of it), a DFlash export (draft-dflash, its step calibrated too), a q8_0-quantised AR drafter and a stock
+    draft model (the f32 file serving the q8_0 target); each speculative row with llama.cpp's acceptance, its
+    category groups and a prediction from its own calibrated step; then make_results renders the section."""
+    from benchmarks import engines as driver
+    from drafter_train.llamacpp import write_lookup_cache
+    from drafter_train.targets import load_tokenizer
+
+    from tests.test_engine_llamacpp import STORIES_DFLASH
+    from tests.test_gguf import train_on_stories
+
+    monkeypatch.setenv("DRAFTER_TRAIN_CACHE", str(tmp_path / "cache"))
+    eagle, ar, dflash = tmp_path / "eagle", tmp_path / "ar", tmp_path / "dflash"
+    gguf_export(stories_runs["eagle3"], eagle, gguf_type="f32")
+    (tmp_path / "dflash-run").mkdir()
+    dflash_run = train_on_stories(stories_path, tmp_path / "dflash-run", {"dflash": STORIES_DFLASH}, steps=2)["dflash"]
+    gguf_export(dflash_run, dflash, gguf_type="f32", gguf_target=False)
+    gguf_export(stories_runs["ar"], ar, gguf_type="f32", gguf_target=False, drafter_gguf_type="q8_0")
+    lookup = write_lookup_cache(llamacpp_dir(), eagle / "target.gguf", stories_runs["eagle3"].parent.parent / "data",
+                                tmp_path / "corpus.lookup", load_tokenizer(str(stories_path)))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in [
+        ("Once upon a time, there was a little", "coding"), ("The dog ran to the", "chat"),
+        ("Lily saw a big", "coding")]))
+    results = tmp_path / "results"
+    monkeypatch.setattr(driver, "write_result", functools.partial(write_result, results_dir=results))
+    assert driver.main([
+        "--engines", "llama.cpp", "--target", str(stories_path), "--target-gguf", f"f32={eagle / 'target.gguf'}",
+        "--export-types", "q8_0", "--draft-gguf", f"e3={eagle / 'drafter.gguf'}",
+        "--draft-gguf", f"ar={ar / 'drafter.gguf'}", "--draft-gguf", f"stock={eagle / 'target.gguf'}@q8_0",
+        "--draft-gguf", f"df={dflash / 'drafter.gguf'}", "--draft-len-of", "df=4",
+        "--product", "e3", "--lookup-cache", str(lookup), "--ngram-modes", "all", "--prompts", str(prompts),
+        "--per-category", "1", "--rounds", "1", "--max-new-tokens", "12", "--draft-len", "2",
+        "--calibration-prompts", str(prompts), "--calibration-num-prompts", "1", "--calibration-new-tokens", "8",
+        "--sizes", "1,2", "--depth", "16", "--output", str(tmp_path / "out"), "--result",
+        "--result-name", "served_stories"]) == 0
+    result = json.loads((results / "served_stories.json").read_text())
+    rows = result["data"]["engine_rows"]
+    got = [(r["precision"], r["decoder"], r.get("label")) for r in rows]
+    assert got == [("f32", "plain", None), ("q8_0", "plain", None),
+                   *[("f32", "free n-gram", None)] * 5, ("f32", "EAGLE-3", "e3"), ("f32", "product", "e3"),
+                   ("f32", "AR drafter", "ar"), ("q8_0", "AR drafter", "stock"), ("f32", "DFlash", "df")]
+    for row in rows:
+        assert row["tokens_per_s"] > 0 and set(row["by_group"]) == {"coding", "chat", "code", "rest"}
+        if row.get("label"):  # every drafter row: llama.cpp's acceptance and a prediction from its own step
+            assert len(row["acceptance_per_position"]) == (4 if row["label"] == "df" else 2), row
+            assert row["predicted_speedup"] is not None, row
+    steps = next(c for c in result["data"]["cost_curves"] if c["precision"] == "f32")["server"]["kinds"]
+    assert set(steps) == {"ngram", "eagle3:e3", "ar:ar", "dflash:df"}
+    assert steps["dflash:df"]["relative"]["5"] > 1  # DFlash's verify step over 5 tokens, measured
+    stock = next(r for r in rows if r.get("label") == "stock")
+    assert stock["cost_key"] == "ar:stock" and stock["acceptance_per_position"][0] > 0.9  # the target drafting itself
+    docs = tmp_path / "results.md"
+    assert make_results.main(["--results-dir", str(results), "--docs", str(docs), "--readme",
+                              str(tmp_path / "none.md")]) == 0
+    assert "| f32 | product (e3) |" in docs.read_text()
