@@ -99,7 +99,8 @@ def throughput(args, common: list[str]) -> dict:
             "hf_vs_hf_first": agreement(model, ids, outputs["hf", args.in_flight[0]], outputs["hf", in_flight]),
         })
     print(f"\nmedians of {args.repeats}; {len(prompts)} prompts x up to {cfg.datagen.max_new_tokens} tokens")
-    print("| prompts in flight | HF tokens/s | vLLM tokens/s | vLLM / HF | identical responses "
+    other = "llama.cpp" if args.engine == "llamacpp" else "vLLM"  # the rows' "vllm" keys hold either engine's figures
+    print(f"| prompts in flight | HF tokens/s | {other} tokens/s | {other} / HF | identical responses "
           "| margins at divergence |")
     print("|---|---|---|---|---|---|")
     for r in rows:
