@@ -6,6 +6,7 @@ drafts must be accepted.
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -94,6 +95,19 @@ def compose_cfg(name: str, overrides: list[str], return_hydra_config: bool = Fal
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return compose(name, overrides=overrides, return_hydra_config=return_hydra_config)
+
+
+def engine_eval(engine: str, target: Path, drafter: Path, prompts: Path, output: Path) -> dict:
+    """drafter-eval eval.engine=<engine> on `drafter` (a checkpoint's drafter folder) over 6 prompts of `prompts`,
+    32 tokens, draft length 2: the metrics' `engine` record."""
+    from omegaconf import OmegaConf
+
+    from drafter_train.recipes.evaluate import run_eval_job
+
+    return run_eval_job(OmegaConf.to_object(compose_cfg("eval", [
+        f"target.path={target}", "target.chat_template=false", "drafter=path", f"drafter.path={drafter}",
+        f"eval.prompts={prompts}", "eval.num_prompts=6", "eval.max_new_tokens=32", "eval.draft_len=2",
+        "eval.baseline_kernels=same", f"eval.engine={engine}", f"eval.output={output / 'metrics.json'}"])))["engine"]
 
 
 def save_tiny(model, folder, tokenizer=None) -> None:

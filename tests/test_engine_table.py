@@ -16,7 +16,7 @@ from benchmarks.make_results import engine_section, pays_lines, server_step_tabl
 from drafter_train.engines import check as engine_check
 from drafter_train.engines import table as engines
 from drafter_train.engines import vllm_cpu as vllm_engine
-from drafter_train.engines.llamacpp_server import drafting_ms, server_command
+from drafter_train.engines.llamacpp_server import drafting_ms, logged_steps, server_command
 from drafter_train.errors import ConfigError
 from drafter_train.targets import model_name
 
@@ -235,6 +235,19 @@ def test_drafting_ms_sums_the_last_running_total_of_each_drafter():
            + line.format(name="draft-eagle3", b="0.012", g="318.580", a="0.040"))
     assert drafting_ms(log) == pytest.approx(0.012 + 318.580 + 0.040 + 0.001 + 1.0 + 0.002)
     assert drafting_ms("no statistics here") == 0.0
+
+
+def test_logged_steps_names_the_drafter_of_each_step():
+    """A product's log (lookup ahead of EAGLE-3): each verify step is the drafter whose "called impl" line came
+    last before it; a step that drafted nothing is nobody's, and an impl line does not carry over past its step."""
+    impl = "0.01.2 D spec common_specu: called impl {}, hist size = 40, call_count = 3, gen = 2\n"
+    step = "0.01.3 D slot update_slots: id  0 | task 1 | add accepted tokens: sampled=12, ids.size={}, n_draft={}\n"
+    log = (impl.format("ngram-cache") + step.format(3, 2) + step.format(1, 0) + impl.format("draft-eagle3")
+           + step.format(1, 2) + "0.01.4 I something else\n" + impl.format("draft-eagle3") + step.format(2, 2)
+           + step.format(1, 0))
+    steps, impls = logged_steps(log)
+    assert steps == [(2, 2), (0, 0), (0, 2), (1, 2), (0, 0)]
+    assert impls == ["ngram-cache", "", "draft-eagle3", "draft-eagle3", ""]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -239,6 +239,10 @@ def test_best_follows_the_engine_and_metrics_hold_both_decoders(tiny_data, tmp_p
         assert {"tau", "per_position_acceptance", "predicted_speedup", "measured_speedup", "seconds"} <= set(engine)
         assert engine["ours"]["tau"] == metrics["tau"] and engine["tau_diff"] == pytest.approx(engine["tau"] - metrics["tau"])
     assert first["engine"]["predicted_speedup"] > second["engine"]["predicted_speedup"]
+    for metrics in (first, second):  # where each evaluation's seconds went; they add up to its total
+        stages = metrics["engine"]["seconds_by_stage"]
+        assert set(stages) == {"export", "baseline", "speculative"}
+        assert sum(stages.values()) == pytest.approx(metrics["engine"]["seconds"])
     assert (run_dir / "best").resolve().name == "step-3"  # the engine's ranking, whatever tau says
     tracked = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in tracked if "eval/engine_predicted_speedup" in r] == [3, 6]

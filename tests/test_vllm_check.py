@@ -169,3 +169,39 @@ def test_vllm_engine_rows_drive_live_engines_per_round(e3_run, tmp_path):
     assert sorted(curve) == [1, 2, 4] and all(ms > 0 for ms in curve.values())
     table = summarize(rounds, median_curves([{("vLLM-cpu", "f32"): curve}]))
     assert all(r["predicted_speedup"] is not None for r in table if r["decoder"] != "plain")
+
+
+def test_drafter_eval_in_vllm_agrees_with_ours_and_catches_a_broken_export(e3_run, tmp_path, monkeypatch):
+    """drafter-eval eval.engine=vllm (engines/evaluate.start_engine: the speculators export, then VllmEngine's plain
+    and speculative workers): vLLM's per-position acceptance agrees with ours on the same prompts, its speculative
+    output equals its own plain output, and an export with a shuffled d2t, written by the same path, is caught."""
+    from drafter_train.engines import export
+    from tests.stubs import engine_eval
+
+    root, run = e3_run
+    monkeypatch.setenv("DRAFTER_TRAIN_VLLM_VENV", str(vllm_python().parent.parent))
+
+    def evaluate(name: str) -> dict:
+        return engine_eval("vllm", root / "target", run / "latest" / "drafter", root / "prompts.jsonl",
+                           tmp_path / name)
+
+    good = evaluate("ok")
+    assert good["engine"] == "vLLM-cpu" and good["drafting_steps"] > 0, good
+    assert good["ours"]["per_position_acceptance"][0] > 0.3, good  # accepted often: a broken export shows
+    assert all(abs(d) <= 0.1 for d in good["per_position_diff"]), good
+    assert good["output_equals_plain"] and good["speedup"] > 0, good
+
+    written = export.export_vllm
+
+    def shuffled_d2t(*args, **kwargs):
+        files = written(*args, **kwargs)
+        weights = load_file(files.drafter / "model.safetensors")
+        draft_ids = torch.arange(len(weights["d2t"])) + weights["d2t"]
+        order = torch.randperm(len(draft_ids), generator=torch.Generator().manual_seed(0))
+        weights["d2t"] = draft_ids[order] - torch.arange(len(draft_ids))
+        save_file(weights, str(files.drafter / "model.safetensors"))
+        return files
+
+    monkeypatch.setattr(export, "export_vllm", shuffled_d2t)
+    broken = evaluate("broken")
+    assert any(abs(d) > 0.1 for d in broken["per_position_diff"]), broken

@@ -129,6 +129,13 @@ def ours_acceptance(metrics: dict) -> dict:
             "tau": metrics["tau"]}
 
 
+def per_drafter(steps: list[tuple[int, int]], impls: list[str], draft_len: int) -> dict:
+    """The acceptance of each drafter of a --spec-type list over the steps it drafted (impls: the drafter of each
+    step, "" for none)."""
+    return {name: acceptance_from_steps([s for s, i in zip(steps, impls) if i == name], draft_len)
+            for name in sorted(set(impls) - {""})}
+
+
 def _run_info(step_dir: Path):
     from drafter_train.model_card import read_run_info
 
@@ -225,6 +232,8 @@ def check_llamacpp(step_dir: Path, spec: CheckSpec) -> dict:
         engine_acceptance["per_position_acceptance"])
     record = dict(engine_acceptance, spec_type=spec_type, gguf_type=spec.gguf_type, threads=spec.threads,
                   spec_tokens_per_s=served.tokens_per_s, draft_n=raw["draft_n"], draft_n_accepted=raw["draft_n_accepted"])
+    if spec.lookups:  # the product: each drafter's own steps (the lookups' and the drafter's)
+        record["per_drafter"] = per_drafter(served.steps, raw["step_impls"], draft_len)
     if spec.baseline:
         plain = engine.decode(prompts, spec.max_new_tokens, speculative=False)
         mismatches = output_mismatches(served.tokens, plain.tokens)

@@ -190,20 +190,29 @@ class CheckpointEngine:
 
         from drafter_train.engines.llamacpp_cost import verify_kind
 
-        began = time.perf_counter()
+        clock = [time.perf_counter()]
+
+        def lap() -> float:  # seconds since the last lap
+            clock.append(time.perf_counter())
+            return clock[-1] - clock[-2]
+
         engine = (engine_factory or start_engine)("llamacpp", self.cfg, drafter_dir, self.out, self.field,
                                                    self.target)
         files = getattr(engine, "files", None) or _files_of(engine)
+        laps = {"export": lap()}  # the drafter's conversion (and the target's, the first time)
         self._measure_once(engine, files)
+        laps["baseline"] = lap()  # plain decoding and step costs: the first evaluation only
         spec = engine.decode(self.prompts, self.cfg.max_new_tokens, speculative=True)
         engine.close()
+        laps["speculative"] = lap()
         out = engine_metrics(engine.name, [spec], [self.plain], self.cfg.draft_len, ours)
         try:
             out["predicted_speedup"] = predicted_speedup(spec, self.step_costs, verify_kind(files.method))
         except ValueError:
             out["predicted_speedup"] = None
         out["measured_speedup"] = out.pop("speedup")
-        out["seconds"] = time.perf_counter() - began
+        out["seconds"] = clock[-1] - clock[0]
+        out["seconds_by_stage"] = laps
         return out
 
 

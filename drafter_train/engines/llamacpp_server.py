@@ -26,6 +26,9 @@ from drafter_train.llamacpp import SETUP
 
 # llama-server's debug line for every verify step (also the last one of a request, unlike its "accepted a/d" line)
 STEP = re.compile(r"add accepted tokens: sampled=-?\d+, ids\.size=(\d+), n_draft=(\d+)")
+# the drafter that made the next step's draft (printed for non-empty drafts only; with several --spec-type modes the
+# first that drafts wins): a product's steps are attributed to its lookup or its drafter by it
+IMPL = re.compile(r"called impl (\S+), hist size")
 # llama-server's running totals per drafter (printed after every request): calls and ms of begin, draft, accept
 DRAFT_STATS = re.compile(r"statistics\s+(\S+): #calls\(b,g,a\) =\s*\d+\s+(\d+)\s+\d+.*?"
                          r"dur\(b,g,a\) = ([\d.]+), ([\d.]+), ([\d.]+) ms")
@@ -67,21 +70,33 @@ def decode_prompts(command: list[str], log: Path, prompts: list[list[int]], max_
         for ids in prompts:
             replies.append(complete(url, ids, max_new_tokens, ignore_eos))
             text = log.read_text(errors="replace")
-            per_prompt.append(_request_record(replies[-1], _steps(text[seen:])))
+            per_prompt.append(_request_record(replies[-1], logged_steps(text[seen:])[0]))
             seen = len(text)
         logged = log.read_text(errors="replace")[len(warm):]
-        steps = _steps(logged)
+        steps, impls = logged_steps(logged)
     generated = sum(r["timings"].get("predicted_n", 0) for r in replies)
     seconds = sum(r["timings"].get("predicted_ms", 0.0) for r in replies) / 1000
-    return {"tokens": [r["tokens"] for r in replies], "steps": steps, "tokens_per_s": generated / max(seconds, 1e-9),
-            "generated": generated, "gen_ms": 1000 * seconds, "requests": len(replies),
-            "draft_ms": drafting_ms(warm + logged) - drafting_ms(warm), "per_prompt": per_prompt,
+    return {"tokens": [r["tokens"] for r in replies], "steps": steps, "step_impls": impls,
+            "tokens_per_s": generated / max(seconds, 1e-9), "generated": generated, "gen_ms": 1000 * seconds,
+            "requests": len(replies), "draft_ms": drafting_ms(warm + logged) - drafting_ms(warm),
+            "per_prompt": per_prompt,
             "draft_n": sum(r["timings"].get("draft_n", 0) for r in replies),
             "draft_n_accepted": sum(r["timings"].get("draft_n_accepted", 0) for r in replies)}
 
 
-def _steps(logged: str) -> list[tuple[int, int]]:
-    return [(int(size) - 1, int(drafted)) for size, drafted in STEP.findall(logged)]
+def logged_steps(log_text: str) -> tuple[list[tuple[int, int]], list[str]]:
+    """The verify steps (accepted, drafted) in `log_text`, in order, and the drafter that drafted each (the last
+    "called impl" line before a step that drafted; "" for a step without a draft)."""
+    steps, impls, impl = [], [], ""
+    for match in re.finditer(f"{STEP.pattern}|{IMPL.pattern}", log_text):
+        if match.group(3) is not None:  # a "called impl" line
+            impl = match.group(3)
+            continue
+        size, drafted = int(match.group(1)), int(match.group(2))
+        steps.append((size - 1, drafted))
+        impls.append(impl if drafted > 0 else "")
+        impl = ""
+    return steps, impls
 
 
 def _request_record(reply: dict, steps: list[tuple[int, int]]) -> dict:

@@ -224,14 +224,13 @@ class VllmRows:
         self.prompts, self.eos, self.max_new_tokens = prompts, sorted(eos), max_new_tokens
         self.decoders = vllm_decoders(draft_len, eagle3, ar)
         longest = max(len(p) for p in prompts) + max_new_tokens + draft_len + 1
-        positions = json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings") or 2048
         self.workers, self.info = {}, {"startup_s": {}, "timers": None}
         try:
             for d in self.decoders:
                 print(f"vLLM-cpu: starting vLLM ({d['decoder']})", file=sys.stderr)
                 request = {"target": target, "method": d["method"], "drafter": d.get("drafter"),
                            "draft_len": draft_len, "spec_options": d.get("spec_options", {}),
-                           "max_model_len": min(max(2048, longest), positions)}
+                           "max_model_len": model_len(target, longest)}
                 worker = Worker(vllm_python, request, output / "vllm", d["decoder"].replace(" ", "-"), threads)
                 self.workers[d["decoder"]] = worker
                 self.info["startup_s"][d["decoder"]] = worker.ready["startup_s"]
@@ -299,6 +298,13 @@ def vllm_version(vllm_python: str) -> str:
     return done.stdout.strip()
 
 
+def model_len(target: str, longest: int = 0) -> int:
+    """vLLM's max_model_len: 2048 or the longest request, within the target's positions (vLLM refuses a length past
+    its config's max_position_embeddings)."""
+    positions = json.loads((Path(target) / "config.json").read_text()).get("max_position_embeddings") or 2048
+    return min(max(2048, longest), positions)
+
+
 class VllmEngine:
     """The Engine interface over vLLM-cpu: two engines in worker processes started once (plain: the target alone;
     speculative: with the drafter folder and `method`), each decoding the prompts one at a time per decode()."""
@@ -306,9 +312,9 @@ class VllmEngine:
     name = ENGINE
 
     def __init__(self, vllm_python: str, target: str, drafter: Path, method: str, draft_len: int, threads: int,
-                 folder: Path, eos: list[int], max_model_len: int = 2048):
+                 folder: Path, eos: list[int], max_model_len: Optional[int] = None):
         self.eos = sorted(eos)
-        base = {"target": target, "draft_len": draft_len, "max_model_len": max_model_len}
+        base = {"target": target, "draft_len": draft_len, "max_model_len": max_model_len or model_len(target)}
         self.workers = {}
         try:
             self.workers[False] = Worker(vllm_python, dict(base, method=None), folder, "plain", threads)
