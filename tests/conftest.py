@@ -55,8 +55,8 @@ def pytest_xdist_auto_num_workers(config):
 
 @pytest.fixture(autouse=True)
 def _own_thread_share():
-    """A test or the code it runs may set torch's threads (the engine table sets llama.cpp's -t): the next test
-    gets this process's share back, so two workers never run 2 threads each on 2 cores."""
+    """A test or the code it runs may set torch's threads (our decoder in the engine table takes llama.cpp's -t):
+    each test starts on this process's share, so two workers never run 2 threads each on 2 cores."""
     import torch
 
     if torch.get_num_threads() != THREADS:
