@@ -189,8 +189,10 @@ def device_tests(pytest_args: Sequence[str], seconds: float, work: Path) -> dict
     """pytest on the device-dependent tests in a child process on this device: each test's outcome by name."""
     junit = work / "junit.xml"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                           *pytest_args], cwd=REPO, env=env, capture_output=True, text=True, timeout=seconds)
+    # no:xdist: a few tests in one process, not a worker per core each setting up the device
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                           f"--junitxml={junit}", *pytest_args], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=seconds)
     tests = {}
     for case in ElementTree.parse(junit).getroot().iter("testcase"):
         outcome = next(((child.tag, (child.get("message") or "").splitlines()[:1]) for child in case

@@ -224,11 +224,16 @@ def smoke_check(root: Path, build: Optional[Path] = None, threads: int = 2) -> P
     shipped = embedded_gguf("embedded:smollm2")
     model = root / SMOKE_FILE
     if not model.is_file():
-        partial = model.with_name(model.name + ".tmp")
+        # A name of this process's own: two processes checking at once (the suite's workers) must not write into
+        # one file; whichever renames last leaves a whole file.
+        partial = model.with_name(f".{model.name}.tmp-{os.getpid()}")
         quantize_cmd = [str(tool(root, "llama-quantize", "llama.cpp smoke run", build)), "--allow-requantize",
                         str(shipped), str(partial), SMOKE_TYPE]
-        _smoke_run(root, build, quantize_cmd, "llama-quantize to " + SMOKE_TYPE)
-        partial.replace(model)
+        try:
+            _smoke_run(root, build, quantize_cmd, "llama-quantize to " + SMOKE_TYPE)
+            partial.replace(model)
+        finally:
+            partial.unlink(missing_ok=True)
     bench = [str(tool(root, "llama-bench", "llama.cpp smoke run", build)), "-m", str(model), "-m", str(shipped),
              "-p", "4", "-n", "4", "-r", "1", "-t", str(threads)]
     _smoke_run(root, build, bench, "a 4-token pass of llama-bench")

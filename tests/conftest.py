@@ -11,17 +11,70 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 from pathlib import Path  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from tests.workers import choose_workers, set_threads, usable_cores  # noqa: E402
+
+# This process's share of the cores, in the environment before torch loads (torch reads OMP_NUM_THREADS when it
+# starts), and so in every subprocess the tests launch. torch and transformers load with the first test module, not
+# here: xdist's controller runs no test and would otherwise pay their import before starting its workers.
+THREADS = set_threads()
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 REPO = Path(__file__).resolve().parents[1]
 STORIES_DEFAULT = REPO.parent / "shared" / "models" / "stories260K"
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """Parallel by default over a folder: `-n auto --dist worksteal` unless the command line says otherwise (`-n 0`:
+    one process; `-n auto` for named files).
+    Set here rather than in pyproject's addopts so that pytest without pytest-xdist still runs (in one process).
+    worksteal: each worker starts on its own contiguous half of the tests, so a module's fixtures are built about
+    once, and a worker that runs dry takes over half of the other's remaining tests."""
+    option = config.option
+    if not config.pluginmanager.hasplugin("xdist") or hasattr(config, "workerinput"):  # absent, or a worker itself
+        return
+    # Only for a run over a folder (the suite, tests/): a run of named files starts its tests sooner in one process
+    # (workers add 5-8 s of start-up here).
+    folders = any(Path(arg.split("::")[0]).is_dir() for arg in config.args)
+    if folders and option.numprocesses is None and not option.tx and not option.distload:
+        option.numprocesses = "auto"
+        if option.dist == "no":
+            option.dist = "worksteal"
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of xdist's: pytest without it still runs
+def pytest_xdist_auto_num_workers(config):
+    """What `-n auto` means here: one worker per usable core, none on one core (tests/workers.py);
+    $PYTEST_XDIST_AUTO_NUM_WORKERS still overrides, as in xdist."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None  # xdist's own hook reads it
+    return choose_workers(usable_cores())
+
+
+@pytest.fixture(autouse=True)
+def _own_thread_share():
+    """A test or the code it runs may set torch's threads (our decoder in the engine table takes llama.cpp's -t):
+    each test starts on this process's share, so two workers never run 2 threads each on 2 cores."""
+    import torch
+
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
+    yield
+    if torch.get_num_threads() != THREADS:
+        torch.set_num_threads(THREADS)
+
+
 def tiny_llama(vocab_size: int = 64, num_layers: int = 4, seed: int = 0, init: float = 0.3) -> LlamaForCausalLM:
     """A 2-4 layer, hidden-64 Llama. A large init spreads the logits so greedy has no near-ties."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=vocab_size,

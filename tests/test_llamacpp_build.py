@@ -101,6 +101,10 @@ def test_a_crash_while_quantising_and_a_failing_tool_are_one_line_too(fake_build
     with pytest.raises(LlamaCppError, match=r"^llama.cpp tools crash on this CPU \(SIGILL in llama-quantize"):
         smoke_check(fake_build)
     assert not (fake_build / SMOKE_FILE).exists()  # nothing half-written is cached
+    fake_tool(build / "bin", "llama-quantize", 'cp "$2" "$3"; exit 1')  # a failure after writing its output
+    with pytest.raises(LlamaCppError, match="llama-quantize to Q4_K_M failed"):
+        smoke_check(fake_build)
+    assert sorted(p.name for p in fake_build.iterdir()) == ["build"]  # no partial file left behind either
     fake_tool(build / "bin", "llama-quantize", 'cp "$2" "$3"')
     fake_tool(build / "bin", "llama-bench", "echo 'error: failed to load model' >&2; exit 3")
     with pytest.raises(LlamaCppError, match=r"^llama.cpp smoke run: a 4-token pass of llama-bench failed \(exit 3\): "
