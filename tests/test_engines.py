@@ -212,6 +212,8 @@ class CheckpointFake(FakeEngine):
         if speculative:
             accepted = 2 if len(CheckpointFake.started) == 1 else 0
             served.steps = [(accepted, 2)] * (6 // (accepted + 1)) * len(prompts)
+            # drafting 0.5 ms a token, but the second evaluation ran beside other load: 100x as long
+            served.draft_ms = 0.5 * 2 * len(served.steps) * (1 if len(CheckpointFake.started) == 1 else 100)
         return served
 
 
@@ -239,6 +241,11 @@ def test_best_follows_the_engine_and_metrics_hold_both_decoders(tiny_data, tmp_p
         assert {"tau", "per_position_acceptance", "predicted_speedup", "measured_speedup", "seconds"} <= set(engine)
         assert engine["ours"]["tau"] == metrics["tau"] and engine["tau_diff"] == pytest.approx(engine["tau"] - metrics["tau"])
     assert first["engine"]["predicted_speedup"] > second["engine"]["predicted_speedup"]
+    # drafting is priced once per run (the first evaluation's 0.5 ms a token), not at the loaded second one's 50 ms
+    assert second["engine"]["draft_ms_per_token"] == {"this_evaluation": pytest.approx(50.0), "priced_at": pytest.approx(0.5)}
+    # every step of the second drafter makes 1 token at a verify cost of 1.5 plain steps, plus its drafting: priced at
+    # 0.5 ms a token (0.05 plain steps) that is ~1 / 1.6; at the loaded 50 ms (5 plain steps) it would be ~1 / 11.5
+    assert 0.5 < second["engine"]["predicted_speedup"] < 0.7
     for metrics in (first, second):  # where each evaluation's seconds went; they add up to its total
         stages = metrics["engine"]["seconds_by_stage"]
         assert set(stages) == {"export", "baseline", "speculative"}

@@ -139,11 +139,13 @@ def evaluate_in_engine(engine: Engine, prompts: list[list[int]], cfg, ours: Opti
     return engine_metrics(engine.name, specs, plains, cfg.draft_len, ours)
 
 
-def predicted_speedup(served: Served, step_costs: dict, kind: str) -> Optional[float]:
+def predicted_speedup(served: Served, step_costs: dict, kind: str,
+                      draft_ms_per_token: Optional[float] = None) -> Optional[float]:
     """The served speedup over plain decoding that this run's own verify steps predict with the engine's measured
     step costs (llamacpp_cost.server_curves: the plain step ms_1 and the verify step per kind and size, drafting
     inside it); None where the engine measured no step for that kind. Acceptance drives it, not this run's timing,
-    which moves 3-24 % between rounds on 2 cores."""
+    which moves 3-24 % between rounds on 2 cores. Drafting is priced at `draft_ms_per_token` when given (a price
+    measured once, so that checkpoints are ranked by acceptance alone), else at this decode's own drafting time."""
     from drafter_train.calibrate import predicted_steps_speedup
 
     curve = step_costs.get("kinds", {}).get(kind)
@@ -152,7 +154,14 @@ def predicted_speedup(served: Served, step_costs: dict, kind: str) -> Optional[f
     made = served.generated - served.free_tokens
     drafted = [d for _, d in served.steps if d > 0]
     plain_passes = max(made - sum(a + 1 for a, d in served.steps if d > 0), 0)
-    return predicted_steps_speedup(made, plain_passes, drafted, curve["relative"], served.draft_ms / step_costs["ms_1"])
+    draft_ms = served.draft_ms if draft_ms_per_token is None else draft_ms_per_token * sum(drafted)
+    return predicted_steps_speedup(made, plain_passes, drafted, curve["relative"], draft_ms / step_costs["ms_1"])
+
+
+def draft_ms_per_token(served: Served) -> Optional[float]:
+    """What drafting one token cost in this decode (None where nothing was drafted)."""
+    drafted = sum(d for _, d in served.steps if d > 0)
+    return served.draft_ms / drafted if drafted else None
 
 
 class CheckpointEngine:
@@ -164,6 +173,9 @@ class CheckpointEngine:
         self.cfg, self.target, self.out, self.prompts, self.field = cfg, target, out, prompts, field
         self.plain: Optional[Served] = None
         self.step_costs: Optional[dict] = None
+        # Drafting's price per token, from the first evaluation whose drafter drafted: the drafter's architecture
+        # fixes it, while one evaluation's drafting time swings with the machine's load.
+        self.draft_ms_per_token: Optional[float] = None
 
     def _measure_once(self, engine, files) -> None:
         """The plain baseline and llama-server's step costs (synthetic acceptance 0 on these prompts, at the run's
@@ -206,8 +218,12 @@ class CheckpointEngine:
         engine.close()
         laps["speculative"] = lap()
         out = engine_metrics(engine.name, [spec], [self.plain], self.cfg.draft_len, ours)
+        if self.draft_ms_per_token is None:
+            self.draft_ms_per_token = draft_ms_per_token(spec)
+        out["draft_ms_per_token"] = {"this_evaluation": draft_ms_per_token(spec), "priced_at": self.draft_ms_per_token}
         try:
-            out["predicted_speedup"] = predicted_speedup(spec, self.step_costs, verify_kind(files.method))
+            out["predicted_speedup"] = predicted_speedup(spec, self.step_costs, verify_kind(files.method),
+                                                         self.draft_ms_per_token)
         except ValueError:
             out["predicted_speedup"] = None
         out["measured_speedup"] = out.pop("speedup")
