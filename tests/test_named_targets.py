@@ -184,7 +184,9 @@ def test_a_users_gguf_file_reaches_the_exporter_through_a_dequantised_copy(tmp_p
     monkeypatch.setattr("drafter_train.recipes.export.check_format", lambda fmt, info: None)
     monkeypatch.setattr("drafter_train.recipes.export.llamacpp_dir", lambda path: Path("/llamacpp"))
     info = type("Info", (), {"config": {"target": {"path": str(tiny_file[0]), "cache_dir": str(tmp_path)}}})()
-    cfg = type("Cfg", (), {"format": "gguf", "llamacpp": None, "gguf_type": "f32", "gguf_target": None})()
+    from drafter_train.config import ExportConfig
+
+    cfg = ExportConfig(format="gguf", gguf_type="f32")  # the real config: a stand-in misses fields added later
     first, second = gguf_job(cfg, info).target_dir, gguf_job(cfg, info).target_dir
     assert first == second and first.parent == tmp_path / "dequantised" and len(calls) == 1
     assert (first / "config.json").is_file() and (first / "tokenizer.json").is_file()
