@@ -1,4 +1,5 @@
-"""How the suite spreads over this machine's cores (pytest-xdist; `-n auto` set by tests/conftest.py for a run over a folder).
+"""How the suite spreads over this machine's cores (pytest-xdist; `-n auto` set by tests/conftest.py for a run over
+a folder).
 
 The tiny-model tests are bound by single-threaded Python and transformers overhead: a second torch thread buys ~5 %
 where a second process running other tests buys ~2x. So the suite runs one xdist worker per usable core, each with
