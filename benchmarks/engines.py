@@ -210,7 +210,8 @@ def main(argv=None) -> int:
             curve["server"] = llamacpp_cost.median_server_curves(measured)
     rows = summarize(rounds, cost_curves, prompt_categories, args.code_categories.split(","))
     add_ours_acceptance(rows, args.ours_acceptance)
-    record = {"rows": rows, "prompt_categories": prompt_categories, "cost_curves": cost_curves,
+    record = {"rows": rows, "prompts": args.prompts, "prompt_categories": prompt_categories,
+              "cost_curves": cost_curves,
               "load_average_before": load_before,
               "unavailable": vllm_cpu.UNAVAILABLE if vllm else [], "vllm": vllm.info if vllm else None,
               "load_average_after": load_average(), "rounds": args.rounds, "depth": args.depth,

@@ -326,10 +326,29 @@ def served_table(rows: list[dict]) -> str:
                       _speed_cell(groups.get("code")), _speed_cell(groups.get("rest")), r.get("tau"),
                       _acceptance_cell(r.get("acceptance_per_position")),
                       _acceptance_cell(r.get("ours_acceptance_per_position")), r.get("predicted_speedup"),
-                      r.get("speedup_over_own_plain") if r["decoder"] != "plain" else None])
+                      r.get("speedup_over_own_plain") if r["decoder"] != "plain" else None,
+                      _needed_cell(r.get("acceptance_needed")), _same_cell(r.get("same_output_as_plain"))])
     return markdown_table(["precision", "decoder", "setting", "all: tok/s (x baseline)", "code: tok/s (x)",
                            "rest: tok/s (x)", "tau", "acceptance per position (llama.cpp)", "ours",
-                           "predicted x own plain", "measured x own plain"], table)
+                           "predicted x own plain", "measured x own plain",
+                           "acceptance needed per position for 1x / 1.5x / 2x", "prompts identical to plain"], table)
+
+
+def _needed_cell(needed: Optional[dict]) -> Optional[str]:
+    """The per-position acceptance a chain at the row's draft length, drafting at its measured cost, would need for
+    each speedup over its plain decoding ('-': none reaches it)."""
+    if not needed:
+        return None
+    return " / ".join("-" if v is None else f"{v:.2f}" for v in needed.values())
+
+
+def _same_cell(same: Optional[dict]) -> Optional[str]:
+    """How many prompts' outputs equal the same precision's plain output in every round (first differing tokens)."""
+    if not same:
+        return None
+    at = sorted({d["position"] for d in same["differences"]})
+    return f"{same['identical']}/{same['prompts']}" + (f" (first differs at token {', '.join(map(str, at))})"
+                                                        if at else "")
 
 
 def category_table(rows: list[dict]) -> Optional[str]:

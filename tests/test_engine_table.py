@@ -190,7 +190,8 @@ def test_engines_adds_the_ar_drafter_as_a_draft_model_per_precision(tmp_path):
     ar_row = decoders[-1]
     assert ar_row["drafter"] == ar / "q8_0" / "drafter.gguf" and ar_row["target"] == exports / "q8_0" / "target.gguf"
     assert engines._row(ar_row) == {"engine": "llama.cpp", "precision": "q8_0", "decoder": "AR drafter",
-                                    "setting": "--spec-type draft-simple --spec-draft-n-max 3"}
+                                    "setting": "--spec-type draft-simple --spec-draft-n-max 3",
+                                        "draft_len": 3}
     command = _pairs(server_command(Path("/bin"), ar_row["target"], ar_row["drafter"], ar_row["spec_type"], 3, 2,
                                     8080, f32_cache=True))
     assert command["-md"] == str(ar / "q8_0" / "drafter.gguf") and command["--spec-type"] == "draft-simple"

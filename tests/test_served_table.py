@@ -304,3 +304,34 @@ def test_every_served_row_type_runs_in_llamacpp(stories_runs, stories_path, tmp_
     assert make_results.main(["--results-dir", str(results), "--docs", str(docs), "--readme",
                               str(tmp_path / "none.md")]) == 0
     assert "| f32 | product (e3) |" in docs.read_text()
+
+
+def test_each_speculative_row_is_compared_with_its_precisions_plain_output():
+    """Outputs kept per round: a row that wrote plain's tokens is 2/2 identical; one that parted at token 3 of
+    prompt 1 in round 2 is 1/2 with that position; another precision's plain row is never the reference."""
+    plain = {"engine": "llama.cpp", "precision": "q4", "decoder": "plain", "setting": "plain"}
+    other = dict(plain, precision="f16")
+    same = dict(plain, decoder="free n-gram", setting="--spec-type ngram-simple")
+    parted = dict(same, setting="--spec-type ngram-mod")
+    out = [[1, 2, 3, 4], [5, 6, 7, 8]]
+    rounds = [{"plain": {"tokens_per_s": 10.0, "row": plain, "outputs": out},
+               "f16": {"tokens_per_s": 5.0, "row": other, "outputs": [[9], [9]]},
+               "same": {"tokens_per_s": 12.0, "row": same, "outputs": out},
+               "parted": {"tokens_per_s": 13.0, "row": parted,
+                          "outputs": out if r == 0 else [out[0], [5, 6, 7, 0]]}} for r in range(2)]
+    rows = {r["setting"] + r["precision"]: r for r in table.summarize(rounds, [])}
+    assert rows["--spec-type ngram-simpleq4"]["same_output_as_plain"] == {"prompts": 2, "identical": 2,
+                                                                            "differences": []}
+    assert rows["--spec-type ngram-modq4"]["same_output_as_plain"] == {
+        "prompts": 2, "identical": 1, "differences": [{"round": 1, "prompt": 1, "position": 3}]}
+    assert "same_output_as_plain" not in rows["plainq4"] and "same_output_as_plain" not in rows["plainf16"]
+    assert "outputs" not in rows["plainq4"]  # token lists stay out of the result file
+
+
+def test_acceptance_needed_for_each_speedup_by_hand():
+    """A 3-token step costs 1.8 one-token passes and drafting 0.2: a step costs 2.0, so 1.0x needs tau 2 (1 + a + a^2
+    = 2: a = 0.618), 1.5x needs tau 3 (every draft accepted) and 2.0x tau 4, more than 2 drafts can give."""
+    got = table.acceptance_needed_for({1: 1.0, 2: 1.5, 3: 1.8}, 2, 0.2)
+    assert got["1"] == pytest.approx((5 ** 0.5 - 1) / 2, abs=1e-6)
+    assert got["1.5"] == pytest.approx(1.0, abs=1e-6)
+    assert got["2"] is None

@@ -32,6 +32,7 @@ PRODUCT_NGRAM = "ngram-cache"  # the context's n-grams plus the static corpus ca
 DRAFTER_SPEC_TYPES = {"eagle3": ("draft-eagle3", "EAGLE-3"), "dflash": ("draft-dflash", "DFlash")}
 DRAFT_MODEL = ("draft-simple", "AR drafter")
 CODE_CATEGORIES = ("coding", "code-completion")  # the shipped splits' code categories: "code" against "rest"
+NEEDED_SPEEDUPS = (1.0, 1.5, 2.0)  # the speedups a drafter row's needed acceptance is given for (the 1.5B aims)
 ACCEPTANCE_POSITIONS = 8  # per-position acceptance kept for at most this many positions (n-gram drafts run longer)
 
 
@@ -159,9 +160,9 @@ def summarize(rounds: list[dict], curves: list[dict], categories: Optional[Seque
     prediction from the engine's curve, and the speedup over the fastest plain decoder of all. categories: each
     prompt's category (rounds that kept per-prompt figures): the same per prompt group (`by_group`)."""
     keys = list(rounds[0])
-    rows = []
+    rows, runs_of = [], {}
     for key in keys:
-        runs = [r[key] for r in rounds if key in r]
+        runs = runs_of[key] = [r[key] for r in rounds if key in r]
         row = dict(runs[0]["row"], tokens_per_s=median(run["tokens_per_s"] for run in runs),
                    tokens_per_s_rounds=[run["tokens_per_s"] for run in runs])
         for field in ("tau", "acceptance_per_position", "tokens", "plain_passes", "drafted", "draft_ms",
@@ -173,10 +174,14 @@ def summarize(rounds: list[dict], curves: list[dict], categories: Optional[Seque
         rows.append(row)
     fastest = max((r for r in rows if r["decoder"] == "plain"), key=lambda r: r["tokens_per_s"])
     curve_of = {(c["engine"], c["precision"]): c for c in curves}
-    for row in rows:
-        own = next((r for r in rows if r["decoder"] == "plain" and r["engine"] == row["engine"]
-                    and r["precision"] == row["precision"]), None)
+    for key, row in zip(keys, rows):
+        own_key, own = next(((k, r) for k, r in zip(keys, rows) if r["decoder"] == "plain"
+                             and r["engine"] == row["engine"] and r["precision"] == row["precision"]), (None, None))
         row["speedup_over_own_plain"] = row["tokens_per_s"] / own["tokens_per_s"] if own else None
+        if own is not None and own is not row:
+            agreement = output_agreement(runs_of[key], runs_of[own_key])
+            if agreement:
+                row["same_output_as_plain"] = agreement
         row["speedup_over_fastest"] = row["tokens_per_s"] / fastest["tokens_per_s"]
         row["fastest_plain"] = f"{fastest['engine']} {fastest['precision']}".strip()
         group_speedups(row, fastest, own)
@@ -188,9 +193,43 @@ def summarize(rounds: list[dict], curves: list[dict], categories: Optional[Seque
         if curve and "plain_passes" in row:  # drafting per target pass, in 1-token passes of that engine
             passes = max(row["plain_passes"] + len(row["drafted"]), 1)
             row["draft_cost_per_step"] = row["draft_ms"] / ms_1 / passes
+            if row.get("draft_len") and row["drafted"]:
+                row["acceptance_needed"] = acceptance_needed_for(
+                    relative, row["draft_len"], row["draft_ms"] / ms_1 / len(row["drafted"]))
         for field in ("drafted",):  # per-step lists stay out of the result file
             row.pop(field, None)
     return rows
+
+
+def acceptance_needed_for(relative: dict[int, float], draft_len: int, draft_cost: float,
+                          speedups: Sequence[float] = NEEDED_SPEEDUPS) -> dict[str, Optional[float]]:
+    """The per-position acceptance (the same at every position of a chain of draft_len) at which a drafter whose
+    every step drafts draft_len tokens, at `draft_cost` 1-token passes per step, with the engine's step `relative`,
+    would reach each speedup over plain decoding (None: not reachable at that draft length)."""
+    from drafter_train.calibrate import acceptance_needed, break_even_tau, cost_at
+
+    step = break_even_tau(cost_at(relative, draft_len + 1), draft_cost)
+    return {f"{s:g}": acceptance_needed(s * step, draft_len) for s in speedups}
+
+
+def output_agreement(runs: list[dict], plain_runs: list[dict]) -> Optional[dict]:
+    """Whether a speculative row wrote what its precision's plain row wrote, prompt by prompt, round by round (the
+    outputs each round kept): the prompts identical in every round, and each difference's first differing token.
+    Lossless decoding gives none; an engine whose multi-token verify pass rounds differently from its 1-token pass
+    can part from plain decoding where the top two logits nearly tie. None where outputs were not kept."""
+    pairs = [(run["outputs"], plain["outputs"]) for run, plain in zip(runs, plain_runs)
+             if "outputs" in run and "outputs" in plain]
+    if not pairs:
+        return None
+    differences = []
+    for r, (mine, theirs) in enumerate(pairs):
+        for i, (a, b) in enumerate(zip(mine, theirs)):
+            if a != b:
+                at = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                differences.append({"round": r, "prompt": i, "position": at})
+    prompts = len(pairs[0][0])
+    return {"prompts": prompts, "identical": prompts - len({d["prompt"] for d in differences}),
+            "differences": differences}
 
 
 def group_figures(rounds: list[list[dict]], categories: Sequence[str], code: Sequence[str]) -> dict[str, dict]:
@@ -229,6 +268,8 @@ def llamacpp_record(decoder: dict, served: dict) -> dict:
     record = steps_record(_row(decoder), served, bool(decoder["spec_type"]))
     if "per_prompt" in served:
         record["per_prompt"] = served["per_prompt"]
+    if "outputs" in served:
+        record["outputs"] = served["outputs"]
     if decoder["spec_type"]:
         record.update(free_tokens=served["requests"], verify_kind=verify_kind(decoder["spec_type"]),
                       cost_key=cost_key(decoder), acceptance_per_position=per_position(served["steps"], decoder))
@@ -274,6 +315,8 @@ def _row(decoder: dict) -> dict:
            "setting": setting}
     if decoder.get("label"):
         row["label"] = decoder["label"]
+    if decoder.get("drafter"):
+        row["draft_len"] = decoder["draft_len"]
     return row
 
 

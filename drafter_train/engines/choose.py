@@ -1,0 +1,66 @@
+"""Choosing served settings by measured speed in the engine, on the dev split (scripts/served_qwen.sh's `choose`).
+
+    python -m drafter_train.engines.choose RUN/choose.json e3 ar
+
+RUN/choose.json is what `python -m benchmarks.engines --prompts dev ...` wrote: one row per decoder. Each PREFIX's
+drafter ran at several draft lengths, as the labels PREFIX-1, PREFIX-2 ...; the fastest length is kept. The free
+n-gram mode kept is the fastest one; the product runs it ahead of its drafter, and then llama.cpp's ngram-cache
+(the context's n-grams plus the corpus as the static cache: prompt and corpus lookup), unless that is the one kept.
+Prints JSON: {"draft_len": {PREFIX: N}, "ngram_mode": ..., "product_ngram": ..., "tokens_per_s": {row: tok/s}}.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from drafter_train.errors import ConfigError
+
+CORPUS_MODE = "ngram-cache"  # the n-gram mode that reads llama.cpp's static (corpus) cache
+
+
+def _name(row: dict) -> str:
+    return row.get("label") or f"{row['precision']} {row['decoder']} {row['setting']}"
+
+
+def choose(record: dict, prefixes: Sequence[str]) -> dict:
+    """The fastest draft length per prefix and the fastest free n-gram mode among `record`'s rows (tokens/s)."""
+    rows = record["rows"]
+    if record.get("prompts") == "test":
+        raise ConfigError("choose: the test split is for reporting only; choose on the dev split")
+    out = {"draft_len": {}, "tokens_per_s": {_name(r): r["tokens_per_s"] for r in rows}}
+    for prefix in prefixes:
+        mine = [r for r in rows if r["decoder"] != "product" and r.get("label", "").rpartition("-")[0] == prefix
+                and r["label"].rpartition("-")[2].isdigit()]
+        if not mine:
+            raise ConfigError(f"choose: no row labelled {prefix}-<draft length> (labels: "
+                              f"{', '.join(sorted({r.get('label', '') for r in rows} - {''}))})")
+        best = max(mine, key=lambda r: r["tokens_per_s"])
+        out["draft_len"][prefix] = int(best["label"].rpartition("-")[2])
+    ngram = [r for r in rows if r["decoder"] == "free n-gram"]
+    if not ngram:
+        raise ConfigError("choose: no free n-gram rows (run the benchmark with --ngram-modes)")
+    mode = max(ngram, key=lambda r: r["tokens_per_s"])["setting"].split()[1]
+    out["ngram_mode"] = mode
+    out["product_ngram"] = mode if mode == CORPUS_MODE else f"{mode},{CORPUS_MODE}"
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 2:
+        sys.exit("usage: python -m drafter_train.engines.choose RECORD.json PREFIX [PREFIX ...]")
+    path = Path(args[0])
+    if not path.is_file():
+        sys.exit(f"choose: no such file {path}")
+    try:
+        print(json.dumps(choose(json.loads(path.read_text()), args[1:]), indent=2))
+    except ConfigError as err:
+        sys.exit(str(err))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

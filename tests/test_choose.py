@@ -1,0 +1,61 @@
+"""drafter_train.engines.choose: the served settings chosen on the dev split by tokens/s measured in the engine
+(scripts/served_qwen.sh's `choose` stage), from a record shaped as benchmarks.engines writes it."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from drafter_train.engines.choose import choose, main
+from drafter_train.errors import ConfigError
+
+
+def _row(decoder, setting, tps, label=None):
+    row = {"engine": "llama.cpp", "precision": "q4_k_m", "decoder": decoder, "setting": setting, "tokens_per_s": tps}
+    return dict(row, label=label) if label else row
+
+
+RECORD = {"prompts": "dev", "rows": [
+    _row("plain", "plain", 12.0),
+    _row("free n-gram", "--spec-type ngram-simple", 14.0),
+    _row("free n-gram", "--spec-type ngram-mod", 15.5),
+    _row("free n-gram", "--spec-type ngram-cache", 13.0),
+    _row("EAGLE-3", "--spec-type draft-eagle3 --spec-draft-n-max 1", 11.0, "e3-1"),
+    _row("EAGLE-3", "--spec-type draft-eagle3 --spec-draft-n-max 2", 12.5, "e3-2"),
+    _row("EAGLE-3", "--spec-type draft-eagle3 --spec-draft-n-max 3", 12.1, "e3-3"),
+    _row("product", "--spec-type ngram-cache,draft-eagle3 --spec-draft-n-max 3", 30.0, "e3-3"),  # not a length row
+    _row("draft model", "--spec-type draft-simple --spec-draft-n-max 1", 10.0, "ar-1"),
+    _row("draft model", "--spec-type draft-simple --spec-draft-n-max 3", 9.0, "ar-3"),
+]}
+
+
+def test_the_fastest_length_per_drafter_and_the_fastest_ngram_mode_ahead_of_the_corpus_cache():
+    chosen = choose(RECORD, ["e3", "ar"])
+    assert chosen["draft_len"] == {"e3": 2, "ar": 1}  # the product row labelled e3-3 is not a length candidate
+    assert chosen["ngram_mode"] == "ngram-mod"
+    assert chosen["product_ngram"] == "ngram-mod,ngram-cache"
+    assert chosen["tokens_per_s"]["e3-2"] == 12.5
+
+
+def test_ngram_cache_fastest_is_not_named_twice():
+    rows = [dict(r, tokens_per_s=99.0) if r["setting"] == "--spec-type ngram-cache" else r for r in RECORD["rows"]]
+    assert choose(dict(RECORD, rows=rows), ["e3"])["product_ngram"] == "ngram-cache"
+
+
+def test_refusals_are_one_line():
+    with pytest.raises(ConfigError, match="test split is for reporting only"):
+        choose(dict(RECORD, prompts="test"), ["e3"])
+    with pytest.raises(ConfigError, match="no row labelled dflash-<draft length>"):
+        choose(RECORD, ["dflash"])
+    with pytest.raises(ConfigError, match="no free n-gram rows"):
+        choose(dict(RECORD, rows=[r for r in RECORD["rows"] if r["decoder"] != "free n-gram"]), ["e3"])
+
+
+def test_main_prints_the_choice(tmp_path, capsys):
+    path = tmp_path / "choose.json"
+    path.write_text(json.dumps(RECORD))
+    assert main([str(path), "e3", "ar"]) == 0
+    assert json.loads(capsys.readouterr().out)["draft_len"] == {"e3": 2, "ar": 1}
+    with pytest.raises(SystemExit, match="no such file"):
+        main([str(tmp_path / "missing.json"), "e3"])
