@@ -170,6 +170,23 @@ def test_make_results_renders_a_served_table_from_its_result_file(tmp_path):
     assert "| unused |" not in page and "- split: test split, first 4 of each category" in page
 
 
+def test_the_readme_block_shows_the_served_table_above_the_main_job(tmp_path):
+    results, readme = tmp_path / "results", tmp_path / "README.md"
+    write_result("served_qwen1.5b", title="Qwen served by llama.cpp", question="Which pays?", command="x",
+                 split="test split, 2 prompts", baseline="the fastest plain row", columns=["engine"], rows=[["unused"]],
+                 machine={"cpu": "Test CPU"}, results_dir=results,
+                 data={"engine_rows": SERVED_ROWS, "cost_curves": [], "served": True})
+    write_result("main_job", title="The main job", question="?", command="y", split="test split, first 16 prompts",
+                 baseline="plain", columns=["decoder", "speedup"], rows=[["product", 1.25]], machine={"cpu": "Test CPU"},
+                 results_dir=results)
+    readme.write_text("# P\n<!-- results:start -->\nold\n<!-- results:end -->\n")
+    make_results.main(["--results-dir", str(results), "--docs", str(tmp_path / "r.md"), "--readme", str(readme)])
+    text = readme.read_text()
+    assert "**Qwen served by llama.cpp** (Test CPU, test split, 2 prompts):" in text
+    assert "| q4_k_m | AR drafter (0.5B) | 10.8 | 0.900 | 1.050 | 0.750 | – |" in text
+    assert text.index("Qwen served") < text.index("**The main job**") < text.index("| product | 1.250 |")
+
+
 def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
     """benchmarks.engines with --target-gguf, --draft-gguf and --per-category on the stand-in server (llama-bench and
     the step calibration replaced): every row, each with its category groups, in the result file it names."""
