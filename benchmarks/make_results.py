@@ -368,8 +368,8 @@ def _same_cell(same: Optional[dict]) -> Optional[str]:
     if not same:
         return None
     at = sorted({d["position"] for d in same["differences"]})
-    return f"{same['identical']}/{same['prompts']}" + (f" (first differs at token {', '.join(map(str, at))})"
-                                                        if at else "")
+    return (f"{same['identical']}/{same['prompts']}" + (f" vs {same['reference']} plain" if "reference" in same else "")
+            + (f" (first differs at token {', '.join(map(str, at))})" if at else ""))
 
 
 def category_table(rows: list[dict]) -> Optional[str]:

@@ -341,7 +341,10 @@ def test_each_speculative_row_is_compared_with_its_precisions_plain_output():
                                                                             "differences": []}
     assert rows["--spec-type ngram-modq4"]["same_output_as_plain"] == {
         "prompts": 2, "identical": 1, "differences": [{"round": 1, "prompt": 1, "position": 3}]}
-    assert "same_output_as_plain" not in rows["plainq4"] and "same_output_as_plain" not in rows["plainf16"]
+    assert "same_output_as_plain" not in rows["plainq4"]  # the engine's first plain row is the reference
+    assert rows["plainf16"]["same_output_as_plain"] == {  # another file's plain output, against the first's
+        "prompts": 2, "identical": 0, "reference": "q4", "differences": [
+            {"round": r, "prompt": p, "position": 0} for r in range(2) for p in range(2)]}
     assert "outputs" not in rows["plainq4"]  # token lists stay out of the result file
 
 

@@ -182,6 +182,12 @@ def summarize(rounds: list[dict], curves: list[dict], categories: Optional[Seque
             agreement = output_agreement(runs_of[key], runs_of[own_key])
             if agreement:
                 row["same_output_as_plain"] = agreement
+        elif own is row:  # another file's plain decoding (a re-export, another precision) against the engine's first
+            first_key, first = next((k, r) for k, r in zip(keys, rows)
+                                    if r["decoder"] == "plain" and r["engine"] == row["engine"])
+            agreement = output_agreement(runs_of[key], runs_of[first_key]) if first is not row else None
+            if agreement:
+                row["same_output_as_plain"] = dict(agreement, reference=first["precision"])
         row["speedup_over_fastest"] = row["tokens_per_s"] / fastest["tokens_per_s"]
         row["fastest_plain"] = f"{fastest['engine']} {fastest['precision']}".strip()
         group_speedups(row, fastest, own)
