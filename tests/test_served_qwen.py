@@ -1,0 +1,47 @@
+"""scripts/served_qwen.sh, the served pipeline on Qwen2.5-Coder-1.5B: a wrong stage is one line before anything runs,
+and every drafter-train / drafter-export command it gives composes into the project's typed configs (each run with
+Hydra's --cfg job in place of the real work, so a renamed or misspelt option fails here, not hours into a run)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "served_qwen.sh"
+
+
+def run(env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(SCRIPT)], env={**os.environ, "OUT": str(tmp_path / "out"),
+                                                       "DATA": str(tmp_path / "data"), **env},
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_an_unknown_stage_is_one_line(tmp_path):
+    done = run({"STAGES": "eagle3 tabel"}, tmp_path)
+    assert done.returncode == 2 and done.stderr.strip() == "served_qwen: STAGES: unknown stage tabel"
+    assert not (tmp_path / "out" / "eagle3").exists()
+
+
+@pytest.mark.skipif(shutil.which("drafter-train") is None, reason="the package's entry points are not installed")
+def test_the_training_and_export_commands_compose_into_valid_configs(tmp_path):
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    for entry in ("drafter-train", "drafter-export"):
+        real = shutil.which(entry)
+        (fake / entry).write_text(f'#!/bin/sh\necho "{entry} $*" >> "{tmp_path}/calls"\nexec "{real}" "$@" --cfg job\n')
+        (fake / entry).chmod(0o755)
+    done = run({"STAGES": "eagle3 ar", "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "E3_STEPS": "7"}, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert len(calls) == 2 and all(c.startswith("drafter-train target=qwen2.5-coder-1.5b") for c in calls)
+    assert "drafter.norm_before_fc=true" in calls[0] and "train.max_steps=7" in calls[0]
+    assert "drafter.cut_from=qwen2.5-coder-0.5b" in calls[1]
+    assert "norm_before_fc: true" in done.stdout and "cut_from: qwen2.5-coder-0.5b" in done.stdout
+    stages = (tmp_path / "out" / "stages.jsonl").read_text()
+    assert '"stage": "eagle3"' in stages and '"stage": "ar"' in stages
