@@ -15,8 +15,9 @@
 #             cross-entropy on the target's answers, full vocabulary (llama.cpp's draft models must share it)
 #   exports   EAGLE-3 as an f16 drafter GGUF (llama.cpp takes EAGLE-3 unquantised only), the AR drafter at q4_k_m
 #             (its 151k x 896 head dominates its cost), the answers as llama.cpp's static n-gram cache
-#   choose    on the dev split (never the test split): draft lengths 1-3 of each drafter, each free n-gram mode and
-#             the product, timed in llama.cpp; the fastest length per drafter is kept (OUT/choice.json)
+#   choose    on the dev split (never the test split): draft lengths 1-3 of each drafter and each free n-gram mode,
+#             timed in llama.cpp; the fastest length per drafter and the fastest mode are kept (OUT/choice.json,
+#             python -m drafter_train.engines.choose), the product runs that mode ahead of EAGLE-3
 #   table     the served table on the test split (PER_CATEGORY prompts of each of its 14 categories, ROUNDS
 #             interleaved rounds): plain at Q4_K_M (the baseline), Q8_0 and F16; the free n-gram mode chosen on
 #             dev; the stock 0.5B draft model; each drafter trained here; the product -> benchmarks/results/served_qwen1.5b.json
@@ -25,8 +26,7 @@
 #   results   docs/results.md regenerated (python -m benchmarks.make_results)
 # Budget on a 2-core machine: docs/lab-notes/served-qwen.md. Environment: DATA, OUT, NUM_PROMPTS (160), VOCAB (8192),
 # E3_STEPS (100), E3_LR (5e-4), AR_LAYERS (4), AR_STEPS (60), AR_BATCH (4), SAVE_EVERY (50), PER_CATEGORY (2),
-# NEW_TOKENS (64),
-# ROUNDS (3), THREADS (2), STAGES.
+# NEW_TOKENS (64), ROUNDS (3), THREADS (2), STAGES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
@@ -130,14 +130,19 @@ if stage choose && [[ ! -f $OUT/choice.json ]]; then
   took choose
 fi
 if stage table; then
-  chosen() { python3 -c 'import json,sys; c=json.load(open(sys.argv[1])); print(eval(sys.argv[2], {}, c))' \
-    "$OUT/choice.json" "$1"; }
+  chosen() {  # a field of choice.json by its dotted path (draft_len.e3)
+    python3 -c 'import json, sys
+value = json.load(open(sys.argv[1]))
+for key in sys.argv[2].split("."):
+    value = value[key]
+print(value)' "$OUT/choice.json" "$1"
+  }
   python3 -m benchmarks.engines "${SERVED[@]}" --prompts test --per-category ${PER_CATEGORY:-2} \
     --max-new-tokens ${NEW_TOKENS:-64} --rounds ${ROUNDS:-3} --ngram-modes "$(chosen ngram_mode)" \
     --spec-precisions q4_k_m-llama \
     --export-types q8_0,f16 --draft-gguf "0.5B=$CACHE/$DRAFT_MODEL.gguf@q4_k_m-llama" --draft-len-of 0.5B=3 \
-    --draft-gguf "eagle3=$E3" --draft-len-of eagle3=$(chosen 'draft_len["e3"]') \
-    --draft-gguf "ar=$AR" --draft-len-of ar=$(chosen 'draft_len["ar"]') \
+    --draft-gguf "eagle3=$E3" --draft-len-of eagle3=$(chosen draft_len.e3) \
+    --draft-gguf "ar=$AR" --draft-len-of ar=$(chosen draft_len.ar) \
     --product eagle3 --product-ngram "$(chosen product_ngram)" --output "$OUT/table" --result \
     --result-name served_qwen1.5b
   took table
@@ -146,12 +151,13 @@ fi
 # (llama.cpp's converter from the dequantised copy, then the llama re-export), where both do the same arithmetic,
 # and on the served Q4_K_M re-export, where the engine's Q4_K arithmetic differs from the dequantised torch model's
 if stage agreement; then
-  f16=$(python3 -c 'from drafter_train.engines.export import cached_target_gguf
+  f16=$(python3 -c 'import sys
+from drafter_train.engines.export import cached_target_gguf
 from drafter_train.llama_reexport import reexport_as_llama
 from drafter_train.llamacpp import llamacpp_dir, target_folder
-f = cached_target_gguf(llamacpp_dir(), target_folder({"path": "embedded:qwen2.5-coder-1.5b"}, "agreement"), "f16")
+f = cached_target_gguf(llamacpp_dir(), target_folder({"path": f"embedded:{sys.argv[1]}"}, "agreement"), "f16")
 out = f.with_name("target.llama.gguf")
-print(out if out.is_file() else reexport_as_llama(f, out))')
+print(out if out.is_file() else reexport_as_llama(f, out))' $TARGET)
   for t in "f16=$f16" "q4_k_m=$CACHE/$TARGET.llama.gguf"; do
     [[ -f benchmarks/results/engine_llamacpp_qwen1.5b_${t%%=*}.json ]] && continue
     python3 -m benchmarks.engine_check --engine llamacpp --run "$OUT/eagle3" --exported "$OUT/exports/eagle3" \
