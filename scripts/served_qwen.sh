@@ -17,10 +17,13 @@
 #             (its 151k x 896 head dominates its cost), the answers as llama.cpp's static n-gram cache
 #   choose    on the dev split (never the test split): draft lengths 1-3 of each drafter and each free n-gram mode,
 #             timed in llama.cpp; the fastest length per drafter and the fastest mode are kept (OUT/choice.json,
-#             python -m drafter_train.engines.choose), the product runs that mode ahead of EAGLE-3
+#             python -m drafter_train.engines.choose), the product runs that mode and the corpus cache, ahead of
+#             EAGLE-3 only if EAGLE-3 alone beat plain decoding on dev (choice.json's "product")
 #   table     the served table on the test split (PER_CATEGORY prompts of each of its 14 categories, ROUNDS
 #             interleaved rounds): plain at Q4_K_M (the baseline), Q8_0 and F16; the free n-gram mode chosen on
-#             dev; the stock 0.5B draft model; each drafter trained here; the product -> benchmarks/results/served_qwen1.5b.json
+#             dev; the stock 0.5B draft model; each drafter trained here; the product with EAGLE-3 and without it
+#             (lookups) -> benchmarks/results/served_qwen1.5b.json;
+#             each output that differs from plain decoding is replayed on the plain server (--near-ties: a near tie?)
 #   agreement EAGLE-3's per-position acceptance in llama.cpp against ours on the same test prompts, on an f16 GGUF
 #             of the target and on the served Q4_K_M (benchmarks.engine_check --tolerance 0.03)
 #   results   docs/results.md regenerated (python -m benchmarks.make_results)
@@ -143,7 +146,7 @@ print(value)' "$OUT/choice.json" "$1"
     --export-types q8_0,f16 --draft-gguf "0.5B=$CACHE/$DRAFT_MODEL.gguf@q4_k_m-llama" --draft-len-of 0.5B=3 \
     --draft-gguf "eagle3=$E3" --draft-len-of eagle3=$(chosen draft_len.e3) \
     --draft-gguf "ar=$AR" --draft-len-of ar=$(chosen draft_len.ar) \
-    --product eagle3 --product-ngram "$(chosen product_ngram)" --output "$OUT/table" --result \
+    --product eagle3 --product lookups --product-ngram "$(chosen product_ngram)" --near-ties --output "$OUT/table" --result \
     --result-name served_qwen1.5b
   took table
 fi
@@ -159,11 +162,13 @@ f = cached_target_gguf(llamacpp_dir(), target_folder({"path": f"embedded:{sys.ar
 out = f.with_name("target.llama.gguf")
 print(out if out.is_file() else reexport_as_llama(f, out))' $TARGET)
   for t in "f16=$f16" "q4_k_m=$CACHE/$TARGET.llama.gguf"; do
-    [[ -f benchmarks/results/engine_llamacpp_qwen1.5b_${t%%=*}.json ]] && continue
+    name=engine_llamacpp_qwen1_5b_${t%%=*}
+    [[ -f benchmarks/results/$name.json ]] && continue
+    rc=0
     python3 -m benchmarks.engine_check --engine llamacpp --run "$OUT/eagle3" --exported "$OUT/exports/eagle3" \
       --target-gguf "${t#*=}" --prompts test --num-prompts 14 --max-new-tokens 48 --draft-len 2 --tolerance 0.03 \
-      --no-baseline --threads $THREADS --output "$OUT/agreement-${t%%=*}" \
-      --result-name engine_llamacpp_qwen1.5b_${t%%=*} || true  # the verdict is in the result file
+      --no-baseline --threads $THREADS --output "$OUT/agreement-${t%%=*}" --result-name $name || rc=$?
+    (( rc <= 1 )) || exit $rc  # 1: outside the tolerance, the verdict is in the result file; anything else failed
   done
   took agreement
 fi

@@ -36,6 +36,16 @@ def test_the_fastest_length_per_drafter_and_the_fastest_ngram_mode_ahead_of_the_
     assert chosen["ngram_mode"] == "ngram-mod"
     assert chosen["product_ngram"] == "ngram-mod,ngram-cache"
     assert chosen["tokens_per_s"]["e3-2"] == 12.5
+    assert chosen["product"] == "e3"  # EAGLE-3 at length 2 beat plain (12.5 > 12.0); the AR drafter did not
+
+
+def test_a_drafter_that_loses_alone_stays_out_of_the_product():
+    rows = [dict(r, tokens_per_s=r["tokens_per_s"] / 2) if r.get("label", "").startswith("e3") else r
+            for r in RECORD["rows"]]
+    chosen = choose(dict(RECORD, rows=rows), ["e3", "ar"])
+    assert chosen["draft_len"] == {"e3": 2, "ar": 1} and chosen["product"] == "lookups"
+    with pytest.raises(ConfigError, match="no plain row"):
+        choose(dict(RECORD, rows=[r for r in RECORD["rows"] if r["decoder"] != "plain"]), ["e3"])
 
 
 def test_ngram_cache_fastest_is_not_named_twice():

@@ -263,3 +263,30 @@ def test_two_checkpoints_ranked_in_llamacpp(stories_path, tmp_path, monkeypatch)
     best = max(found, key=lambda n: found[n]["engine"]["predicted_speedup"])
     assert (run / "best").resolve().name == f"step-{best}"
     assert len(list((tmp_path / "cache").rglob("target.gguf"))) == 1
+
+
+def test_near_tie_replay_reads_the_servers_own_log_probabilities(llamacpp_smoke, tmp_path):
+    """On the smoke GGUF (SmolLM2, Q4_K_M): plain's answer decoded again 1 token a step reproduces it, every
+    position's own token tops its log-probabilities, and a made-up difference on the runner-up at a position gets a
+    margin from the 1-token step and from one pass over the prefix (a real model knows both tokens in both)."""
+    from drafter_train.engines import table
+    from drafter_train.engines.llamacpp_server import (decode_prompts, free_port, near_tie_logprobs, server_bin,
+                                                       server_command)
+    from drafter_train.targets import load_tokenizer
+
+    bin_dir = server_bin(llamacpp_dir(), "test")
+    prompt = load_tokenizer("embedded:smollm2")("Write a short story about a robot who learns to paint.")["input_ids"]
+
+    def command():
+        return server_command(bin_dir, llamacpp_smoke, None, None, 0, 2, free_port(), False)
+
+    reference = decode_prompts(command(), tmp_path / "plain.log", [prompt], 16)["tokens"][0]
+    k = min(8, len(reference) - 1)
+    [case] = near_tie_logprobs(command(), tmp_path / "ties.log", [{"prompt": prompt, "reference": reference,
+                                                                     "position": k}], 10)
+    assert case["stepwise_tokens"] == reference[:k + 1]
+    assert all(max(logprobs, key=logprobs.get) == token for logprobs, token in zip(case["stepwise"], reference))
+    runner_up = sorted(case["stepwise"][k], key=case["stepwise"][k].get, reverse=True)[1]
+    tie = table.near_tie(dict(case, other=reference[:k] + [runner_up], row=0, round=0, prompt_index=0))
+    assert tie["reproduced"] and tie["other_rank"] == 2 and tie["margin_stepwise"] >= 0
+    assert tie["margin_batched"] is not None and tie["median_margin_before"] is not None

@@ -64,6 +64,13 @@ def test_served_decoders_for_targets_and_labelled_drafters(tmp_path):
     again = table.served_decoders(targets, [], ["ngram-mod"], 2, spec_precisions=["q8_0", "q4_k_m"])
     assert [(d["precision"], d["spec_type"]) for d in again if d["spec_type"]] == [("q8_0", "ngram-mod"),
                                                                                   ("q4_k_m", "ngram-mod")]
+    # the product without a drafter: its n-gram modes and the corpus cache, at the first n-gram precision
+    lookups = table.served_decoders(targets, [], [], 2, spec_precisions=["q4_k_m-llama"], products=["lookups"],
+                                    product_ngram="ngram-simple,ngram-cache", lookup_cache=cache)[-1]
+    assert (lookups["precision"], lookups["decoder"], lookups["label"], lookups.get("drafter")) == (
+        "q4_k_m-llama", "product", "lookups", None)
+    assert table._row(lookups)["setting"] == "--spec-type ngram-simple,ngram-cache --lookup-cache-static corpus.lookup"
+    assert table.cost_key(lookups) == "ngram"  # its steps cost what an n-gram mode's do
 
 
 def test_bad_labels_are_one_line(tmp_path):
@@ -142,6 +149,8 @@ SERVED_ROWS = [
      "setting": "--spec-type draft-simple --spec-draft-n-max 3", "tokens_per_s": 10.8, "speedup_over_fastest": 0.9,
      "speedup_over_own_plain": 0.9, "predicted_speedup": 0.95, "tau": 2.4,
      "acceptance_per_position": [0.9, 0.8, 0.7], "ours_acceptance_per_position": [0.88, 0.8, 0.71],
+     "same_output_as_plain": {"prompts": 4, "identical": 3, "differences": [{"round": 0, "prompt": 1, "position": 7}],
+                              "near_ties": [{"prompt": 1, "position": 7, "near_tie": True}], "near_ties_shown": 1},
      "by_group": {"code": {"tokens_per_s": 12.6, "speedup_over_fastest": 1.05},
                   "rest": {"tokens_per_s": 8.6, "speedup_over_fastest": 0.75},
                   "coding": {"tokens_per_s": 12.6, "speedup_over_fastest": 1.05},
@@ -183,7 +192,8 @@ def test_the_readme_block_shows_the_served_table_above_the_main_job(tmp_path):
     make_results.main(["--results-dir", str(results), "--docs", str(tmp_path / "r.md"), "--readme", str(readme)])
     text = readme.read_text()
     assert "**Qwen served by llama.cpp** (Test CPU, test split, 2 prompts):" in text
-    assert "| q4_k_m | AR drafter (0.5B) | 10.8 | 0.900 | 1.050 | 0.750 | – |" in text
+    assert ("| q4_k_m | AR drafter (0.5B) | 10.8 | 0.900 | 1.050 | 0.750 | 3/4 (first differs at token 7; near-tie "
+            "shown in 1 of the 1 differing) |") in text
     assert text.index("Qwen served") < text.index("**The main job**") < text.index("| product | 1.250 |")
 
 
@@ -355,3 +365,65 @@ def test_acceptance_needed_for_each_speedup_by_hand():
     assert got["1"] == pytest.approx((5 ** 0.5 - 1) / 2, abs=1e-6)
     assert got["1.5"] == pytest.approx(1.0, abs=1e-6)
     assert got["2"] is None
+
+
+def _case(reference, other, position, stepwise, batched, stepwise_tokens=None):
+    return {"row": 0, "round": 1, "prompt_index": 2, "position": position, "prompt": [7], "reference": reference,
+            "other": other, "stepwise_tokens": reference if stepwise_tokens is None else stepwise_tokens,
+            "stepwise": stepwise, "batched": batched}
+
+
+def test_a_difference_is_a_near_tie_only_within_the_engines_own_batch_shift():
+    """Plain wrote 5 at position 2, the other decoder 6. Margins are logit differences: 0.01 in the 1-token step
+    and -0.02 in one multi-token pass (the pass itself picks 6): a near tie. A 3.0 margin the batch moves by 0.1 is
+    not; nor is a replay that did not reproduce plain's output, nor a token outside the top log-probabilities."""
+    before = [{1: -0.1, 2: -3.1}, {3: -0.2, 4: -1.2}]  # top-1 minus top-2 margins 3.0 and 1.0 before the difference
+    tie = table.near_tie(_case([1, 3, 5, 9], [1, 3, 6], 2, before + [{5: -0.70, 6: -0.71, 8: -4.0}],
+                               {6: -0.69, 5: -0.71}))
+    assert tie == {"round": 1, "prompt": 2, "position": 2, "plain_token": 5, "other_token": 6, "reproduced": True,
+                   "margin_stepwise": pytest.approx(0.01), "margin_batched": pytest.approx(-0.02), "other_rank": 2,
+                   "median_margin_before": pytest.approx(2.0), "near_tie": True}
+    wide = table.near_tie(_case([1, 3, 5], [1, 3, 6], 2, before + [{5: -0.1, 6: -3.1}], {5: -0.2, 6: -3.1}))
+    assert wide["margin_stepwise"] == pytest.approx(3.0) and not wide["near_tie"]
+    replay = table.near_tie(_case([1, 3, 5], [1, 3, 6], 2, before + [{5: -0.70, 6: -0.71}], {6: -0.6, 5: -0.7},
+                                  stepwise_tokens=[1, 4, 5]))
+    assert not replay["reproduced"] and not replay["near_tie"]
+    outside = table.near_tie(_case([1, 3, 5], [1, 3, 6], 2, before + [{5: -0.7, 8: -0.71}], {5: -0.7, 8: -0.9}))
+    assert outside["other_rank"] is None and outside["margin_stepwise"] is None and not outside["near_tie"]
+    ended = table.near_tie(_case([1, 3, 5], [1, 3], 2, before + [{5: -0.7}], {5: -0.7}))
+    assert ended["other_token"] is None and not ended["near_tie"]
+
+
+def test_near_ties_are_checked_on_each_rows_plain_server(tmp_path, monkeypatch):
+    """Each differing prompt once, at its first difference, on the plain decoder that answers for it (its own
+    precision's for a speculative row, the reference's for another file's plain row); the stand-in server's top
+    log-probabilities are read at the difference's position (1 token a step) and from one pass over the prefix (the
+    stand-in is no language model: that pass answers another token than plain's, so that margin is unknown)."""
+    plain = {"engine": "llama.cpp", "precision": "q4", "decoder": "plain", "setting": "plain"}
+    other = dict(plain, precision="f16")
+    spec = dict(plain, decoder="free n-gram", setting="--spec-type ngram-mod")
+    prompts = [[1, 1], [2, 2]]
+    out = [decode_prompts(server_command(FAKE, tmp_path / "t.gguf", None, None, 0, 1, free_port(), False),
+                          tmp_path / "s.log", prompts, 8)["tokens"]][0]
+    assert all(len(o) >= 2 for o in out)
+    parted = [out[0], out[1][:1] + [1] + out[1][2:]]  # prompt 1 parts at position 1, on token 1: the runner-up
+    rounds = [{"plain": {"tokens_per_s": 10.0, "row": plain, "outputs": out},
+               "f16": {"tokens_per_s": 5.0, "row": other, "outputs": out},
+               "spec": {"tokens_per_s": 12.0, "row": spec, "outputs": parted if r else out}} for r in range(2)]
+    rows = table.summarize(rounds, [])
+    decoders = {"plain": {"precision": "q4", "target": tmp_path / "q4.gguf"},
+                "f16": {"precision": "f16", "target": tmp_path / "f16.gguf"}}
+    asked = []
+    real = table.near_tie_logprobs
+    monkeypatch.setattr(table, "near_tie_logprobs",
+                        lambda command, log, cases, n: asked.append((command[command.index("-m") + 1], cases))
+                        or real([str(FAKE / "llama-server"), *command[1:]], log, cases, n))
+    table.check_near_ties(rows, list(rounds[0]), rounds, prompts, decoders, FAKE, 1, tmp_path / "n.log")
+    assert [(m, [(c["prompt_index"], c["position"], c["round"]) for c in cases]) for m, cases in asked] == [
+        (str(tmp_path / "q4.gguf"), [(1, 1, 1)])]
+    same = rows[2]["same_output_as_plain"]
+    assert same["near_ties_shown"] == 0 and same["near_ties"] == [{
+        "round": 1, "prompt": 1, "position": 1, "plain_token": out[1][1], "other_token": 1, "reproduced": True,
+        "margin_stepwise": pytest.approx(0.5), "margin_batched": None, "other_rank": 2,
+        "median_margin_before": pytest.approx(0.25), "near_tie": False}]
+    assert "near_ties" not in (rows[1].get("same_output_as_plain") or {})  # f16's output equals the reference's

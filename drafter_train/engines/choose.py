@@ -6,7 +6,11 @@ RUN/choose.json is what `python -m benchmarks.engines --prompts dev ...` wrote: 
 drafter ran at several draft lengths, as the labels PREFIX-1, PREFIX-2 ...; the fastest length is kept. The free
 n-gram mode kept is the fastest one; the product runs it ahead of its drafter, and then llama.cpp's ngram-cache
 (the context's n-grams plus the corpus as the static cache: prompt and corpus lookup), unless that is the one kept.
-Prints JSON: {"draft_len": {PREFIX: N}, "ngram_mode": ..., "product_ngram": ..., "tokens_per_s": {row: tok/s}}.
+The product keeps a drafter only if that drafter, alone at its chosen length, decoded faster than the fastest plain
+row: llama.cpp tries the n-gram modes first and asks the drafter wherever they find nothing, so a drafter that loses
+alone only adds its losing steps to the lookups' (`product`: the fastest such prefix, else "lookups": no drafter).
+Prints JSON: {"draft_len": {PREFIX: N}, "ngram_mode": ..., "product_ngram": ..., "product": PREFIX or "lookups",
+"tokens_per_s": {row: tok/s}}.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from drafter_train.engines.table import LOOKUPS_ONLY
 from drafter_train.errors import ConfigError
 
 CORPUS_MODE = "ngram-cache"  # the n-gram mode that reads llama.cpp's static (corpus) cache
@@ -31,6 +36,10 @@ def choose(record: dict, prefixes: Sequence[str]) -> dict:
     if record.get("prompts") == "test":
         raise ConfigError("choose: the test split is for reporting only; choose on the dev split")
     out = {"draft_len": {}, "tokens_per_s": {_name(r): r["tokens_per_s"] for r in rows}}
+    plain = max((r["tokens_per_s"] for r in rows if r["decoder"] == "plain"), default=None)
+    if plain is None:
+        raise ConfigError("choose: no plain row to weigh the drafters against")
+    winners = []
     for prefix in prefixes:
         mine = [r for r in rows if r["decoder"] != "product" and r.get("label", "").rpartition("-")[0] == prefix
                 and r["label"].rpartition("-")[2].isdigit()]
@@ -39,12 +48,15 @@ def choose(record: dict, prefixes: Sequence[str]) -> dict:
                               f"{', '.join(sorted({r.get('label', '') for r in rows} - {''}))})")
         best = max(mine, key=lambda r: r["tokens_per_s"])
         out["draft_len"][prefix] = int(best["label"].rpartition("-")[2])
+        if best["tokens_per_s"] > plain:
+            winners.append((best["tokens_per_s"], prefix))
     ngram = [r for r in rows if r["decoder"] == "free n-gram"]
     if not ngram:
         raise ConfigError("choose: no free n-gram rows (run the benchmark with --ngram-modes)")
     mode = max(ngram, key=lambda r: r["tokens_per_s"])["setting"].split()[1]
     out["ngram_mode"] = mode
     out["product_ngram"] = mode if mode == CORPUS_MODE else f"{mode},{CORPUS_MODE}"
+    out["product"] = max(winners)[1] if winners else LOOKUPS_ONLY
     return out
 
 

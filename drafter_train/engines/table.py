@@ -20,13 +20,14 @@ from typing import Optional, Sequence
 from drafter_train.engines.base import acceptance_from_steps
 from drafter_train.engines.llamacpp_cost import PRECISIONS, cost_key, verify_kind
 from drafter_train.errors import ConfigError
-from drafter_train.engines.llamacpp_server import decode_prompts, free_port, server_command
+from drafter_train.engines.llamacpp_server import decode_prompts, free_port, near_tie_logprobs, server_command
 
 NGRAM_MODES = "ngram-simple,ngram-mod,ngram-cache"
 # every free n-gram mode llama-server's --spec-type takes (common/speculative.cpp of the vendored source): the served
 # table's default
 ALL_NGRAM_MODES = "ngram-simple,ngram-map-k,ngram-map-k4v,ngram-mod,ngram-cache"
 PRODUCT_NGRAM = "ngram-cache"  # the context's n-grams plus the static corpus cache: prompt lookup + corpus lookup
+LOOKUPS_ONLY = "lookups"  # --product's label for the product without a drafter: its n-gram modes and corpus cache
 # a drafter GGUF's general.architecture -> llama-server's --spec-type and the table's decoder name; any other
 # architecture is a draft model (the target's own family, e.g. qwen2 or llama): draft-simple
 DRAFTER_SPEC_TYPES = {"eagle3": ("draft-eagle3", "EAGLE-3"), "dflash": ("draft-dflash", "DFlash")}
@@ -34,6 +35,7 @@ DRAFT_MODEL = ("draft-simple", "AR drafter")
 CODE_CATEGORIES = ("coding", "code-completion")  # the shipped splits' code categories: "code" against "rest"
 NEEDED_SPEEDUPS = (1.0, 1.5, 2.0)  # the speedups a drafter row's needed acceptance is given for (the 1.5B aims)
 ACCEPTANCE_POSITIONS = 8  # per-position acceptance kept for at most this many positions (n-gram drafts run longer)
+NEAR_TIE_PROBS = 10  # top log-probabilities asked for at a difference: the other decoder's token must be among them
 
 
 def llamacpp_decoders(exports: Path, ngram_modes: list[str], draft_len: int,
@@ -88,13 +90,14 @@ def served_decoders(targets: dict[str, Path], drafters: Sequence[dict], ngram_mo
     """The served table's llama.cpp decoders. targets: precision label -> target GGUF (plain at every one);
     ngram_modes run at each of spec_precisions (default: the first target); drafters: {label, file, precision
     (default the first target), spec_type, decoder, draft_len (optional)}, each served with its precision's target;
-    products: drafter labels to run with `product_ngram` ahead of them (the static corpus cache where given)."""
+    products: drafter labels to run with `product_ngram` ahead of them (the static corpus cache where given), or
+    LOOKUPS_ONLY: `product_ngram` and the corpus cache alone (at the first of spec_precisions)."""
     first = next(iter(targets))
     unknown = [d["label"] for d in drafters if (d.get("precision") or first) not in targets]
     if unknown:
         raise ConfigError(f"--draft-gguf: {', '.join(unknown)}: no target at its precision (targets: "
                           f"{', '.join(targets)})")
-    labels = {d["label"] for d in drafters}
+    labels = {d["label"] for d in drafters} | {LOOKUPS_ONLY}
     if set(products) - labels:
         raise ConfigError(f"--product: {', '.join(sorted(set(products) - labels))}: no --draft-gguf of that label")
     out = [dict(engine="llama.cpp", precision=p, target=t, decoder="plain", spec_type=None, draft_len=0)
@@ -102,6 +105,10 @@ def served_decoders(targets: dict[str, Path], drafters: Sequence[dict], ngram_mo
     for precision in spec_precisions or [first]:
         out += [dict(engine="llama.cpp", precision=precision, target=targets[precision], decoder="free n-gram",
                      spec_type=mode, draft_len=draft_len) for mode in ngram_modes]
+    if LOOKUPS_ONLY in products:
+        precision = (spec_precisions or [first])[0]
+        out.append(dict(engine="llama.cpp", precision=precision, target=targets[precision], decoder="product",
+                        label=LOOKUPS_ONLY, spec_type=product_ngram, draft_len=draft_len, lookup_cache=lookup_cache))
     for d in drafters:
         precision = d.get("precision") or first
         base = dict(engine="llama.cpp", precision=precision, target=targets[precision], drafter=d["file"],
@@ -236,6 +243,71 @@ def output_agreement(runs: list[dict], plain_runs: list[dict]) -> Optional[dict]
     prompts = len(pairs[0][0])
     return {"prompts": prompts, "identical": prompts - len({d["prompt"] for d in differences}),
             "differences": differences}
+
+
+def near_tie_cases(rows: list[dict], keys: list[str], rounds: list[dict], prompts: list[list[int]]) -> dict:
+    """The differences to check, per plain decoder that must answer for them (a speculative row's own precision's
+    plain row; a further plain row's reference): each differing prompt once, at its first difference in the first
+    round it appeared, with both outputs. rows and keys in summarize's order (rows[i] is rounds' keys[i])."""
+    cases: dict[str, list[dict]] = {}
+    for index, (key, row) in enumerate(zip(keys, rows)):
+        same = row.get("same_output_as_plain") or {}
+        if not same.get("differences"):
+            continue
+        precision = same.get("reference", row["precision"])
+        reference = next(k for k, r in zip(keys, rows) if r["decoder"] == "plain" and r["engine"] == row["engine"]
+                         and r["precision"] == precision)
+        seen = set()
+        for d in same["differences"]:
+            if d["prompt"] in seen:
+                continue
+            seen.add(d["prompt"])
+            cases.setdefault(reference, []).append({
+                "row": index, "round": d["round"], "prompt_index": d["prompt"], "position": d["position"],
+                "prompt": prompts[d["prompt"]], "reference": rounds[d["round"]][reference]["outputs"][d["prompt"]],
+                "other": rounds[d["round"]][key]["outputs"][d["prompt"]]})
+    return cases
+
+
+def near_tie(case: dict) -> dict:
+    """Whether a difference is the engine's near-tie numerics, from the plain decoder's own log-probabilities
+    (near_tie_logprobs): plain wrote token a at the position, the other decoder b. The margin a - b (a logit
+    difference) as plain computes it, 1 token a step, and as one multi-token pass over the same prefix computes it.
+    Shown a near-tie when the replay reproduced plain's output and the margin is no larger than the shift the
+    engine's own batch shape gives that margin: then arithmetic alone, not the drafter, can pick either token."""
+    k, reference, other = case["position"], case["reference"], case["other"]
+    a = reference[k] if k < len(reference) else None
+    b = other[k] if k < len(other) else None
+    step = case["stepwise"][k] if k < len(case["stepwise"]) else {}
+
+    def margin(logprobs: dict) -> Optional[float]:
+        return logprobs[a] - logprobs[b] if a in logprobs and b in logprobs else None
+
+    stepwise, batched = margin(step), margin(case["batched"])
+    reproduced = case["stepwise_tokens"][:k + 1] == reference[:k + 1]
+    tops = [sorted(lp.values(), reverse=True) for lp in case["stepwise"][:k]]
+    typical = [t[0] - t[1] for t in tops if len(t) > 1]
+    return {"round": case["round"], "prompt": case["prompt_index"], "position": k, "plain_token": a,
+            "other_token": b, "reproduced": reproduced, "margin_stepwise": stepwise, "margin_batched": batched,
+            "other_rank": sorted(step, key=step.get, reverse=True).index(b) + 1 if b in step else None,
+            "median_margin_before": median(typical) if typical else None,
+            "near_tie": bool(reproduced and stepwise is not None and batched is not None
+                             and stepwise <= abs(stepwise - batched))}
+
+
+def check_near_ties(rows: list[dict], keys: list[str], rounds: list[dict], prompts: list[list[int]],
+                    decoders: dict[str, dict], bin_dir: Path, threads: int, log: Path,
+                    n_probs: int = NEAR_TIE_PROBS) -> None:
+    """Every row's output differences checked on its plain decoder's server (one start per plain decoder): each
+    row's same_output_as_plain gains `near_ties` (near_tie, per differing prompt) and `near_ties_shown`."""
+    for reference, cases in near_tie_cases(rows, keys, rounds, prompts).items():
+        decoder = decoders[reference]
+        command = server_command(bin_dir, decoder["target"], None, None, 0, threads, free_port(),
+                                 f32_cache=decoder["precision"] == "f32")
+        for case in near_tie_logprobs(command, log, cases, n_probs):
+            same = rows[case["row"]]["same_output_as_plain"]
+            same.setdefault("near_ties", []).append(near_tie(case))
+            same["near_ties_shown"] = sum(t["near_tie"] for t in same["near_ties"])
 
 
 def group_figures(rounds: list[list[dict]], categories: Sequence[str], code: Sequence[str]) -> dict[str, dict]:
