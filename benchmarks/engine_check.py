@@ -60,6 +60,9 @@ def main(argv=None) -> int:
     parser.add_argument("--categories", default=None, help="only prompts of these task categories (comma list)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE)
+    parser.add_argument("--ours-from", default=None,
+                        help="llama.cpp: our evaluator's figures from an earlier check's llamacpp_check.json (same "
+                             "checkpoint, prompts, budget, draft length, lookups), not decoded again")
     parser.add_argument("--no-baseline", action="store_true", help="skip the engine without the drafter (tokens/s)")
     parser.add_argument("--output", default=None, help="folder for the export and results (default: "
                                                        "<run>/<engine>)")
@@ -72,6 +75,8 @@ def main(argv=None) -> int:
                         help="the command that made --run and --exported (e.g. 'bash benchmarks/engine_artifacts.sh'): "
                              "the result file's command starts with it")
     args = parser.parse_args(argv)
+    if args.ours_from and args.engine != "llamacpp":
+        parser.error("--ours-from: llama.cpp checks only")
     if args.result_name is not None:
         if not args.result_name.replace("_", "").replace("-", "").isalnum():
             parser.error(f"--result-name {args.result_name!r}: a plain file name (letters, digits, _ and -), "
@@ -94,7 +99,8 @@ def run_check(args) -> int:
                      draft_len=args.draft_len, tolerance=args.tolerance, baseline=not args.no_baseline,
                      threads=args.threads, output=args.output, exported=args.exported, llamacpp=args.llamacpp,
                      gguf_type=args.gguf_type, target_gguf=args.target_gguf, spec_type=args.spec_type,
-                     lookups=args.lookups, lookup_corpus=args.lookup_corpus, vllm_python=args.vllm_python)
+                     lookups=args.lookups, lookup_corpus=args.lookup_corpus, vllm_python=args.vllm_python,
+                     ours_from=args.ours_from)
     if args.engine == "llamacpp":
         result = check_llamacpp(step_dir, spec)
         print(json.dumps(result, indent=2))

@@ -20,7 +20,8 @@ DFlash need a target whose graph exposes its layers (a qwen2 file's llama re-exp
 --draft-len-of LABEL=N: that drafter's draft length (default --draft-len); --product LABEL: --product-ngram ahead of
 that drafter (with --lookup-cache, llama.cpp's static n-gram cache of the corpus); --ngram-modes run at
 --spec-precisions (default the first target; `all`: every mode llama-server takes); --ours-acceptance
-LABEL=metrics.json: drafter-eval's per-position acceptance set beside llama.cpp's for that row; --per-category N: the
+LABEL=FILE: our decoder's per-position acceptance (drafter-eval's metrics.json or an engine check's
+llamacpp_check.json) set beside llama.cpp's for that label's rows; --per-category N: the
 first N prompts of each category; --code-categories: "code" against "rest"; --calibration-rounds N: llama-bench's
 curves and llama-server's step costs measured in the first N rounds only; --result-name: the result file's name;
 --near-ties: each prompt whose output differs from its plain decoder's is replayed on that plain server with the top
@@ -304,10 +305,12 @@ def served_targets(args) -> dict[str, Path]:
 
 
 def add_ours_acceptance(rows: list[dict], given: list[str]) -> None:
-    """drafter-eval's per-position acceptance (its metrics.json) beside llama.cpp's, on every row of that label."""
+    """Our decoder's per-position acceptance (drafter-eval's metrics.json, or an engine check's llamacpp_check.json:
+    its "ours") beside llama.cpp's, on every row of that label."""
     for value in given:
         label, path, _ = parse_labelled(value, "--ours-acceptance")
-        ours = json.loads(path.read_text())["per_position_acceptance"]
+        record = json.loads(path.read_text())
+        ours = record.get("ours", record)["per_position_acceptance"]
         for row in rows:
             if row.get("label") == label:
                 row["ours_acceptance_per_position"] = ours

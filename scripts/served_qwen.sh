@@ -19,13 +19,13 @@
 #             timed in llama.cpp; the fastest length per drafter and the fastest mode are kept (OUT/choice.json,
 #             python -m drafter_train.engines.choose), the product runs that mode and the corpus cache, ahead of
 #             EAGLE-3 only if EAGLE-3 alone beat plain decoding on dev (choice.json's "product")
+#   agreement EAGLE-3's per-position acceptance in llama.cpp against ours on the same test prompts, on an f16 GGUF
+#             of the target and on the served Q4_K_M (benchmarks.engine_check --tolerance 0.03)
 #   table     the served table on the test split (PER_CATEGORY prompts of each of its 14 categories, ROUNDS
 #             interleaved rounds): plain at Q4_K_M (the baseline), Q8_0 and F16; the free n-gram mode chosen on
 #             dev; the stock 0.5B draft model; each drafter trained here; the product with EAGLE-3 and without it
 #             (lookups) -> benchmarks/results/served_qwen1.5b.json;
 #             each output that differs from plain decoding is replayed on the plain server (--near-ties: a near tie?)
-#   agreement EAGLE-3's per-position acceptance in llama.cpp against ours on the same test prompts, on an f16 GGUF
-#             of the target and on the served Q4_K_M (benchmarks.engine_check --tolerance 0.03)
 #   results   docs/results.md regenerated (python -m benchmarks.make_results)
 # Budget on a 2-core machine: docs/lab-notes/served-qwen.md. Environment: DATA, OUT, NUM_PROMPTS (160), VOCAB (8192),
 # E3_STEPS (100), E3_LR (5e-4), AR_LAYERS (4), AR_STEPS (60), AR_BATCH (4), SAVE_EVERY (50), PER_CATEGORY (2),
@@ -38,7 +38,7 @@ DRAFT_MODEL=qwen2.5-coder-0.5b
 DATA=${DATA:-data/$TARGET}
 OUT=${OUT:-checkpoints/served-$TARGET}
 THREADS=${THREADS:-2}
-STAGES=" ${STAGES:-targets llamacpp datagen eagle3 ar exports choose table agreement results} "
+STAGES=" ${STAGES:-targets llamacpp datagen eagle3 ar exports choose agreement table results} "
 for s in $STAGES; do
   case $s in targets|llamacpp|datagen|eagle3|ar|exports|choose|table|agreement|results) ;;
     *) echo "served_qwen: STAGES: unknown stage $s" >&2; exit 2;;
@@ -132,24 +132,6 @@ if stage choose && [[ ! -f $OUT/choice.json ]]; then
   mv "$OUT/choice.json.part" "$OUT/choice.json"
   took choose
 fi
-if stage table; then
-  chosen() {  # a field of choice.json by its dotted path (draft_len.e3)
-    python3 -c 'import json, sys
-value = json.load(open(sys.argv[1]))
-for key in sys.argv[2].split("."):
-    value = value[key]
-print(value)' "$OUT/choice.json" "$1"
-  }
-  python3 -m benchmarks.engines "${SERVED[@]}" --prompts test --per-category ${PER_CATEGORY:-2} \
-    --max-new-tokens ${NEW_TOKENS:-64} --rounds ${ROUNDS:-3} --ngram-modes "$(chosen ngram_mode)" \
-    --spec-precisions q4_k_m-llama \
-    --export-types q8_0,f16 --draft-gguf "0.5B=$CACHE/$DRAFT_MODEL.gguf@q4_k_m-llama" --draft-len-of 0.5B=3 \
-    --draft-gguf "eagle3=$E3" --draft-len-of eagle3=$(chosen draft_len.e3) \
-    --draft-gguf "ar=$AR" --draft-len-of ar=$(chosen draft_len.ar) \
-    --product eagle3 --product lookups --product-ngram "$(chosen product_ngram)" --near-ties --output "$OUT/table" --result \
-    --result-name served_qwen1.5b
-  took table
-fi
 # EAGLE-3 alone, as a chain, in llama.cpp against our decoder on the same test prompts: on an f16 GGUF of the target
 # (llama.cpp's converter from the dequantised copy, then the llama re-export), where both do the same arithmetic,
 # and on the served Q4_K_M re-export, where the engine's Q4_K arithmetic differs from the dequantised torch model's
@@ -164,13 +146,39 @@ print(out if out.is_file() else reexport_as_llama(f, out))' $TARGET)
   for t in "f16=$f16" "q4_k_m=$CACHE/$TARGET.llama.gguf"; do
     name=engine_llamacpp_qwen1_5b_${t%%=*}
     [[ -f benchmarks/results/$name.json ]] && continue
+    # our decoding of the 1.5B (fp32 torch, ~35 min here) is the same for both target files: decoded once
+    ours=()
+    [[ -f $OUT/agreement-f16/llamacpp_check.json ]] && ours=(--ours-from "$OUT/agreement-f16/llamacpp_check.json")
     rc=0
     python3 -m benchmarks.engine_check --engine llamacpp --run "$OUT/eagle3" --exported "$OUT/exports/eagle3" \
       --target-gguf "${t#*=}" --prompts test --num-prompts 14 --max-new-tokens 48 --draft-len 2 --tolerance 0.03 \
-      --no-baseline --threads $THREADS --output "$OUT/agreement-${t%%=*}" --result-name $name || rc=$?
+      --no-baseline --threads $THREADS --output "$OUT/agreement-${t%%=*}" --result-name $name "${ours[@]}" || rc=$?
     (( rc <= 1 )) || exit $rc  # 1: outside the tolerance, the verdict is in the result file; anything else failed
   done
   took agreement
+fi
+if stage table; then
+  chosen() {  # a field of choice.json by its dotted path (draft_len.e3)
+    python3 -c 'import json, sys
+value = json.load(open(sys.argv[1]))
+for key in sys.argv[2].split("."):
+    value = value[key]
+print(value)' "$OUT/choice.json" "$1"
+  }
+  # our decoder's per-position acceptance of EAGLE-3 on the test prompts (the agreement stage's f16 check) beside
+  # llama.cpp's in its rows
+  ours=()
+  f16_check=$OUT/agreement-f16/llamacpp_check.json
+  [[ -f $f16_check ]] && ours=(--ours-acceptance "eagle3=$f16_check")
+  python3 -m benchmarks.engines "${SERVED[@]}" --prompts test --per-category ${PER_CATEGORY:-2} \
+    --max-new-tokens ${NEW_TOKENS:-64} --rounds ${ROUNDS:-3} --ngram-modes "$(chosen ngram_mode)" \
+    --spec-precisions q4_k_m-llama \
+    --export-types q8_0,f16 --draft-gguf "0.5B=$CACHE/$DRAFT_MODEL.gguf@q4_k_m-llama" --draft-len-of 0.5B=3 \
+    --draft-gguf "eagle3=$E3" --draft-len-of eagle3=$(chosen draft_len.e3) \
+    --draft-gguf "ar=$AR" --draft-len-of ar=$(chosen draft_len.ar) \
+    --product eagle3 --product lookups --product-ngram "$(chosen product_ngram)" --near-ties "${ours[@]}" \
+    --output "$OUT/table" --result --result-name served_qwen1.5b
+  took table
 fi
 if stage results; then
   python3 -m benchmarks.make_results

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import main_job, make_results
 from benchmarks.common import dev_note, split_name, write_result
+from drafter_train.errors import ConfigError
 
 MACHINE = {"cpu": "Test CPU", "torch_threads": 2, "load_average": [1.5, 1.0, 0.5]}
 
@@ -109,7 +110,6 @@ def test_make_results_leaves_a_readme_without_markers_alone(tmp_path):
 
 def test_engine_check_serves_every_kind_with_a_vllm_export_and_refuses_the_others_in_one_line():
     from drafter_train.engines.vllm_cpu import vllm_method
-    from drafter_train.errors import ConfigError
     from drafter_train.drafters.registry import all_kinds, get_kind
 
     assert {k: vllm_method(get_kind(k)) for k in ("eagle3", "dflash", "ar")} == {
@@ -161,6 +161,29 @@ def test_engine_check_names_its_result_file_and_make_results_sets_it_beside_the_
     with pytest.raises(SystemExit):  # a path is refused before anything loads
         engine_check.main(["--engine", "llamacpp", "--run", "x", "--result-name", "../elsewhere"])
     assert "--result-name '../elsewhere': a plain file name" in capsys.readouterr().err
+
+
+def test_ours_from_is_refused_in_one_line_unless_it_checked_the_same(tmp_path, capsys):
+    """--ours-from reuses our evaluator's figures only from a check of the same checkpoint, prompts, budget, draft
+    length and lookups; anything else (or no such file, or a vLLM check) is one line before anything loads."""
+    from benchmarks import engine_check
+    from drafter_train.engines.check import CheckSpec, reused_ours
+
+    same = {"checkpoint": "/runs/e3/step-60", "prompts": "test", "categories": None, "num_prompts": 14,
+            "max_new_tokens": 48, "draft_len": 2, "lookups": None, "lookup_corpus": None}
+    earlier = tmp_path / "llamacpp_check.json"
+    earlier.write_text(json.dumps(dict(same, num_prompts=12, ours={"tau": 1.2})))
+    with pytest.raises(ConfigError) as refused:
+        reused_ours(earlier, same, {}, CheckSpec())
+    assert str(refused.value) == f"--ours-from {earlier}: another check (num_prompts 12, here 14)"
+    earlier.write_text(json.dumps({k: v for k, v in same.items() if k != "lookups"}))  # written before lookups were
+    with pytest.raises(ConfigError, match=r"another check \(lookups '\(not recorded\)', here None\)"):
+        reused_ours(earlier, same, {}, CheckSpec())
+    with pytest.raises(ConfigError, match="--ours-from: no such file"):
+        reused_ours(tmp_path / "none.json", same, {}, CheckSpec())
+    with pytest.raises(SystemExit):
+        engine_check.main(["--engine", "vllm", "--run", "x", "--ours-from", str(earlier)])
+    assert "--ours-from: llama.cpp checks only" in capsys.readouterr().err
 
 
 def test_engine_check_command_names_the_artifacts_command_first():

@@ -63,12 +63,13 @@ def served_broken(root: Path, run: Path, good: Path, out: Path, edits: dict, **f
     """Each edit (name -> rewrite_gguf's fields/tensors/drop) applied to a copy of the good export in `good`, served
     by the same check (no plain baseline): name -> the check's result."""
     results = {}
+    ours = good.parent / "llamacpp_check.json"  # the good check's: our evaluator's figures, not decoded again
     for name, edit in edits.items():
         folder = out / name.replace(" ", "-")
         shutil.copytree(good, folder)
         rewrite_gguf(good / DRAFTER_FILE, folder / DRAFTER_FILE, **edit)
         results[name] = check(root, run, out / f"{folder.name}-out", exported=str(folder), baseline=False,
-                              **fields)[1]
+                              ours_from=str(ours) if ours.is_file() else None, **fields)[1]
     return results
 
 
@@ -111,6 +112,11 @@ def test_llamacpp_serves_the_eagle3_export_with_our_acceptance_and_catches_broke
     assert status == 0 and result["comparison"]["agree"], result["comparison"]
     assert engine["plain_tokens_per_s"] > 0 and engine["spec_tokens_per_s"] > 0
     assert_lossless(engine)
+    # another target file for the same check: our figures reused (the broken exports below reuse them too)
+    again = check(root, found["eagle3"], tmp_path / "again", exported=str(tmp_path / "ok" / "drafter"),
+                  baseline=False, ours_from=str(tmp_path / "ok" / "llamacpp_check.json"))[1]
+    assert again["ours"] == dict(ours, reused_from=str(tmp_path / "ok" / "llamacpp_check.json"))
+    assert again["llamacpp"]["per_position_acceptance"] == engine["per_position_acceptance"]
 
     good = tmp_path / "ok" / "drafter"
     reader = gguf.GGUFReader(good / DRAFTER_FILE)

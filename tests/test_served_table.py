@@ -427,3 +427,14 @@ def test_near_ties_are_checked_on_each_rows_plain_server(tmp_path, monkeypatch):
         "margin_stepwise": pytest.approx(0.5), "margin_batched": None, "other_rank": 2,
         "median_margin_before": pytest.approx(0.25), "near_tie": False}]
     assert "near_ties" not in (rows[1].get("same_output_as_plain") or {})  # f16's output equals the reference's
+
+
+def test_ours_acceptance_comes_from_drafter_eval_or_an_engine_check(tmp_path):
+    from benchmarks.engines import add_ours_acceptance
+
+    (tmp_path / "metrics.json").write_text(json.dumps({"per_position_acceptance": [0.5]}))
+    (tmp_path / "llamacpp_check.json").write_text(json.dumps({"ours": {"per_position_acceptance": [0.25, 0.125]},
+                                                              "llamacpp": {"per_position_acceptance": [0.9]}}))
+    rows = [{"label": "a"}, {"label": "b"}, {"label": "b", "decoder": "product"}, {}]
+    add_ours_acceptance(rows, [f"a={tmp_path / 'metrics.json'}", f"b={tmp_path / 'llamacpp_check.json'}"])
+    assert [r.get("ours_acceptance_per_position") for r in rows] == [[0.5], [0.25, 0.125], [0.25, 0.125], None]

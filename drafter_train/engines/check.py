@@ -69,6 +69,9 @@ class CheckSpec:
     spec_type: Optional[str] = None  # default: the kind's (e.g. draft-eagle3)
     lookups: Optional[str] = None  # llama.cpp n-gram modes ahead of the drafter (the product)
     lookup_corpus: Optional[str] = None  # a drafter-datagen folder: llama.cpp's static n-gram cache, our corpus lookup
+    # our evaluator's figures from an earlier llama.cpp check of the same checkpoint, prompts, budget, draft length
+    # and lookups (its llamacpp_check.json): the same torch decoding, not run again for another target GGUF
+    ours_from: Optional[str] = None
     # vLLM
     vllm_python: Optional[str] = None  # vLLM's interpreter (default: $DRAFTER_TRAIN_VLLM_VENV, else .venv-vllm)
 
@@ -119,6 +122,28 @@ def evaluate_ours(step_dir: Path, config: dict, spec: CheckSpec, draft_len: int)
     record = dict(acceptance, greedy_match=ours["greedy_match"], spec_tokens_per_s=ours["spec_tokens_per_s"],
                   ar_tokens_per_s=ours["ar_tokens_per_s"], speedup=ours["speedup"])
     return target_cfg, target, tokenizer, prompts, eos, acceptance, record
+
+
+def reused_ours(path: Path, same: dict, config: dict, spec: CheckSpec):
+    """(target config, tokenizer, prompt ids, our record) from an earlier check's llamacpp_check.json, refused in one
+    line unless it checked the same checkpoint on the same prompts, budget, draft length and lookups (our decoding
+    does not depend on the engine's target GGUF). Only the tokenizer loads: the prompts are made again."""
+    from drafter_train.config import TargetConfig
+    from drafter_train.data.prompts import prompt_ids
+    from drafter_train.targets import load_target_tokenizer
+
+    if not path.is_file():
+        raise ConfigError(f"--ours-from: no such file {path}")
+    earlier = json.loads(path.read_text())
+    differ = [k for k, v in same.items() if earlier.get(k, "(not recorded)") != v]
+    if differ:
+        raise ConfigError(f"--ours-from {path}: another check (" + ", ".join(
+            f"{k} {earlier.get(k, '(not recorded)')!r}, here {same[k]!r}" for k in differ) + ")")
+    fields = {f.name for f in dataclasses.fields(TargetConfig)}
+    target_cfg = TargetConfig(**{k: v for k, v in config.get("target", {}).items() if k in fields})
+    tokenizer = load_target_tokenizer(target_cfg)
+    prompts, _ = prompt_ids(tokenizer, target_cfg, spec.prompts, spec.num_prompts, spec.categories)
+    return target_cfg, tokenizer, prompts, earlier["ours"]
 
 
 def ours_acceptance(metrics: dict) -> dict:
@@ -220,7 +245,15 @@ def check_llamacpp(step_dir: Path, spec: CheckSpec) -> dict:
         target, drafter = files.target, files.drafter
         (out / "drafter" / TARGET_FILE).symlink_to(target)  # the folder serves as `exported` later
     draft_len = spec.draft_len or info.draft_len
-    target_cfg, _, tokenizer, prompts, _, ours, ours_record = evaluate_ours(step_dir, info.config, spec, draft_len)
+    same = {"checkpoint": str(step_dir), "prompts": spec.prompts, "categories": spec.categories,
+            "num_prompts": spec.num_prompts, "max_new_tokens": spec.max_new_tokens, "draft_len": draft_len,
+            "lookups": spec.lookups, "lookup_corpus": spec.lookup_corpus}
+    if spec.ours_from:
+        target_cfg, tokenizer, prompts, ours_record = reused_ours(Path(spec.ours_from), same, info.config, spec)
+        ours = {k: ours_record[k] for k in ("mean_acceptance_length", "implied_acceptance_length",
+                                              "per_position_acceptance", "drafting_steps", "tau")}
+    else:
+        target_cfg, _, tokenizer, prompts, _, ours, ours_record = evaluate_ours(step_dir, info.config, spec, draft_len)
     cache = None if not spec.lookup_corpus else write_lookup_cache(root, target, Path(spec.lookup_corpus),
                                                                    out / "corpus.lookup", tokenizer)
     engine = LlamaServer(bin_dir, target, drafter, spec_type, draft_len, spec.threads, out,
@@ -240,9 +273,9 @@ def check_llamacpp(step_dir: Path, spec: CheckSpec) -> dict:
         record.update(plain_tokens_per_s=plain.tokens_per_s, speedup=served.tokens_per_s / plain.tokens_per_s,
                       output_equals_plain=not mismatches, output_mismatches=mismatches)
     result = {
-        "engine": "llamacpp", "target": model_name(target_cfg.path), "checkpoint": str(step_dir),
-        "kind": info.kind.name, "method": spec_type, "exported": str(drafter.parent), "draft_len": draft_len,
-        "num_prompts": len(prompts), "max_new_tokens": spec.max_new_tokens, "ours": ours_record, "llamacpp": record,
+        **same, "engine": "llamacpp", "target": model_name(target_cfg.path), "target_gguf": str(target),
+        "kind": info.kind.name, "method": spec_type, "exported": str(drafter.parent), "num_prompts": len(prompts),
+        "ours": dict(ours_record, reused_from=spec.ours_from) if spec.ours_from else ours_record, "llamacpp": record,
         "comparison": compare(ours, engine_acceptance, spec.tolerance),
         "load_avg": os.getloadavg(), "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
