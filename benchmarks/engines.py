@@ -19,14 +19,15 @@ GGUF served with that precision's target (default the first --target-gguf): its 
 DFlash need a target whose graph exposes its layers (a qwen2 file's llama re-export, drafter_train/llama_reexport.py);
 --draft-len-of LABEL=N: that drafter's draft length (default --draft-len); --product LABEL: --product-ngram ahead of
 that drafter (with --lookup-cache, llama.cpp's static n-gram cache of the corpus); --ngram-modes run at
---spec-precisions (default the first target; `all`: every mode llama-server takes); --ours-acceptance
-LABEL=FILE: our decoder's per-position acceptance (drafter-eval's metrics.json or an engine check's
-llamacpp_check.json) set beside llama.cpp's for that label's rows; --per-category N: the
-first N prompts of each category; --code-categories: "code" against "rest"; --calibration-rounds N: llama-bench's
-curves and llama-server's step costs measured in the first N rounds only; --result-name: the result file's name;
---near-ties: each prompt whose output differs from its plain decoder's is replayed on that plain server with the top
-log-probabilities at the first difference, 1 token a step and in one multi-token pass (table.near_tie): a difference
-is the engine's near-tie numerics when the two tokens' logit margin is within the shift its own batch shape gives it.
+--spec-precisions (default the first target; `all`: every mode llama-server takes); --ours-acceptance LABEL=FILE: our
+decoder's per-position acceptance (drafter-eval's metrics.json or an engine check's llamacpp_check.json) set beside
+llama.cpp's for that label's rows; --per-category N: the first N prompts of each category; --code-categories: "code"
+against "rest"; --calibration-rounds N: llama-bench's curves and llama-server's step costs measured in the first N
+rounds only; --result-name: the result file's name; --no-repack LABELS: those targets served with llama.cpp's
+--no-repack (the weights as stored: see drafter_train/engines/llamacpp_server.py); --near-ties: each prompt whose
+output differs from its plain decoder's is replayed on that plain server with the top log-probabilities at the first
+difference, 1 token a step and in one multi-token pass (table.near_tie): a difference is the engine's near-tie
+numerics when the two tokens' logit margin is within the shift its own batch shape gives it.
 
 DIR holds one `drafter-export export.format=gguf` folder per precision (DIR/f32, DIR/f16, DIR/q8_0: target.gguf and
 the EAGLE-3 drafter.gguf of a `drafter.norm_before_fc=true` run) and, optionally, DIR/corpus.lookup: the corpus as
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
     parser.add_argument("--product-ngram", default=PRODUCT_NGRAM, help="the n-gram modes ahead of the product's drafter")
     parser.add_argument("--lookup-cache", type=Path, default=None, help="llama-lookup-create's static n-gram cache")
     parser.add_argument("--spec-precisions", default="", help="the precisions the free n-gram modes run at")
+    parser.add_argument("--no-repack", default="", help="--target-gguf labels served with llama.cpp's --no-repack")
     parser.add_argument("--ours-acceptance", action="append", default=[],
                         help="LABEL=metrics.json: drafter-eval's per-position acceptance for that drafter's row")
     parser.add_argument("--per-category", type=int, default=None, help="the first N prompts of each category")
@@ -242,7 +244,8 @@ def calibrate_llamacpp(args, decoders: list[dict], bin_dir: Path, calibration: l
     and llama-server's own step per cost key where that precision has speculative rows (none: nothing to predict)."""
     ngram_drafts = [int(n) for n in args.ngram_drafts.split(",") if n]
     for precision, target in {d["precision"]: d["target"] for d in decoders}.items():
-        curves[("llama.cpp", precision)] = bench_curve(bin_dir, target, sizes, args.depth, 3, args.threads)
+        repack = all(d.get("repack", True) for d in decoders if d["precision"] == precision)
+        curves[("llama.cpp", precision)] = bench_curve(bin_dir, target, sizes, args.depth, 3, args.threads, repack)
         mine = [x for x in decoders if x["precision"] == precision]
         if not any(x["spec_type"] for x in mine):
             continue
@@ -250,7 +253,7 @@ def calibrate_llamacpp(args, decoders: list[dict], bin_dir: Path, calibration: l
         drafters = {llamacpp_cost.cost_key(x): x["drafter"] for x in mine if x.get("drafter")}
         server[precision] = llamacpp_cost.server_curves(
             bin_dir, target, drafters, calibration, args.calibration_new_tokens, args.threads, precision == "f32",
-            args.output / "calibration.log", llamacpp_cost.drafts_for(mine, ngram_drafts))
+            args.output / "calibration.log", llamacpp_cost.drafts_for(mine, ngram_drafts), repack)
 
 
 def all_decoders(args, engines: list[str]) -> list[dict]:
@@ -281,7 +284,8 @@ def all_decoders(args, engines: list[str]) -> list[dict]:
     if set(spec_precisions) - set(targets):
         raise ConfigError(f"--spec-precisions: {','.join(spec_precisions)}: not among the targets ({', '.join(targets)})")
     return out + served_decoders(targets, drafters, modes, args.draft_len, spec_precisions, args.product,
-                                 args.product_ngram, args.lookup_cache.absolute() if args.lookup_cache else None)
+                                 args.product_ngram, args.lookup_cache.absolute() if args.lookup_cache else None,
+                                 [p for p in args.no_repack.split(",") if p])
 
 
 def served_targets(args) -> dict[str, Path]:

@@ -158,6 +158,8 @@ def test_server_commands_for_plain_ngram_and_product():
     got = _pairs(product)
     assert got["--spec-type"] == "ngram-cache,draft-eagle3" and got["-md"] == "d.gguf"
     assert got["--lookup-cache-static"] == "corpus.lookup" and got["--spec-draft-n-max"] == "2"
+    assert "--no-repack" not in product  # llama.cpp's default: repacked weights
+    assert "--no-repack" in server_command(bin_dir, Path("t.gguf"), None, None, 2, 2, 8080, False, repack=False)
 
 
 def test_engines_lists_every_decoder_of_the_exports(tmp_path):

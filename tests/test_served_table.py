@@ -71,6 +71,13 @@ def test_served_decoders_for_targets_and_labelled_drafters(tmp_path):
         "q4_k_m-llama", "product", "lookups", None)
     assert table._row(lookups)["setting"] == "--spec-type ngram-simple,ngram-cache --lookup-cache-static corpus.lookup"
     assert table.cost_key(lookups) == "ngram"  # its steps cost what an n-gram mode's do
+    # a target label served with --no-repack: every row at that precision, and its setting says so
+    nr = table.served_decoders(targets, drafters, ["ngram-simple"], 2, spec_precisions=["q4_k_m-llama"],
+                               no_repack=["q4_k_m-llama"])
+    assert [d.get("repack", True) for d in nr] == [True, False, True, False, True, False]
+    assert table._row(nr[3])["setting"] == "--spec-type ngram-simple --no-repack"
+    with pytest.raises(ConfigError, match="--no-repack: q5: no target of that label"):
+        table.served_decoders(targets, [], [], 2, no_repack=["q5"])
 
 
 def test_bad_labels_are_one_line(tmp_path):
@@ -213,10 +220,12 @@ def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
     prompts.write_text("".join(json.dumps({"prompt": f"write {w} now", "category": c}) + "\n"
                                for w, c in [("a", "coding"), ("b", "chat"), ("c", "coding"), ("d", "chat"),
                                             ("e", "coding")]))
-    benched, calibrated = [], []
-    monkeypatch.setattr(driver, "bench_curve", lambda *a: benched.append(a[1]) or {1: 10.0, 2: 12.0})
-    monkeypatch.setattr(llamacpp_cost, "server_curves", lambda *a: calibrated.append(a[-1]) or {"ms_1": 10.0, "kinds": {
-        key: {"ms": {1: 10.0, 3: 15.0}, "relative": {1: 1.0, 3: 1.5}} for key in a[-1]}})
+    benched, calibrated, repacked = [], [], []
+    monkeypatch.setattr(driver, "bench_curve", lambda *a: benched.append(a[1]) or repacked.append(a[-1])
+                        or {1: 10.0, 2: 12.0})
+    monkeypatch.setattr(llamacpp_cost, "server_curves", lambda *a: calibrated.append(a[-2]) or repacked.append(a[-1])
+                        or {"ms_1": 10.0, "kinds": {key: {"ms": {1: 10.0, 3: 15.0}, "relative": {1: 1.0, 3: 1.5}}
+                                                    for key in a[-2]}})
     monkeypatch.setattr(driver.llamacpp_cost, "prompt_set", _word_prompts(llamacpp_cost.prompt_set))
     monkeypatch.setattr(driver.llamacpp_cost, "calibration_prompts", lambda *a, **k: [[5, 6, 7]])
     results = tmp_path / "results"
@@ -227,8 +236,11 @@ def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
                         "--ngram-modes", "ngram-simple", "--prompts", str(prompts), "--per-category", "2",
                         "--rounds", "2", "--max-new-tokens", "4", "--output", str(tmp_path / "out"),
                         "--result", "--result-name", "served_test", "--calibration-rounds", "1",
-                        "--ngram-drafts", "4,16", "--target-gguf", f"plainonly={target}"])
+                        "--ngram-drafts", "4,16", "--target-gguf", f"plainonly={target}",
+                        "--no-repack", "plainonly"])
     assert code == 0
+    # llama-bench and the step calibration as each target is served: plainonly with --no-repack
+    assert repacked == [True, True, False]  # q4: llama-bench, then its step calibration; plainonly: llama-bench
     # calibrated in the first round only; the plain-only precision gets llama-bench's curve, no step calibration
     assert benched == [target, target] and calibrated == [{"ngram": (4, 16), "ar:small": (3, 8)}]
     result = json.loads((results / "served_test.json").read_text())

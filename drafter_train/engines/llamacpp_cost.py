@@ -100,14 +100,14 @@ def _kind(key: str) -> str:
 
 
 def calibration_command(bin_dir: Path, target: Path, kind: Optional[str], drafts: int, drafter: Optional[Path],
-                        threads: int, port: int, f32_cache: bool) -> list[str]:
+                        threads: int, port: int, f32_cache: bool, repack: bool = True) -> list[str]:
     """llama-server for one calibration run: plain (kind None), or the kind's speculation at `drafts` drafts per step
     with every draft rejected (synthetic acceptance 0)."""
     if kind is None:
-        return engine.server_command(bin_dir, target, None, None, 0, threads, port, f32_cache)
+        return engine.server_command(bin_dir, target, None, None, 0, threads, port, f32_cache, repack=repack)
     spec_type = SPEC_TYPES[kind]
     command = engine.server_command(bin_dir, target, None if kind == "ngram" else drafter, spec_type, drafts,
-                                    threads, port, f32_cache)
+                                    threads, port, f32_cache, repack=repack)
     if kind == "ngram":
         command += ["--spec-ngram-simple-size-n", str(NGRAM_MATCH), "--spec-ngram-simple-size-m", str(drafts)]
     return command + ["--spec-synth-rates", ",".join(["0"] * drafts)]
@@ -143,13 +143,13 @@ def plain_step_ms(served: dict) -> float:
 
 
 def server_curves(bin_dir: Path, target: Path, drafters: dict, prompts: list[list[int]], max_new_tokens: int,
-                  threads: int, f32_cache: bool, log: Path, drafts: dict) -> dict:
+                  threads: int, f32_cache: bool, log: Path, drafts: dict, repack: bool = True) -> dict:
     """One precision: the plain server's per-token ms (ms_1) and, per cost key of `drafts` ({kind or kind:label: draft
     lengths}) with its drafter file (drafters: {"eagle3": path, "ar:0.5B": path ...}; ngram needs none), the verify
     step's ms by pass size and relative to ms_1."""
     def served(key, d, prompt_set, n_new):
         command = calibration_command(bin_dir, target, key and _kind(key), d, drafters.get(key), threads,
-                                      engine.free_port(), f32_cache)
+                                      engine.free_port(), f32_cache, repack)
         return engine.decode_prompts(command, log, prompt_set, n_new, ignore_eos=True)
 
     plain = plain_step_ms(served(None, 0, prompts, max_new_tokens))
@@ -207,10 +207,11 @@ def prompt_set(target: str, prompts: Optional[str], num_prompts: int, categories
     return [ids[i] for i in keep], [found[i] for i in keep]
 
 
-def bench_curve(bin_dir: Path, gguf: Path, sizes: list[int], depth: int, repeats: int, threads: int) -> dict[int, float]:
+def bench_curve(bin_dir: Path, gguf: Path, sizes: list[int], depth: int, repeats: int, threads: int,
+                repack: bool = True) -> dict[int, float]:
     """llama-bench: median ms of one pass over n tokens after `depth` cached tokens (its pp tests at that depth).
     llama-bench takes no f32 KV cache, so its caches are f16 at every precision (the server's are f32 at f32)."""
     command = [str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", ",".join(map(str, sizes)), "-n", "0",
-               "-d", str(depth), "-r", str(repeats), "-t", str(threads), "-o", "json"]
+               "-d", str(depth), "-r", str(repeats), "-t", str(threads), "--repack", str(int(repack)), "-o", "json"]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
     return {test["n_prompt"]: median(test["samples_ns"]) / 1e6 for test in json.loads(done.stdout)}

@@ -35,17 +35,22 @@ DRAFT_STATS = re.compile(r"statistics\s+(\S+): #calls\(b,g,a\) =\s*\d+\s+(\d+)\s
 
 
 def server_command(bin_dir: Path, target: Path, drafter: Optional[Path], spec_type: Optional[str], draft_len: int,
-                   threads: int, port: int, f32_cache: bool, lookup_cache: Optional[Path] = None) -> list[str]:
+                   threads: int, port: int, f32_cache: bool, lookup_cache: Optional[Path] = None,
+                   repack: bool = True) -> list[str]:
     """llama-server for one user (-np 1), debug log (the per-step acceptance lines), optionally float32 KV caches
     (the default f16 caches round differently from our float32 decoder).
 
     spec_type: llama.cpp's --spec-type, a comma list (n-gram types are always tried before a draft model, whatever
     the order); None: plain decoding. An n-gram type needs no drafter file; lookup_cache: a static n-gram cache
-    (llama-lookup-create) for the ngram-cache type."""
+    (llama-lookup-create) for the ngram-cache type. repack=False: --no-repack, the weights as the file stores them
+    (llama.cpp's CPU backend otherwise repacks some types, e.g. Q4_K on AVX2, into interleaved rows whose kernels run
+    a batch of 2-3 tokens as that many 1-token passes: ggml-cpu/repack.cpp, forward_mul_mat_one_chunk)."""
     command = [str(bin_dir / "llama-server"), "-m", str(target), "--host", "127.0.0.1", "--port", str(port),
                "-t", str(threads), "-tb", str(threads), "-c", "2048", "-np", "1", "-lv", "5"]
     if f32_cache:
         command += ["-ctk", "f32", "-ctv", "f32"]
+    if not repack:
+        command.append("--no-repack")
     if spec_type:
         command += ["--spec-type", spec_type, "--spec-draft-n-max", str(draft_len), "--spec-draft-n-min", "0"]
     if lookup_cache is not None:

@@ -86,12 +86,14 @@ def drafter_spec_type(gguf: Path, option: str) -> tuple[str, str]:
 
 def served_decoders(targets: dict[str, Path], drafters: Sequence[dict], ngram_modes: Sequence[str], draft_len: int,
                     spec_precisions: Sequence[str] = (), products: Sequence[str] = (),
-                    product_ngram: str = PRODUCT_NGRAM, lookup_cache: Optional[Path] = None) -> list[dict]:
+                    product_ngram: str = PRODUCT_NGRAM, lookup_cache: Optional[Path] = None,
+                    no_repack: Sequence[str] = ()) -> list[dict]:
     """The served table's llama.cpp decoders. targets: precision label -> target GGUF (plain at every one);
     ngram_modes run at each of spec_precisions (default: the first target); drafters: {label, file, precision
     (default the first target), spec_type, decoder, draft_len (optional)}, each served with its precision's target;
     products: drafter labels to run with `product_ngram` ahead of them (the static corpus cache where given), or
-    LOOKUPS_ONLY: `product_ngram` and the corpus cache alone (at the first of spec_precisions)."""
+    LOOKUPS_ONLY: `product_ngram` and the corpus cache alone (at the first of spec_precisions). no_repack: target
+    labels served with --no-repack (every row at that precision, its llama-bench curve and step calibration)."""
     first = next(iter(targets))
     unknown = [d["label"] for d in drafters if (d.get("precision") or first) not in targets]
     if unknown:
@@ -100,6 +102,9 @@ def served_decoders(targets: dict[str, Path], drafters: Sequence[dict], ngram_mo
     labels = {d["label"] for d in drafters} | {LOOKUPS_ONLY}
     if set(products) - labels:
         raise ConfigError(f"--product: {', '.join(sorted(set(products) - labels))}: no --draft-gguf of that label")
+    if set(no_repack) - set(targets):
+        raise ConfigError(f"--no-repack: {', '.join(sorted(set(no_repack) - set(targets)))}: no target of that label "
+                          f"(targets: {', '.join(targets)})")
     out = [dict(engine="llama.cpp", precision=p, target=t, decoder="plain", spec_type=None, draft_len=0)
            for p, t in targets.items()]
     for precision in spec_precisions or [first]:
@@ -117,14 +122,17 @@ def served_decoders(targets: dict[str, Path], drafters: Sequence[dict], ngram_mo
         if d["label"] in products:
             out.append(dict(base, decoder="product", spec_type=f"{product_ngram},{d['spec_type']}",
                             lookup_cache=lookup_cache))
+    for d in out:
+        if d["precision"] in no_repack:
+            d["repack"] = False
     return out
 
 
 def run_llamacpp(decoder: dict, bin_dir: Path, prompts: list[list[int]], max_new_tokens: int, threads: int,
                  log: Path) -> dict:
     command = server_command(bin_dir, decoder["target"], decoder.get("drafter"), decoder["spec_type"],
-                                    decoder["draft_len"], threads, free_port(),
-                                    f32_cache=decoder["precision"] == "f32", lookup_cache=decoder.get("lookup_cache"))
+                             decoder["draft_len"], threads, free_port(), f32_cache=decoder["precision"] == "f32",
+                             lookup_cache=decoder.get("lookup_cache"), repack=decoder.get("repack", True))
     served = decode_prompts(command, log, prompts, max_new_tokens)
     return {"tokens_per_s": served["tokens_per_s"], "tokens": served["generated"], "steps": served["steps"],
             "draft_ms": served["draft_ms"], "outputs": served["tokens"], "requests": served["requests"],
@@ -303,7 +311,7 @@ def check_near_ties(rows: list[dict], keys: list[str], rounds: list[dict], promp
     for reference, cases in near_tie_cases(rows, keys, rounds, prompts).items():
         decoder = decoders[reference]
         command = server_command(bin_dir, decoder["target"], None, None, 0, threads, free_port(),
-                                 f32_cache=decoder["precision"] == "f32")
+                                 f32_cache=decoder["precision"] == "f32", repack=decoder.get("repack", True))
         for case in near_tie_logprobs(command, log, cases, n_probs):
             same = rows[case["row"]]["same_output_as_plain"]
             same.setdefault("near_ties", []).append(near_tie(case))
@@ -388,7 +396,8 @@ def ours_record(name: str, setting: str, ran: dict) -> dict:
 def _row(decoder: dict) -> dict:
     setting = "plain" if not decoder["spec_type"] else f"--spec-type {decoder['spec_type']}" + (
         f" --spec-draft-n-max {decoder['draft_len']}" if "draft" in decoder["spec_type"] else "") + (
-        f" --lookup-cache-static {Path(decoder['lookup_cache']).name}" if decoder.get("lookup_cache") else "")
+        f" --lookup-cache-static {Path(decoder['lookup_cache']).name}" if decoder.get("lookup_cache") else "") + (
+        " --no-repack" if decoder.get("repack") is False else "")
     row = {"engine": decoder["engine"], "precision": decoder["precision"], "decoder": decoder["decoder"],
            "setting": setting}
     if decoder.get("label"):
