@@ -185,7 +185,8 @@ def write_llamacpp_result(result: dict, args, results_dir: Optional[Path] = None
     rows = [["this project's decoder", ours["implied_acceptance_length"], ours["mean_acceptance_length"],
              " ".join(f"{a:.3f}" for a in ours["per_position_acceptance"]), ours["spec_tokens_per_s"],
              ours["ar_tokens_per_s"], ours["speedup"], None],
-            [f"llama.cpp ({engine['gguf_type']}, --spec-type {engine['spec_type']})",
+            [f"llama.cpp ({engine['gguf_type']}" + (f", {engine['kv_cache']} KV cache" if "kv_cache" in engine else "")
+             + f", --spec-type {engine['spec_type']})",
              engine["implied_acceptance_length"], engine["mean_acceptance_length"],
              " ".join(f"{a:.3f}" for a in engine["per_position_acceptance"]), engine["spec_tokens_per_s"],
              engine.get("plain_tokens_per_s"), engine.get("speedup"),

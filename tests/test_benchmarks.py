@@ -224,3 +224,29 @@ def test_the_machine_line_names_the_cpu_what_it_lists_and_what_was_probed_usable
     # a result file written before the probe says so rather than implying the listed extensions were used
     assert make_results.machine_line(MACHINE).startswith("Test CPU (usable extensions not probed), 2 torch threads")
 
+
+
+def test_a_given_target_gguf_is_named_by_its_own_weight_type(tmp_path):
+    """engine_check's llama.cpp row names the target file's weight type from its header, not the export default."""
+    from argparse import Namespace
+
+    import gguf
+    import numpy as np
+
+    from benchmarks.engine_check import write_llamacpp_result
+    from drafter_train.engines.check import gguf_file_type
+    from tests.gguf_edit import save_gguf
+
+    for name, file_type in (("q4.gguf", gguf.LlamaFileType.MOSTLY_Q4_K_M), ("f32.gguf", gguf.LlamaFileType.ALL_F32),
+                            ("none.gguf", None)):
+        writer = gguf.GGUFWriter(tmp_path / name, "llama")
+        if file_type is not None:
+            writer.add_file_type(file_type)
+        writer.add_tensor("w", np.zeros((2, 2), dtype=np.float32))
+        save_gguf(writer)
+    assert [gguf_file_type(tmp_path / n) for n in ("q4.gguf", "f32.gguf", "none.gguf")] == ["q4_k_m", "f32", "unknown"]
+    record = fake_llamacpp_check("eagle3", [0.5])
+    record["llamacpp"].update(gguf_type="f16", kv_cache="f32")
+    args = Namespace(result_name="x", prompts="test", tolerance=0.03, artifacts=None)
+    path = write_llamacpp_result(record, args, tmp_path / "results")
+    assert json.loads(path.read_text())["rows"][1][0] == "llama.cpp (f16, f32 KV cache, --spec-type draft-eagle3)"

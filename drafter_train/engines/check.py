@@ -124,6 +124,19 @@ def evaluate_ours(step_dir: Path, config: dict, spec: CheckSpec, draft_len: int)
     return target_cfg, target, tokenizer, prompts, eos, acceptance, record
 
 
+def gguf_file_type(path: Path) -> str:
+    """A GGUF's weight type as its header names it (general.file_type: q4_k_m, f16 ...), "unknown" without one."""
+    import gguf
+
+    from drafter_train.gguf_file import check_gguf
+
+    try:
+        kind = gguf.LlamaFileType(check_gguf(path, "--target-gguf").metadata["general.file_type"])
+    except (KeyError, ValueError):
+        return "unknown"
+    return kind.name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+
+
 def reused_ours(path: Path, same: dict, config: dict, spec: CheckSpec):
     """(target config, tokenizer, prompt ids, our record) from an earlier check's llamacpp_check.json, refused in one
     line unless it checked the same checkpoint on the same prompts, budget, draft length and lookups (our decoding
@@ -263,7 +276,9 @@ def check_llamacpp(step_dir: Path, spec: CheckSpec) -> dict:
     engine_acceptance = acceptance_from_steps(served.steps, draft_len)
     engine_acceptance["implied_acceptance_length"] = implied_acceptance_length(
         engine_acceptance["per_position_acceptance"])
-    record = dict(engine_acceptance, spec_type=spec_type, gguf_type=spec.gguf_type, threads=spec.threads,
+    record = dict(engine_acceptance, spec_type=spec_type, threads=spec.threads,
+                  gguf_type=gguf_file_type(target) if spec.target_gguf else spec.gguf_type,
+                  kv_cache="f32" if spec.gguf_type == "f32" else "f16",
                   spec_tokens_per_s=served.tokens_per_s, draft_n=raw["draft_n"], draft_n_accepted=raw["draft_n_accepted"])
     if spec.lookups:  # the product: each drafter's own steps (the lookups' and the drafter's)
         record["per_drafter"] = per_drafter(served.steps, raw["step_impls"], draft_len)
