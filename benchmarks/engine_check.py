@@ -126,13 +126,14 @@ def print_vllm_verdict(result: dict, tolerance: float) -> None:
 
 def print_llamacpp_verdict(result: dict, tolerance: float) -> None:
     record = result["llamacpp"]
-    mismatched = len(record.get("output_mismatches", []))
+    mismatched = len(record["output_mismatches"]) if "output_mismatches" in record else None
     verdict = "SIDE BY SIDE (lookups differ: not compared)" if result["comparison"]["agree"] is None else \
         "AGREE" if result["ok"] else "DISAGREE"
     print(f"engine_check: {verdict}: per-position acceptance ours "
           f"{_rates(result['ours'])}, llama.cpp {_rates(record)} (tolerance {tolerance}); "
-          f"speculative output differs from plain in {mismatched} of {result['num_prompts']} prompts; "
-          f"llama.cpp {record['spec_tokens_per_s']:.1f} tok/s with the drafter"
+          + (f"speculative output differs from plain in {mismatched} of {result['num_prompts']} prompts; "
+             if mismatched is not None else "speculative output not compared with plain (--no-baseline); ")
+          + f"llama.cpp {record['spec_tokens_per_s']:.1f} tok/s with the drafter"
           + (f", {record['plain_tokens_per_s']:.1f} without" if "plain_tokens_per_s" in record else ""))
 
 
@@ -193,7 +194,8 @@ def write_llamacpp_result(result: dict, args, results_dir: Optional[Path] = None
              len(engine["output_mismatches"]) if "output_mismatches" in engine else None]]
     return write_result(
         args.result_name or "engine_llamacpp",
-        title=f"The exported {result['kind']} drafter of {result['target']} served by llama.cpp",
+        title=f"The exported {result['kind']} drafter of {result['target']} served by llama.cpp"
+              + (f" ({engine['gguf_type']} target file)" if result.get("target_gguf") else ""),
         question="Does llama.cpp accept the GGUF-exported drafter's drafts as often as our evaluator does, and does "
                  "speculation pay inside llama.cpp?",
         command=result_command(args.artifacts), split=split_name(args.prompts, result["num_prompts"]),

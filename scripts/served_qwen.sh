@@ -146,14 +146,16 @@ print(out if out.is_file() else reexport_as_llama(f, out))' $TARGET)
   for t in "f16=$f16" "q4_k_m=$CACHE/$TARGET.llama.gguf"; do
     name=engine_llamacpp_qwen1_5b_${t%%=*}
     [[ -f benchmarks/results/$name.json ]] && continue
-    # our decoding of the 1.5B (fp32 torch, ~35 min here) is the same for both target files: decoded once
+    # our decoding of the 1.5B (fp32 torch, ~35 min here) is the same for both target files: decoded once, its
+    # record kept as agreement-ours.json
     ours=()
-    [[ -f $OUT/agreement-f16/llamacpp_check.json ]] && ours=(--ours-from "$OUT/agreement-f16/llamacpp_check.json")
+    [[ -f $OUT/agreement-ours.json ]] && ours=(--ours-from "$OUT/agreement-ours.json")
     rc=0
     python3 -m benchmarks.engine_check --engine llamacpp --run "$OUT/eagle3" --exported "$OUT/exports/eagle3" \
       --target-gguf "${t#*=}" --prompts test --num-prompts 14 --max-new-tokens 48 --draft-len 2 --tolerance 0.03 \
       --no-baseline --threads $THREADS --output "$OUT/agreement-${t%%=*}" --result-name $name "${ours[@]}" || rc=$?
     (( rc <= 1 )) || exit $rc  # 1: outside the tolerance, the verdict is in the result file; anything else failed
+    [[ -f $OUT/agreement-ours.json ]] || cp "$OUT/agreement-${t%%=*}/llamacpp_check.json" "$OUT/agreement-ours.json"
   done
   took agreement
 fi
@@ -165,11 +167,10 @@ for key in sys.argv[2].split("."):
     value = value[key]
 print(value)' "$OUT/choice.json" "$1"
   }
-  # our decoder's per-position acceptance of EAGLE-3 on the test prompts (the agreement stage's f16 check) beside
+  # our decoder's per-position acceptance of EAGLE-3 on the test prompts (the agreement stage's record) beside
   # llama.cpp's in its rows
   ours=()
-  f16_check=$OUT/agreement-f16/llamacpp_check.json
-  [[ -f $f16_check ]] && ours=(--ours-acceptance "eagle3=$f16_check")
+  [[ -f $OUT/agreement-ours.json ]] && ours=(--ours-acceptance "eagle3=$OUT/agreement-ours.json")
   python3 -m benchmarks.engines "${SERVED[@]}" --prompts test --per-category ${PER_CATEGORY:-2} \
     --max-new-tokens ${NEW_TOKENS:-64} --rounds ${ROUNDS:-3} --ngram-modes "$(chosen ngram_mode)" \
     --spec-precisions q4_k_m-llama \

@@ -250,3 +250,19 @@ def test_a_given_target_gguf_is_named_by_its_own_weight_type(tmp_path):
     args = Namespace(result_name="x", prompts="test", tolerance=0.03, artifacts=None)
     path = write_llamacpp_result(record, args, tmp_path / "results")
     assert json.loads(path.read_text())["rows"][1][0] == "llama.cpp (f16, f32 KV cache, --spec-type draft-eagle3)"
+    record["target_gguf"] = "/cache/target.llama.gguf"  # a given file: the title names its type (two checks apart)
+    assert json.loads(write_llamacpp_result(record, args, tmp_path / "results").read_text())["title"] == (
+        "The exported eagle3 drafter of SmolLM2-135M-Instruct served by llama.cpp (f16 target file)")
+
+
+def test_the_llamacpp_verdict_says_when_output_was_not_compared(capsys):
+    from benchmarks.engine_check import print_llamacpp_verdict
+
+    result = {"llamacpp": {"per_position_acceptance": [0.2], "spec_tokens_per_s": 4.6}, "num_prompts": 14,
+              "ours": {"per_position_acceptance": [0.2]}, "comparison": {"agree": True}, "ok": True}
+    print_llamacpp_verdict(result, 0.03)
+    assert "speculative output not compared with plain (--no-baseline); llama.cpp 4.6 tok/s" in capsys.readouterr().out
+    result["llamacpp"].update(output_mismatches=[{"prompt": 3}], plain_tokens_per_s=5.0)
+    print_llamacpp_verdict(result, 0.03)
+    assert "differs from plain in 1 of 14 prompts; llama.cpp 4.6 tok/s with the drafter, 5.0 without" in \
+        capsys.readouterr().out
