@@ -278,16 +278,20 @@ def test_near_tie_replay_reads_the_servers_own_log_probabilities(llamacpp_smoke,
     from drafter_train.engines import table
     from drafter_train.engines.llamacpp_server import (decode_prompts, free_port, near_tie_logprobs, server_bin,
                                                        server_command)
-    from drafter_train.targets import load_tokenizer
+    from drafter_train.config import TargetConfig
+    from drafter_train.targets import load_target_tokenizer
 
     bin_dir = server_bin(llamacpp_dir(), "test")
-    prompt = load_tokenizer("embedded:smollm2")("Write a short story about a robot who learns to paint.")["input_ids"]
+    tokenizer = load_target_tokenizer(TargetConfig(path="embedded:smollm2"))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Write a short story about a robot."}],
+                                           add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
 
     def command():
         return server_command(bin_dir, llamacpp_smoke, None, None, 0, 2, free_port(), False)
 
     reference = decode_prompts(command(), tmp_path / "plain.log", [prompt], 16)["tokens"][0]
-    k = min(8, len(reference) - 1)
+    k = 8
+    assert len(reference) > k, reference  # a chat answer: more than a few tokens
     [case] = near_tie_logprobs(command(), tmp_path / "ties.log", [{"prompt": prompt, "reference": reference,
                                                                      "position": k}], 10)
     assert case["stepwise_tokens"] == reference[:k + 1]
