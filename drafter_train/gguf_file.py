@@ -132,6 +132,17 @@ def check_gguf(path: Union[str, Path], field: str) -> GGUFHeader:
                               f"ends at byte {err.data_end:,}; fetch or assemble it again") from None
 
 
+def file_type(path: Union[str, Path], field: str) -> str:
+    """A GGUF's weight type as its header names it (general.file_type: q4_k_m, f16 ...), "unknown" without one."""
+    import gguf
+
+    try:
+        kind = gguf.LlamaFileType(check_gguf(path, field).metadata["general.file_type"])
+    except (KeyError, ValueError):
+        return "unknown"
+    return kind.name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+
+
 def vocabulary_ids(path: Union[str, Path], texts) -> dict[str, int]:
     """The ids of those of `texts` that are in the GGUF's own vocabulary (tokenizer.ggml.tokens; llama.cpp's, not a
     tokenizer's that transformers builds from it and may add tokens to), from the header alone. The file must have

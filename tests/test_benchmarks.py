@@ -234,7 +234,7 @@ def test_a_given_target_gguf_is_named_by_its_own_weight_type(tmp_path):
     import numpy as np
 
     from benchmarks.engine_check import write_llamacpp_result
-    from drafter_train.engines.check import gguf_file_type
+    from drafter_train.gguf_file import file_type as weight_type
     from tests.gguf_edit import save_gguf
 
     for name, file_type in (("q4.gguf", gguf.LlamaFileType.MOSTLY_Q4_K_M), ("f32.gguf", gguf.LlamaFileType.ALL_F32),
@@ -244,7 +244,7 @@ def test_a_given_target_gguf_is_named_by_its_own_weight_type(tmp_path):
             writer.add_file_type(file_type)
         writer.add_tensor("w", np.zeros((2, 2), dtype=np.float32))
         save_gguf(writer)
-    assert [gguf_file_type(tmp_path / n) for n in ("q4.gguf", "f32.gguf", "none.gguf")] == ["q4_k_m", "f32", "unknown"]
+    assert [weight_type(tmp_path / n, "x") for n in ("q4.gguf", "f32.gguf", "none.gguf")] == ["q4_k_m", "f32", "unknown"]
     record = fake_llamacpp_check("eagle3", [0.5])
     record["llamacpp"].update(gguf_type="f16", kv_cache="f32")
     args = Namespace(result_name="x", prompts="test", tolerance=0.03, artifacts=None)

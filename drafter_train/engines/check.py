@@ -102,15 +102,14 @@ def our_lookups(lookups: Optional[str], corpus: Optional[str]):
 def evaluate_ours(step_dir: Path, config: dict, spec: CheckSpec, draft_len: int):
     """The run's target and prompts, and our evaluator on them (greedy): (target config, target, tokenizer,
     prompts, eos, our acceptance record, our evaluation)."""
-    from drafter_train.config import DrafterConfig, EvalConfig, TargetConfig
+    from drafter_train.config import DrafterConfig, EvalConfig
     from drafter_train.data.prompts import prompt_ids
     from drafter_train.drafters.common.loading import load_drafter
     from drafter_train.drafters.registry import make_drafter
     from drafter_train.evaluation import evaluate_decoding
     from drafter_train.targets import eos_token_ids, load_target
 
-    fields = {f.name for f in dataclasses.fields(TargetConfig)}
-    target_cfg = TargetConfig(**{k: v for k, v in config.get("target", {}).items() if k in fields})
+    target_cfg = run_target_config(config)
     target, tokenizer = load_target(target_cfg)
     eos = eos_token_ids(target, tokenizer)
     prompts, _ = prompt_ids(tokenizer, target_cfg, spec.prompts, spec.num_prompts, spec.categories)
@@ -124,24 +123,18 @@ def evaluate_ours(step_dir: Path, config: dict, spec: CheckSpec, draft_len: int)
     return target_cfg, target, tokenizer, prompts, eos, acceptance, record
 
 
-def gguf_file_type(path: Path) -> str:
-    """A GGUF's weight type as its header names it (general.file_type: q4_k_m, f16 ...), "unknown" without one."""
-    import gguf
+def run_target_config(config: dict):
+    """The run's target config (its config.yaml's `target`, fields this version knows)."""
+    from drafter_train.config import TargetConfig
 
-    from drafter_train.gguf_file import check_gguf
-
-    try:
-        kind = gguf.LlamaFileType(check_gguf(path, "--target-gguf").metadata["general.file_type"])
-    except (KeyError, ValueError):
-        return "unknown"
-    return kind.name.removeprefix("MOSTLY_").removeprefix("ALL_").lower()
+    fields = {f.name for f in dataclasses.fields(TargetConfig)}
+    return TargetConfig(**{k: v for k, v in config.get("target", {}).items() if k in fields})
 
 
 def reused_ours(path: Path, same: dict, config: dict, spec: CheckSpec):
     """(target config, tokenizer, prompt ids, our record) from an earlier check's llamacpp_check.json, refused in one
     line unless it checked the same checkpoint on the same prompts, budget, draft length and lookups (our decoding
     does not depend on the engine's target GGUF). Only the tokenizer loads: the prompts are made again."""
-    from drafter_train.config import TargetConfig
     from drafter_train.data.prompts import prompt_ids
     from drafter_train.targets import load_target_tokenizer
 
@@ -152,8 +145,7 @@ def reused_ours(path: Path, same: dict, config: dict, spec: CheckSpec):
     if differ:
         raise ConfigError(f"--ours-from {path}: another check (" + ", ".join(
             f"{k} {earlier.get(k, '(not recorded)')!r}, here {same[k]!r}" for k in differ) + ")")
-    fields = {f.name for f in dataclasses.fields(TargetConfig)}
-    target_cfg = TargetConfig(**{k: v for k, v in config.get("target", {}).items() if k in fields})
+    target_cfg = run_target_config(config)
     tokenizer = load_target_tokenizer(target_cfg)
     prompts, _ = prompt_ids(tokenizer, target_cfg, spec.prompts, spec.num_prompts, spec.categories)
     return target_cfg, tokenizer, prompts, earlier["ours"]
@@ -237,6 +229,7 @@ def check_llamacpp(step_dir: Path, spec: CheckSpec) -> dict:
     engine drafted."""
     from drafter_train.engines.export import export_llamacpp, engine_method
     from drafter_train.engines.llamacpp_server import LlamaServer, server_bin
+    from drafter_train.gguf_file import file_type
     from drafter_train.llamacpp import DRAFTER_FILE, TARGET_FILE, llamacpp_dir, write_lookup_cache
     from drafter_train.targets import model_name
 
@@ -277,7 +270,7 @@ def check_llamacpp(step_dir: Path, spec: CheckSpec) -> dict:
     engine_acceptance["implied_acceptance_length"] = implied_acceptance_length(
         engine_acceptance["per_position_acceptance"])
     record = dict(engine_acceptance, spec_type=spec_type, threads=spec.threads,
-                  gguf_type=gguf_file_type(target) if spec.target_gguf else spec.gguf_type,
+                  gguf_type=file_type(target, "--target-gguf") if spec.target_gguf else spec.gguf_type,
                   kv_cache="f32" if spec.gguf_type == "f32" else "f16",
                   spec_tokens_per_s=served.tokens_per_s, draft_n=raw["draft_n"], draft_n_accepted=raw["draft_n_accepted"])
     if spec.lookups:  # the product: each drafter's own steps (the lookups' and the drafter's)

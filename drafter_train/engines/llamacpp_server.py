@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 # The server's lifecycle and requests live in the package (the llama.cpp datagen backend uses them too).
-from drafter_train.llamacpp_http import complete, free_port, post, running_server  # noqa: F401 (engine.free_port)
+from drafter_train.llamacpp_http import complete, free_port, running_server  # noqa: F401 (engine.free_port)
 
 from drafter_train.engines.base import Served
 from drafter_train.errors import ConfigError
@@ -89,30 +89,20 @@ def decode_prompts(command: list[str], log: Path, prompts: list[list[int]], max_
             "draft_n_accepted": sum(r["timings"].get("draft_n_accepted", 0) for r in replies)}
 
 
-def logprobs_at(url: str, prompt: list[int], n_predict: int, n_probs: int) -> tuple[list[int], list[dict[int, float]]]:
-    """One greedy /completion with the top n_probs tokens of every generated position: (tokens, [{token: logprob}]).
-    The log-probabilities are the softmax of the raw logits, before any sampler (`post_sampling_probs` off), so a
-    difference of two is the difference of their logits. The first position's come from the prompt pass (a batch of
-    every prompt token), each later one's from a 1-token decode step."""
-    reply = post(f"{url}/completion", {"prompt": prompt, "n_predict": n_predict, "temperature": 0.0, "top_k": 1,
-                                       "return_tokens": True, "cache_prompt": False, "seed": 0, "n_probs": n_probs,
-                                       "post_sampling_probs": False})
-    return list(reply.get("tokens", [])), [{t["id"]: t["logprob"] for t in p["top_logprobs"]}
-                                           for p in reply.get("completion_probabilities", [])]
-
-
 def near_tie_logprobs(command: list[str], log: Path, cases: list[dict], n_probs: int) -> list[dict]:
     """For each case {prompt, reference, position} (a plain output and the position where another decoder's output
     first parts from it), on one plain server: the reference decoded again to that position, 1 token a step
     (`stepwise`: tokens and each position's top log-probabilities), and the same position's log-probabilities from
-    one pass over the prompt and the reference's tokens before it (`batched`: the engine's multi-token arithmetic)."""
+    one pass over the prompt and the reference's tokens before it (`batched`: the engine's multi-token arithmetic).
+    A request's first position comes from its prompt pass, each later one from a 1-token decode step."""
     out = []
     with running_server(command, log) as url:
         for case in cases:
             k = case["position"]
-            tokens, stepwise = logprobs_at(url, case["prompt"], k + 1, n_probs)
-            _, batched = logprobs_at(url, case["prompt"] + case["reference"][:k], 1, n_probs)
-            out.append(dict(case, stepwise_tokens=tokens, stepwise=stepwise, batched=batched[0] if batched else {}))
+            stepwise = complete(url, case["prompt"], k + 1, n_probs=n_probs)
+            batched = complete(url, case["prompt"] + case["reference"][:k], 1, n_probs=n_probs)["logprobs"]
+            out.append(dict(case, stepwise_tokens=stepwise["tokens"], stepwise=stepwise["logprobs"],
+                            batched=batched[0] if batched else {}))
     return out
 
 
