@@ -229,7 +229,10 @@ def main(argv=None) -> int:
               "load_average_before": load_before,
               "unavailable": vllm_cpu.UNAVAILABLE if vllm else [], "vllm": vllm.info if vllm else None,
               "load_average_after": load_average(), "rounds": args.rounds, "depth": args.depth,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              # every decoder's output tokens per round, beside the prompts' ids: a difference can be checked again
+              "prompt_ids": prompts, "outputs": {key: [found[key]["outputs"] for found in rounds]
+                                                 for key in rounds[0] if "outputs" in rounds[0][key]}}
     (args.output / f"{args.result_name}.json").write_text(json.dumps(record, indent=2, default=str))
     for row in table_rows(rows):
         print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row))

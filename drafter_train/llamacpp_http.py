@@ -58,13 +58,15 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(response.read())
 
 
-def complete(url: str, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False, n_probs: int = 0) -> dict:
+def complete(url: str, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False, n_probs: int = 0,
+             cache_prompt: bool = False) -> dict:
     """One greedy /completion on token ids -> {"tokens": [...], "timings": {...}}; ignore_eos: make all
     max_new_tokens (timing runs whose output does not matter). n_probs: also "logprobs", each generated position's
     top n_probs tokens {token: log-probability} before any sampler (the softmax of the raw logits: a difference of
-    two is the difference of their logits)."""
+    two is the difference of their logits). cache_prompt: the server (one slot) reuses the KV cache of the longest
+    prefix it shares with the last request and evaluates the rest of the prompt as one batch (timings.prompt_n)."""
     body = {"prompt": prompt, "n_predict": max_new_tokens, "temperature": 0.0, "top_k": 1, "return_tokens": True,
-            "cache_prompt": False, "seed": 0, "ignore_eos": ignore_eos}
+            "cache_prompt": cache_prompt, "seed": 0, "ignore_eos": ignore_eos}
     if n_probs:
         body.update(n_probs=n_probs, post_sampling_probs=False)
     reply = post(f"{url}/completion", body)

@@ -293,10 +293,14 @@ def test_near_tie_replay_reads_the_servers_own_log_probabilities(llamacpp_smoke,
     k = 8
     assert len(reference) > k, reference  # a chat answer: more than a few tokens
     [case] = near_tie_logprobs(command(), tmp_path / "ties.log", [{"prompt": prompt, "reference": reference,
-                                                                     "position": k}], 10)
+                                                                     "position": k, "verify_sizes": [2, 3, 5]}], 10)
+    # a verify step's shape: the server evaluated exactly the prefix's last m tokens, the rest from its cache
+    assert [v["batch"] for v in case["verify"]] == [2, 3, 5]
+    assert all(reference[k] in v["logprobs"] for v in case["verify"])
     assert case["stepwise_tokens"] == reference[:k + 1]
     assert all(max(logprobs, key=logprobs.get) == token for logprobs, token in zip(case["stepwise"], reference))
     runner_up = sorted(case["stepwise"][k], key=case["stepwise"][k].get, reverse=True)[1]
     tie = table.near_tie(dict(case, other=reference[:k] + [runner_up], row=0, round=0, prompt_index=0))
     assert tie["reproduced"] and tie["other_rank"] == 2 and tie["margin_stepwise"] >= 0
     assert tie["margin_batched"] is not None and tie["median_margin_before"] is not None
+    assert all(v["margin"] is not None for v in tie["margin_verify"])

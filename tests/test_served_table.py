@@ -255,6 +255,11 @@ def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
     assert spec["cost_key"] == "ar:small" and spec["predicted_speedup"] is not None
     assert spec["acceptance_per_position"] and 0 <= spec["acceptance_per_position"][0] <= 1
     assert "first 2 of each category" in result["split"]
+    # the run's own record keeps every decoder's tokens per round beside the prompts' ids; the result file does not
+    record = json.loads((tmp_path / "out" / "served_test.json").read_text())
+    assert len(record["prompt_ids"]) == 4 and len(record["outputs"]) == len(rows)
+    assert all(len(per_round) == 2 and len(per_round[0]) == 4 for per_round in record["outputs"].values())
+    assert "outputs" not in json.dumps(result)
     with pytest.raises(SystemExit, match="--draft-len-of: other: no --draft-gguf of that label"):
         driver.main(["--engines", "llama.cpp", "--llamacpp", str(llcpp), "--target-gguf", f"q4={target}",
                      "--draft-len-of", "other=2"])
@@ -379,10 +384,10 @@ def test_acceptance_needed_for_each_speedup_by_hand():
     assert got["2"] is None
 
 
-def _case(reference, other, position, stepwise, batched, stepwise_tokens=None):
+def _case(reference, other, position, stepwise, batched, stepwise_tokens=None, verify=()):
     return {"row": 0, "round": 1, "prompt_index": 2, "position": position, "prompt": [7], "reference": reference,
             "other": other, "stepwise_tokens": reference if stepwise_tokens is None else stepwise_tokens,
-            "stepwise": stepwise, "batched": batched}
+            "stepwise": stepwise, "batched": batched, "verify": list(verify)}
 
 
 def test_a_difference_is_a_near_tie_only_within_the_engines_own_batch_shift():
@@ -393,7 +398,8 @@ def test_a_difference_is_a_near_tie_only_within_the_engines_own_batch_shift():
     tie = table.near_tie(_case([1, 3, 5, 9], [1, 3, 6], 2, before + [{5: -0.70, 6: -0.71, 8: -4.0}],
                                {6: -0.69, 5: -0.71}))
     assert tie == {"round": 1, "prompt": 2, "position": 2, "plain_token": 5, "other_token": 6, "reproduced": True,
-                   "margin_stepwise": pytest.approx(0.01), "margin_batched": pytest.approx(-0.02), "other_rank": 2,
+                   "margin_stepwise": pytest.approx(0.01), "margin_batched": pytest.approx(-0.02),
+                   "margin_verify": [], "flips_in": [], "other_rank": 2,
                    "median_margin_before": pytest.approx(2.0), "near_tie": True}
     wide = table.near_tie(_case([1, 3, 5], [1, 3, 6], 2, before + [{5: -0.1, 6: -3.1}], {5: -0.2, 6: -3.1}))
     assert wide["margin_stepwise"] == pytest.approx(3.0) and not wide["near_tie"]
@@ -404,6 +410,22 @@ def test_a_difference_is_a_near_tie_only_within_the_engines_own_batch_shift():
     assert outside["other_rank"] is None and outside["margin_stepwise"] is None and not outside["near_tie"]
     ended = table.near_tie(_case([1, 3, 5], [1, 3], 2, before + [{5: -0.7}], {5: -0.7}))
     assert ended["other_token"] is None and not ended["near_tie"]
+
+
+
+def test_a_verify_shaped_batch_can_show_a_near_tie_the_prompt_pass_does_not():
+    """A margin of 0.05 that one pass over the whole prefix leaves alone but a verify step's batch of 4 tokens
+    turns to -0.01 (that batch itself writes the other token: flips_in) is a near tie; batches of 2 and 3 that give
+    the 1-token step's arithmetic exactly (llama.cpp's repacked Q4_K kernels run them row by row) do not show it."""
+    before = [{1: -0.1, 2: -3.1}, {3: -0.2, 4: -1.2}]
+    step = before + [{5: -0.70, 6: -0.75}]
+    same = [{"batch": m, "logprobs": {5: -0.70, 6: -0.75}} for m in (2, 3)]
+    flipped = table.near_tie(_case([1, 3, 5], [1, 3, 6], 2, step, {5: -0.70, 6: -0.75},
+                                   verify=[*same, {"batch": 4, "logprobs": {6: -0.70, 5: -0.71}}]))
+    assert flipped["near_tie"] and flipped["flips_in"] == [4]
+    assert [v["batch"] for v in flipped["margin_verify"]] == [2, 3, 4]
+    assert flipped["margin_verify"][2]["margin"] == pytest.approx(-0.01)
+    assert not table.near_tie(_case([1, 3, 5], [1, 3, 6], 2, step, {5: -0.70, 6: -0.75}, verify=same))["near_tie"]
 
 
 def test_near_ties_are_checked_on_each_rows_plain_server(tmp_path, monkeypatch):
@@ -424,20 +446,30 @@ def test_near_ties_are_checked_on_each_rows_plain_server(tmp_path, monkeypatch):
                "spec": {"tokens_per_s": 12.0, "row": spec, "outputs": parted if r else out}} for r in range(2)]
     rows = table.summarize(rounds, [])
     decoders = {"plain": {"precision": "q4", "target": tmp_path / "q4.gguf"},
-                "f16": {"precision": "f16", "target": tmp_path / "f16.gguf"}}
+                "f16": {"precision": "f16", "target": tmp_path / "f16.gguf"},
+                "spec": {"precision": "q4", "target": tmp_path / "q4.gguf", "spec_type": "ngram-mod", "draft_len": 3}}
     asked = []
     real = table.near_tie_logprobs
     monkeypatch.setattr(table, "near_tie_logprobs",
                         lambda command, log, cases, n: asked.append((command[command.index("-m") + 1], cases))
                         or real([str(FAKE / "llama-server"), *command[1:]], log, cases, n))
+    record = tmp_path / "asked.jsonl"
+    monkeypatch.setenv("FAKE_LLAMA_RECORD", str(record))
     table.check_near_ties(rows, list(rounds[0]), rounds, prompts, decoders, FAKE, 1, tmp_path / "n.log")
     assert [(m, [(c["prompt_index"], c["position"], c["round"]) for c in cases]) for m, cases in asked] == [
         (str(tmp_path / "q4.gguf"), [(1, 1, 1)])]
     same = rows[2]["same_output_as_plain"]
     assert same["near_ties_shown"] == 0 and same["near_ties"] == [{
         "round": 1, "prompt": 1, "position": 1, "plain_token": out[1][1], "other_token": 1, "reproduced": True,
-        "margin_stepwise": pytest.approx(0.5), "margin_batched": None, "other_rank": 2,
+        "margin_stepwise": pytest.approx(0.5), "margin_batched": None, "margin_verify": [
+            {"batch": 2, "margin": None}], "flips_in": [], "other_rank": 2,
         "median_margin_before": pytest.approx(0.25), "near_tie": False}]
+    # the verify-shaped replay on the prefix (prompt [2, 2] and the answer's first token): all but its last 2 tokens
+    # cached, then the whole prefix, whose last 2 the server evaluates as one batch (sizes 3 and 4 of the draft
+    # length 3 would leave nothing to cache)
+    asked_bodies = [json.loads(line) for line in record.read_text().splitlines()]
+    cached = [(b["prompt"], b["n_predict"]) for b in asked_bodies if b.get("cache_prompt")]
+    assert cached == [([2], 0), ([2, 2, out[1][0]], 1)]
     assert "near_ties" not in (rows[1].get("same_output_as_plain") or {})  # f16's output equals the reference's
 
 

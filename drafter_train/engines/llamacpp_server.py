@@ -90,19 +90,31 @@ def decode_prompts(command: list[str], log: Path, prompts: list[list[int]], max_
 
 
 def near_tie_logprobs(command: list[str], log: Path, cases: list[dict], n_probs: int) -> list[dict]:
-    """For each case {prompt, reference, position} (a plain output and the position where another decoder's output
-    first parts from it), on one plain server: the reference decoded again to that position, 1 token a step
-    (`stepwise`: tokens and each position's top log-probabilities), and the same position's log-probabilities from
-    one pass over the prompt and the reference's tokens before it (`batched`: the engine's multi-token arithmetic).
-    A request's first position comes from its prompt pass, each later one from a 1-token decode step."""
+    """For each case {prompt, reference, position, verify_sizes (optional)} (a plain output and the position where
+    another decoder's output first parts from it), on one plain server: the reference decoded again to that position,
+    1 token a step (`stepwise`: tokens and each position's top log-probabilities); the same position's
+    log-probabilities from one pass over the prompt and the reference's tokens before it (`batched`: the engine's
+    multi-token arithmetic); and, per size m in verify_sizes, from a pass over the prefix's last m tokens alone, the
+    rest served from the cache (`verify`: [{batch, logprobs}], batch = the tokens the server evaluated): the shape of
+    a verify step whose last row computes the position. A request's first position comes from its prompt pass, each
+    later one from a 1-token decode step."""
     out = []
     with running_server(command, log) as url:
         for case in cases:
             k = case["position"]
+            prefix = case["prompt"] + case["reference"][:k]
             stepwise = complete(url, case["prompt"], k + 1, n_probs=n_probs)
-            batched = complete(url, case["prompt"] + case["reference"][:k], 1, n_probs=n_probs)["logprobs"]
+            batched = complete(url, prefix, 1, n_probs=n_probs)["logprobs"]
+            verify = []
+            for m in case.get("verify_sizes", ()):
+                if m >= len(prefix):
+                    continue
+                complete(url, prefix[:-m], 0, cache_prompt=True)  # the cache holds all but the last m tokens
+                reply = complete(url, prefix, 1, n_probs=n_probs, cache_prompt=True)
+                verify.append({"batch": reply["timings"].get("prompt_n"),
+                               "logprobs": reply["logprobs"][0] if reply["logprobs"] else {}})
             out.append(dict(case, stepwise_tokens=stepwise["tokens"], stepwise=stepwise["logprobs"],
-                            batched=batched[0] if batched else {}))
+                            batched=batched[0] if batched else {}, verify=verify))
     return out
 
 

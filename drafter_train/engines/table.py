@@ -280,9 +280,11 @@ def near_tie_cases(rows: list[dict], keys: list[str], rounds: list[dict], prompt
 def near_tie(case: dict) -> dict:
     """Whether a difference is the engine's near-tie numerics, from the plain decoder's own log-probabilities
     (near_tie_logprobs): plain wrote token a at the position, the other decoder b. The margin a - b (a logit
-    difference) as plain computes it, 1 token a step, and as one multi-token pass over the same prefix computes it.
-    Shown a near-tie when the replay reproduced plain's output and the margin is no larger than the shift the
-    engine's own batch shape gives that margin: then arithmetic alone, not the drafter, can pick either token."""
+    difference) as plain computes it, 1 token a step; as one multi-token pass over the same prefix computes it; and
+    as a verify step's batch of the prefix's last m tokens does (`margin_verify`, per batch size). Shown a near tie
+    when the replay reproduced plain's output and the margin is no larger than the shift one of the engine's own
+    batch shapes gives it: then arithmetic alone, not the drafter, can pick either token. `flips_in`: the batch
+    sizes whose arithmetic itself picks b (the other decoder's token)."""
     k, reference, other = case["position"], case["reference"], case["other"]
     a = reference[k] if k < len(reference) else None
     b = other[k] if k < len(other) else None
@@ -292,15 +294,20 @@ def near_tie(case: dict) -> dict:
         return logprobs[a] - logprobs[b] if a in logprobs and b in logprobs else None
 
     stepwise, batched = margin(step), margin(case["batched"])
+    verify = [{"batch": v["batch"], "margin": margin(v["logprobs"])} for v in case.get("verify", ())]
+    shifts = [abs(stepwise - m) for m in [batched, *(v["margin"] for v in verify)]
+              if stepwise is not None and m is not None]
     reproduced = case["stepwise_tokens"][:k + 1] == reference[:k + 1]
     tops = [sorted(lp.values(), reverse=True) for lp in case["stepwise"][:k]]
     typical = [t[0] - t[1] for t in tops if len(t) > 1]
     return {"round": case["round"], "prompt": case["prompt_index"], "position": k, "plain_token": a,
             "other_token": b, "reproduced": reproduced, "margin_stepwise": stepwise, "margin_batched": batched,
+            "margin_verify": verify, "flips_in": [v["batch"] for v in verify if v["margin"] is not None
+                                                  and v["margin"] < 0],
             "other_rank": sorted(step, key=step.get, reverse=True).index(b) + 1 if b in step else None,
             "median_margin_before": median(typical) if typical else None,
-            "near_tie": bool(reproduced and stepwise is not None and batched is not None
-                             and stepwise <= abs(stepwise - batched))}
+            "near_tie": bool(reproduced and stepwise is not None and batched is not None and shifts
+                             and stepwise <= max(shifts))}
 
 
 def check_near_ties(rows: list[dict], keys: list[str], rounds: list[dict], prompts: list[list[int]],
@@ -312,6 +319,9 @@ def check_near_ties(rows: list[dict], keys: list[str], rounds: list[dict], promp
         decoder = decoders[reference]
         command = server_command(bin_dir, decoder["target"], None, None, 0, threads, free_port(),
                                  f32_cache=decoder["precision"] == "f32", repack=decoder.get("repack", True))
+        for case in cases:  # a speculative row's verify steps: its last accepted token and up to draft_len drafts
+            row = decoders.get(keys[case["row"]], {})
+            case["verify_sizes"] = list(range(2, row.get("draft_len", 0) + 2)) if row.get("spec_type") else []
         for case in near_tie_logprobs(command, log, cases, n_probs):
             same = rows[case["row"]]["same_output_as_plain"]
             same.setdefault("near_ties", []).append(near_tie(case))
