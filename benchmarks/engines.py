@@ -66,6 +66,11 @@ verify pass checked, the tokens made) and the engine's cost curve, with the draf
 llama.cpp: the plain server's per-token step). They sit next to the measured speedup over the same engine's plain
 decoding.
 
+Resuming: each round's llama.cpp decoder and cost calibration is kept in OUTPUT/<result-name>.journal as it finishes
+(drafter_train/engines/journal.py), so the same command after a stop serves only what is missing (more --rounds add
+rounds); other settings or another CPU are refused in one line (remove the folder to start again). Our decoder's
+and vLLM's rows are not kept: they run again.
+
 --engines llama.cpp (with --precisions) times llama.cpp's rows alone (no torch model is loaded; --drafter and
 --corpus are then not needed).
 
@@ -79,6 +84,7 @@ live in the package; this file drives them.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
 import time
@@ -88,6 +94,7 @@ from benchmarks.common import (add_prompt_args, add_vllm_args, command_line, dev
                                start_vllm_rows, write_result)
 from drafter_train.engines import llamacpp_cost
 from drafter_train.engines.llamacpp_cost import PRECISIONS, bench_curve
+from drafter_train.engines.journal import RunJournal, machine_identity
 from drafter_train.engines.table import (ALL_NGRAM_MODES, CODE_CATEGORIES, NGRAM_MODES, PRODUCT_NGRAM, drafter_spec_type,
                                          check_near_ties, llamacpp_decoders, llamacpp_record, median_curves,
                                          ours_record, parse_labelled, run_llamacpp, served_decoders, summarize,
@@ -185,14 +192,23 @@ def main(argv=None) -> int:
     rounds, curve_rounds, server_rounds = [], [], []
     decoder_of = {f"llama.cpp {d['precision']} {d['decoder']} {d['spec_type']} {d.get('label', '')}".strip(): d
                   for d in decoders}
+    try:  # llama.cpp's rows and calibrations kept unit by unit: a stopped run resumes (our decoder's rows rerun)
+        journal = RunJournal(args.output / f"{args.result_name}.journal", journal_config(
+            args, decoder_of, prompts, calibration, sizes), machine_identity())
+    except DrafterTrainError as err:
+        sys.exit(f"engines: {err}")
     for r in range(args.rounds):
         found, curves, server = {}, {}, {}
         for key, d in decoder_of.items():
-            print(f"engines: round {r + 1}/{args.rounds}: {key}", file=sys.stderr)
-            found[key] = llamacpp_record(d, run_llamacpp(d, bin_dir, prompts, args.max_new_tokens,
-                                                         args.threads, args.output / "server.log"))
+            kept = f"round {r} {key}" in journal
+            print(f"engines: round {r + 1}/{args.rounds}: {key}{' (kept: resumed)' if kept else ''}", file=sys.stderr)
+            found[key] = journal.get(f"round {r} {key}", lambda: llamacpp_record(d, run_llamacpp(
+                d, bin_dir, prompts, args.max_new_tokens, args.threads, args.output / "server.log")))
         if args.calibration_rounds is None or r < args.calibration_rounds:
-            calibrate_llamacpp(args, decoders, bin_dir, calibration, sizes, curves, server, f"round {r + 1}")
+            measured = journal.get(f"round {r} calibration", lambda: calibrated(
+                args, decoders, bin_dir, calibration, sizes, f"round {r + 1}"))
+            curves.update(measured[0])
+            server.update(measured[1])
         server_rounds.append(server)
         if ours is None:
             rounds.append(found)
@@ -239,6 +255,30 @@ def main(argv=None) -> int:
     if args.result:
         write_engines_result(record, args)
     return 0
+
+
+def journal_config(args, decoder_of: dict, prompts: list[list[int]], calibration: list[list[int]],
+                   sizes: list[int]) -> dict:
+    """What every kept unit of a run depends on (RunJournal): each decoder with its files' sizes, the prompts' and
+    calibration prompts' ids, the budgets and the calibration settings. --rounds may grow on a resumed run."""
+    def size(path) -> int | None:
+        return Path(path).stat().st_size if path and Path(path).is_file() else None
+
+    return {"decoders": {key: dict(d, target_bytes=size(d.get("target")), drafter_bytes=size(d.get("drafter")))
+                         for key, d in decoder_of.items()},
+            "prompts": hashlib.sha1(json.dumps(prompts).encode()).hexdigest(),
+            "calibration_prompts": hashlib.sha1(json.dumps(calibration).encode()).hexdigest(),
+            "max_new_tokens": args.max_new_tokens, "threads": args.threads, "sizes": sizes, "depth": args.depth,
+            "calibration_rounds": args.calibration_rounds, "calibration_new_tokens": args.calibration_new_tokens,
+            "ngram_drafts": args.ngram_drafts}
+
+
+def calibrated(args, decoders: list[dict], bin_dir: Path, calibration: list[list[int]], sizes: list[int],
+               when: str) -> tuple[dict, dict]:
+    """calibrate_llamacpp's one round as (curves, server)."""
+    curves, server = {}, {}
+    calibrate_llamacpp(args, decoders, bin_dir, calibration, sizes, curves, server, when)
+    return curves, server
 
 
 def calibrate_llamacpp(args, decoders: list[dict], bin_dir: Path, calibration: list[list[int]], sizes: list[int],

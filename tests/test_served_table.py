@@ -473,6 +473,60 @@ def test_near_ties_are_checked_on_each_rows_plain_server(tmp_path, monkeypatch):
     assert "near_ties" not in (rows[1].get("same_output_as_plain") or {})  # f16's output equals the reference's
 
 
+def test_a_stopped_served_table_resumes_from_its_journal_and_refuses_other_settings_or_machines(tmp_path, monkeypatch):
+    """Each round's decoder and calibration is kept as it finishes (RunJournal): the same command again serves
+    nothing and gives the same table; a lost unit is run again alone; a third round runs only its own units; other
+    settings, or another CPU, are refused in one line before anything is served."""
+    from benchmarks import engines as driver
+    from drafter_train.engines import llamacpp_cost
+
+    llcpp = tmp_path / "llcpp"
+    (llcpp / "build" / "bin").mkdir(parents=True)
+    (llcpp / "build" / "bin" / "llama-server").symlink_to(FAKE / "llama-server")
+    (llcpp / "build" / "bin" / "llama-bench").write_text("")
+    target = drafter_gguf(tmp_path / "target.gguf", "llama")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"write {w} now", "category": c}) + "\n"
+                               for w, c in [("a", "coding"), ("b", "chat")]))
+    served, calibrations = [], []
+    real_run = driver.run_llamacpp
+    monkeypatch.setattr(driver, "run_llamacpp", lambda d, *a: served.append(d["decoder"]) or real_run(d, *a))
+    monkeypatch.setattr(driver, "bench_curve", lambda *a: calibrations.append(a[1]) or {1: 10.0, 2: 12.0})
+    monkeypatch.setattr(llamacpp_cost, "server_curves", lambda *a: {
+        "ms_1": 10.0, "kinds": {key: {"ms": {1: 10.0, 3: 15.0}, "relative": {1: 1.0, 3: 1.5}} for key in a[-2]}})
+    monkeypatch.setattr(driver.llamacpp_cost, "prompt_set", _word_prompts(llamacpp_cost.prompt_set))
+    monkeypatch.setattr(driver.llamacpp_cost, "calibration_prompts", lambda *a, **k: [[5, 6, 7]])
+    out = tmp_path / "out"
+
+    def run(*more, rounds="2"):
+        return driver.main(["--engines", "llama.cpp", "--llamacpp", str(llcpp), "--target", str(tmp_path),
+                            "--target-gguf", f"q4={target}", "--ngram-modes", "ngram-simple",
+                            "--prompts", str(prompts), "--per-category", "1", "--rounds", rounds,
+                            "--max-new-tokens", "4", "--output", str(out), "--result-name", "t", *more])
+
+    def table():
+        return [(r["decoder"], r["tokens_per_s_rounds"]) for r in json.loads((out / "t.json").read_text())["rows"]]
+
+    assert run() == 0 and served == ["plain", "free n-gram"] * 2 and len(calibrations) == 2
+    first = table()
+    served.clear(), calibrations.clear()
+    assert run() == 0 and served == [] and calibrations == [] and table() == first
+    journal = out / "t.journal"
+    units = sorted(journal.glob("*.pkl"))
+    assert len(units) == 6  # 2 rounds x (2 decoders + the calibration)
+    units[0].unlink()  # any one unit lost
+    assert run() == 0 and len(served) + len(calibrations) == 1
+    served.clear(), calibrations.clear()
+    assert run(rounds="3") == 0 and served == ["plain", "free n-gram"] and len(calibrations) == 1
+    with pytest.raises(SystemExit, match=r"t.journal holds a stopped run with other settings \(max_new_tokens\)"):
+        run("--max-new-tokens", "5")
+    monkeypatch.setattr(driver, "machine_identity", lambda: {"cpu": "Other CPU", "cpu_features": ["avx2"],
+                                                             "logical_cores": 2})
+    with pytest.raises(SystemExit, match="holds a run measured on another machine") as err:
+        run()
+    assert "\n" not in str(err.value) and "Other CPU" in str(err.value)
+
+
 def test_ours_acceptance_comes_from_drafter_eval_or_an_engine_check(tmp_path):
     from benchmarks.engines import add_ours_acceptance
 

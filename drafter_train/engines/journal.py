@@ -1,0 +1,74 @@
+"""A timed run kept unit by unit (one decoder's pass over the prompts in one round, one round's cost calibration), so
+a run longer than a session resumes where it stopped instead of starting again (benchmarks/engines.py: the served
+table at full size takes hours on 2 cores).
+
+A unit is written whole or not at all (a temporary file, then a rename). The journal's folder holds run.json: the
+settings every unit depends on and the machine it was measured on. Resuming with other settings, or on another
+machine, is refused in one line: a table's rows are ratios measured side by side on one machine, and a round timed
+on another CPU would make them meaningless. Units are pickled (their keys and values are the driver's own: tuples
+included), read back only from a journal this process's settings wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Callable
+
+from drafter_train.errors import ConfigError
+from drafter_train.io import write_atomic
+
+HEADER = "run.json"
+
+
+def machine_identity() -> dict:
+    """What a resumed run must share with the stopped one: the CPU's model, its listed extensions, its cores."""
+    from drafter_train.machine import cpu_features, cpu_model
+
+    return {"cpu": cpu_model(), "cpu_features": cpu_features(), "logical_cores": os.cpu_count()}
+
+
+class RunJournal:
+    """Units of one run in `folder`, keyed by name; `config` (JSON-able, Paths as strings) and `machine` must equal
+    the journal's own, else ConfigError (one line) before anything runs."""
+
+    def __init__(self, folder: Path, config: dict, machine: dict, what: str = "--output"):
+        self.folder = Path(folder)
+        config = json.loads(json.dumps(config, sort_keys=True, default=str))
+        header = self.folder / HEADER
+        if header.is_file():
+            kept = json.loads(header.read_text())
+            if kept["config"] != config:
+                changed = sorted(k for k in {*kept["config"], *config} if kept["config"].get(k) != config.get(k))
+                raise ConfigError(f"{what}: {self.folder} holds a stopped run with other settings ({', '.join(changed)}"
+                                  "): remove that folder to start again, or choose another")
+            if kept["machine"] != machine:
+                raise ConfigError(f"{what}: {self.folder} holds a run measured on another machine ({kept['machine']['cpu']}"
+                                  f", {', '.join(kept['machine']['cpu_features']) or 'no listed extensions'}; this is "
+                                  f"{machine['cpu']}, {', '.join(machine['cpu_features']) or 'none'}): its rounds "
+                                  "cannot be compared with this machine's; remove that folder to start again")
+        else:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            write_atomic(header, json.dumps({"config": config, "machine": machine}, indent=2))
+        self.resumed: list[str] = []
+
+    def _path(self, unit: str) -> Path:
+        return self.folder / f"{hashlib.sha1(unit.encode()).hexdigest()[:16]}.pkl"
+
+    def __contains__(self, unit: str) -> bool:
+        return self._path(unit).is_file()
+
+    def get(self, unit: str, compute: Callable[[], Any]) -> Any:
+        """The unit's kept value, else compute() kept whole (temporary file, rename) and returned."""
+        path = self._path(unit)
+        if path.is_file():
+            self.resumed.append(unit)
+            return pickle.loads(path.read_bytes())
+        value = compute()
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_bytes(pickle.dumps(value))
+        os.replace(tmp, path)
+        return value
