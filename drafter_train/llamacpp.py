@@ -49,7 +49,7 @@ class GgufJob:
         if self.drafter_type not in FLOAT_GGUF_TYPES:
             raise ConfigError(f"export.drafter_gguf_type: {self.drafter_type} is not offered for {what} drafters "
                               f"(llama.cpp serves them here in {' or '.join(FLOAT_GGUF_TYPES)}; quantised types are "
-                              "for stand-alone AR drafters): use auto, f32 or f16")
+                              "for stand-alone AR and EAGLE-3 drafters): use auto, f32 or f16")
         return self.drafter_type
 
     def write_target(self, out: Path) -> None:
@@ -126,15 +126,21 @@ def convert(root: Path, model_dir: Path, out_file: Path, outtype: str, target_di
     return out_file
 
 
-def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[Path], None], what: str) -> None:
-    """drafter.gguf (in float: job.float_drafter_type, refused for a quantised type before anything is written) from
-    the engine folder write_folder(staging) writes (staged in out/<stage>: the converter names general.finetune after
-    it; removed after), converted with the target's folder; then the target, if asked."""
-    outtype = job.float_drafter_type(what)
+def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[Path], None], what: str,
+                   quantisable: bool = False) -> None:
+    """drafter.gguf from the engine folder write_folder(staging) writes (staged in out/<stage>: the converter names
+    general.finetune after it; removed after), converted with the target's folder; then the target, if asked.
+    quantisable: the kind's drafter is served quantised too (convert_typed: f16, then llama-quantize); else a
+    quantised job.drafter_type is refused (job.float_drafter_type) before anything is written."""
+    outtype = job.drafter_type if quantisable else job.float_drafter_type(what)
+    from drafter_train.config import FLOAT_GGUF_TYPES
+
+    if outtype not in FLOAT_GGUF_TYPES:
+        tool(job.root, "llama-quantize", f"export.drafter_gguf_type={outtype}")  # refused before the folder is written
     staging = out / stage
     write_folder(staging)
     try:
-        convert(job.root, staging, out / DRAFTER_FILE, outtype, target_dir=job.target_dir)
+        convert_typed(job.root, staging, out / DRAFTER_FILE, outtype, target_dir=job.target_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     job.write_target(out)

@@ -22,7 +22,7 @@ import pytest
 
 from drafter_train.llamacpp import DRAFTER_FILE, llamacpp_dir
 from tests.gguf_edit import rewrite_gguf
-from tests.test_gguf import STORIES_EAGLE3, train_on_stories
+from tests.test_gguf import STORIES_EAGLE3, gguf_export, train_on_stories
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("llamacpp_smoke"), pytest.mark.skipif(
     not (llamacpp_dir() / "build" / "bin" / "llama-server").is_file(),
@@ -131,6 +131,25 @@ def test_llamacpp_serves_the_eagle3_export_with_our_acceptance_and_catches_broke
     }
     for name, result in served_broken(root, found["eagle3"], good, tmp_path, broken).items():
         assert not result["ok"] and not result["comparison"]["agree"], (name, result["comparison"])
+
+
+def test_llamacpp_serves_a_q8_0_eagle3_export_with_our_acceptance(runs, tmp_path):
+    """export.drafter_gguf_type=q8_0: EAGLE-3's matrices through llama-quantize (d2t, the norms and rows a 32-block
+    cannot split kept as they are), served by llama-server as the f32 target's draft-eagle3: it drafts, its output
+    equals plain, and its per-position acceptance stays within the check's tolerance of our float drafter's."""
+    import gguf
+
+    root, found = runs
+    out = tmp_path / "q8_0"
+    gguf_export(found["eagle3"], out, gguf_type="f32", drafter_gguf_type="q8_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / DRAFTER_FILE).tensors}
+    assert types["fc.weight"] == "Q8_0" and types["blk.0.attn_q.weight"] == "Q8_0", types
+    assert types["blk.0.ffn_down.weight"] == "F16", types  # 172-wide rows do not split into q8_0's 32-blocks
+    assert types["d2t"] == "I64" and types["enc.output_norm.weight"] == "F32", types
+    status, result = check(root, found["eagle3"], tmp_path / "check", exported=str(out))
+    assert result["llamacpp"]["drafting_steps"] > 0 and result["ours"]["per_position_acceptance"][0] > 0.3
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
+    assert_lossless(result["llamacpp"])
 
 
 def test_llamacpp_serves_an_ar_drafter_with_our_acceptance_and_catches_broken_exports(runs, tmp_path):
