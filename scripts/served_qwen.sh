@@ -13,23 +13,26 @@
 #             E3_STEPS steps on those answers (offline features: the 1.5B's hidden states, extracted once)
 #   ar        a stand-alone AR drafter: the 0.5B's first AR_LAYERS layers (drafter.cut_from), AR_STEPS steps of
 #             cross-entropy on the target's answers, full vocabulary (llama.cpp's draft models must share it)
-#   exports   EAGLE-3 as an f16 drafter GGUF (llama.cpp takes EAGLE-3 unquantised only), the AR drafter at q4_k_m
+#   exports   EAGLE-3 as an f16 drafter GGUF and quantised (q8_0, q4_k_m: llama-quantize), the AR drafter at q4_k_m
 #             (its 151k x 896 head dominates its cost), the answers as llama.cpp's static n-gram cache
 #   choose    on the dev split (never the test split): draft lengths 1-3 of each drafter and each free n-gram mode,
 #             timed in llama.cpp; the fastest length per drafter and the fastest mode are kept (OUT/choice.json,
-#             python -m drafter_train.engines.choose), the product runs that mode and the corpus cache, ahead of
-#             EAGLE-3 only if EAGLE-3 alone beat plain decoding on dev (choice.json's "product")
+#             python -m drafter_train.engines.choose), the product runs that mode, then the corpus cache if a second
+#             dev pass shows it makes the mode faster (choice.json's "corpus"), ahead of EAGLE-3 only if EAGLE-3
+#             alone beat plain decoding on dev (choice.json's "product"); that pass also times EAGLE-3 quantised
 #   agreement EAGLE-3's per-position acceptance in llama.cpp against ours on the same test prompts, on an f16 GGUF
 #             of the target and on the served Q4_K_M (benchmarks.engine_check --tolerance 0.03)
 #   table     the served table on the test split (PER_CATEGORY prompts of each of its 14 categories, ROUNDS
 #             interleaved rounds): plain at Q4_K_M (the baseline), Q8_0 and F16; the free n-gram mode chosen on
 #             dev; the stock 0.5B draft model; each drafter trained here; the product with EAGLE-3 and without it
 #             (lookups) -> benchmarks/results/served_qwen1.5b.json;
-#             each output that differs from plain decoding is replayed on the plain server (--near-ties: a near tie?)
+#             each output that differs from plain decoding is replayed on the plain server (--near-ties: a near tie?);
+#             a stopped table resumes decoder by decoder (OUT/table/served_qwen1.5b.journal), on the same CPU only
 #   results   docs/results.md regenerated (python -m benchmarks.make_results)
 # Budget on a 2-core machine: docs/lab-notes/served-qwen.md. Environment: DATA, OUT, NUM_PROMPTS (160), VOCAB (8192),
 # E3_STEPS (100), E3_LR (5e-4), AR_LAYERS (4), AR_STEPS (60), AR_BATCH (4), SAVE_EVERY (50), PER_CATEGORY (2),
-# NEW_TOKENS (64), ROUNDS (3), THREADS (2), STAGES.
+# NEW_TOKENS (64), ROUNDS (3), THREADS (2), E3_TYPE (the EAGLE-3 export the table serves: q4_k_m, the fastest of f16,
+# q8_0, q4_k_m in choose's second dev pass, docs/lab-notes/served-qwen.md; or f16, q8_0), STAGES.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
@@ -98,6 +101,10 @@ export_to() {  # drafter-export into DIR.part, renamed to DIR when it succeeds; 
 if stage exports; then
   export_to "$OUT/exports/eagle3" export.run_dir="$OUT/eagle3" export.format=gguf export.gguf_type=f16 \
     export.gguf_target=false
+  for t in q8_0 q4_k_m; do  # EAGLE-3 quantised by llama-quantize, timed against f16 on dev (choose)
+    export_to "$OUT/exports/eagle3-$t" export.run_dir="$OUT/eagle3" export.format=gguf export.gguf_type=f16 \
+      export.drafter_gguf_type=$t export.gguf_target=false
+  done
   export_to "$OUT/exports/ar" export.run_dir="$OUT/ar" export.format=gguf export.gguf_type=f16 \
     export.drafter_gguf_type=q4_k_m export.gguf_target=false
   if [[ ! -f $OUT/exports/corpus.lookup ]]; then
@@ -120,15 +127,34 @@ SERVED=(--engines llama.cpp --target embedded:$TARGET --target-gguf "q4_k_m=$CAC
         --threads $THREADS --calibration-rounds 1)
 E3="$OUT/exports/eagle3/drafter.gguf@q4_k_m-llama"
 AR="$OUT/exports/ar/drafter.gguf@q4_k_m-llama"
-if stage choose && [[ ! -f $OUT/choice.json ]]; then
-  python3 -m benchmarks.engines "${SERVED[@]}" --prompts dev --per-category 1 --max-new-tokens 64 --rounds 1 \
-    --calibration-rounds 0 \
-    --ngram-modes all --spec-precisions q4_k_m-llama \
-    --draft-gguf "e3-1=$E3" --draft-len-of e3-1=1 --draft-gguf "e3-2=$E3" --draft-len-of e3-2=2 \
-    --draft-gguf "e3-3=$E3" --draft-len-of e3-3=3 --draft-gguf "ar-1=$AR" --draft-len-of ar-1=1 \
-    --draft-gguf "ar-2=$AR" --draft-len-of ar-2=2 --draft-gguf "ar-3=$AR" --draft-len-of ar-3=3 \
-    --output "$OUT/choose" --result-name choose
-  python3 -m drafter_train.engines.choose "$OUT/choose/choose.json" e3 ar > "$OUT/choice.json.part"
+has_corpus() { [[ -f $1 ]] && python3 -c 'import json, sys; sys.exit("corpus" not in json.load(open(sys.argv[1])))' "$1"; }
+if stage choose && ! has_corpus "$OUT/choice.json"; then
+  if [[ ! -f $OUT/choose/choose.json ]]; then
+    python3 -m benchmarks.engines "${SERVED[@]}" --prompts dev --per-category 1 --max-new-tokens 64 --rounds 1 \
+      --calibration-rounds 0 \
+      --ngram-modes all --spec-precisions q4_k_m-llama \
+      --draft-gguf "e3-1=$E3" --draft-len-of e3-1=1 --draft-gguf "e3-2=$E3" --draft-len-of e3-2=2 \
+      --draft-gguf "e3-3=$E3" --draft-len-of e3-3=3 --draft-gguf "ar-1=$AR" --draft-len-of ar-1=1 \
+      --draft-gguf "ar-2=$AR" --draft-len-of ar-2=2 --draft-gguf "ar-3=$AR" --draft-len-of ar-3=3 \
+      --output "$OUT/choose" --result-name choose
+  fi
+  # does the corpus cache help the kept mode? that mode alone and as the product without a drafter, on dev; the
+  # same pass times EAGLE-3 (length 1) as exported in f16 and quantised (exports/eagle3-q8_0, -q4_k_m)
+  mode=$(python3 -m drafter_train.engines.choose "$OUT/choose/choose.json" e3 ar | python3 -c \
+    'import json, sys; print(json.load(sys.stdin)["ngram_mode"])')
+  corpus=()
+  if [[ $mode != ngram-cache ]]; then
+    if [[ ! -f $OUT/choose-corpus/choose-corpus.json ]]; then
+      python3 -m benchmarks.engines "${SERVED[@]}" --prompts dev --per-category 1 --max-new-tokens 64 --rounds 1 \
+        --ngram-modes "$mode" --spec-precisions q4_k_m-llama --product lookups --product-ngram "$mode,ngram-cache" \
+        --draft-gguf "e3-1=$E3" --draft-len-of e3-1=1 \
+        --draft-gguf "e3q8-1=$OUT/exports/eagle3-q8_0/drafter.gguf@q4_k_m-llama" --draft-len-of e3q8-1=1 \
+        --draft-gguf "e3q4-1=$OUT/exports/eagle3-q4_k_m/drafter.gguf@q4_k_m-llama" --draft-len-of e3q4-1=1 \
+        --output "$OUT/choose-corpus" --result-name choose-corpus
+    fi
+    corpus=(--corpus "$OUT/choose-corpus/choose-corpus.json")
+  fi
+  python3 -m drafter_train.engines.choose "$OUT/choose/choose.json" e3 ar "${corpus[@]}" > "$OUT/choice.json.part"
   mv "$OUT/choice.json.part" "$OUT/choice.json"
   took choose
 fi
@@ -171,13 +197,19 @@ print(value)' "$OUT/choice.json" "$1"
   # llama.cpp's in its rows
   ours=()
   [[ -f $OUT/agreement-ours.json ]] && ours=(--ours-acceptance "eagle3=$OUT/agreement-ours.json")
+  E3_SERVED=$OUT/exports/eagle3-${E3_TYPE:-q4_k_m}/drafter.gguf@q4_k_m-llama
+  [[ ${E3_TYPE:-q4_k_m} == f16 ]] && E3_SERVED=$E3
+  # the product without a drafter, unless the corpus cache stayed out (then it is the free mode's row itself)
+  lookups=(--product lookups)
+  [[ $(chosen product_ngram) == "$(chosen ngram_mode)" ]] && lookups=()
   python3 -m benchmarks.engines "${SERVED[@]}" --prompts test --per-category ${PER_CATEGORY:-2} \
     --max-new-tokens ${NEW_TOKENS:-64} --rounds ${ROUNDS:-3} --ngram-modes "$(chosen ngram_mode)" \
     --spec-precisions q4_k_m-llama \
     --export-types q8_0,f16 --draft-gguf "0.5B=$CACHE/$DRAFT_MODEL.gguf@q4_k_m-llama" --draft-len-of 0.5B=3 \
-    --draft-gguf "eagle3=$E3" --draft-len-of eagle3=$(chosen draft_len.e3) \
+    --draft-gguf "eagle3=$E3_SERVED" \
+    --draft-len-of eagle3=$(chosen draft_len.e3) \
     --draft-gguf "ar=$AR" --draft-len-of ar=$(chosen draft_len.ar) \
-    --product eagle3 --product lookups --product-ngram "$(chosen product_ngram)" --near-ties "${ours[@]}" \
+    --product eagle3 "${lookups[@]}" --product-ngram "$(chosen product_ngram)" --near-ties "${ours[@]}" \
     --output "$OUT/table" --result --result-name served_qwen1.5b
   took table
 fi

@@ -69,3 +69,29 @@ def test_main_prints_the_choice(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["draft_len"] == {"e3": 2, "ar": 1}
     with pytest.raises(SystemExit, match="no such file"):
         main([str(tmp_path / "missing.json"), "e3"])
+
+
+CORPUS = {"prompts": "dev", "rows": [
+    _row("plain", "plain", 12.0),
+    _row("free n-gram", "--spec-type ngram-mod", 15.0),
+    _row("product", "--spec-type ngram-mod,ngram-cache --lookup-cache-static corpus.lookup", 13.0, "lookups"),
+]}
+
+
+def test_the_corpus_cache_joins_the_product_only_if_it_made_the_kept_mode_faster_on_dev(tmp_path, capsys):
+    """A second dev record timed the kept mode (ngram-mod) alone and with ngram-cache and the corpus cache after it:
+    slower with the cache, so the product runs the mode alone; faster, and it keeps the cache."""
+    chosen = choose(RECORD, ["e3", "ar"], CORPUS)
+    assert chosen["corpus"] == {"mode_alone": 15.0, "with_corpus_cache": 13.0, "joins": False}
+    assert chosen["product_ngram"] == "ngram-mod" and chosen["ngram_mode"] == "ngram-mod"
+    faster = dict(CORPUS, rows=[dict(r, tokens_per_s=16.0) if r["decoder"] == "product" else r
+                                for r in CORPUS["rows"]])
+    assert choose(RECORD, ["e3"], faster)["product_ngram"] == "ngram-mod,ngram-cache"
+    with pytest.raises(ConfigError, match="needs the free n-gram row of ngram-mod and the product row lookups"):
+        choose(RECORD, ["e3"], dict(CORPUS, rows=CORPUS["rows"][:2]))
+    with pytest.raises(ConfigError, match="test split is for reporting only"):
+        choose(RECORD, ["e3"], dict(CORPUS, prompts="test"))
+    for name, record in (("choose.json", RECORD), ("corpus.json", CORPUS)):
+        (tmp_path / name).write_text(json.dumps(record))
+    assert main([str(tmp_path / "choose.json"), "e3", "--corpus", str(tmp_path / "corpus.json")]) == 0
+    assert json.loads(capsys.readouterr().out)["product_ngram"] == "ngram-mod"

@@ -1,20 +1,24 @@
 """Choosing served settings by measured speed in the engine, on the dev split (scripts/served_qwen.sh's `choose`).
 
-    python -m drafter_train.engines.choose RUN/choose.json e3 ar
+    python -m drafter_train.engines.choose RUN/choose.json e3 ar [--corpus RUN/choose-corpus.json]
 
 RUN/choose.json is what `python -m benchmarks.engines --prompts dev ...` wrote: one row per decoder. Each PREFIX's
 drafter ran at several draft lengths, as the labels PREFIX-1, PREFIX-2 ...; the fastest length is kept. The free
 n-gram mode kept is the fastest one; the product runs it ahead of its drafter, and then llama.cpp's ngram-cache
 (the context's n-grams plus the corpus as the static cache: prompt and corpus lookup), unless that is the one kept.
+With --corpus, a second dev record that timed the kept mode alone and as the product without a drafter
+(`--ngram-modes MODE --product lookups --product-ngram MODE,ngram-cache --lookup-cache ...`), the corpus cache joins
+only if it made that mode faster (`corpus`: both figures and the verdict); else the product runs the mode alone.
 The product keeps a drafter only if that drafter, alone at its chosen length, decoded faster than the fastest plain
 row: llama.cpp tries the n-gram modes first and asks the drafter wherever they find nothing, so a drafter that loses
 alone only adds its losing steps to the lookups' (`product`: the fastest such prefix, else "lookups": no drafter).
 Prints JSON: {"draft_len": {PREFIX: N}, "ngram_mode": ..., "product_ngram": ..., "product": PREFIX or "lookups",
-"tokens_per_s": {row: tok/s}}.
+"tokens_per_s": {row: tok/s}, "corpus": {...} with --corpus}.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -30,8 +34,25 @@ def _name(row: dict) -> str:
     return row.get("label") or f"{row['precision']} {row['decoder']} {row['setting']}"
 
 
-def choose(record: dict, prefixes: Sequence[str]) -> dict:
-    """The fastest draft length per prefix and the fastest free n-gram mode among `record`'s rows (tokens/s)."""
+def corpus_joins(record: dict, mode: str) -> dict:
+    """From a dev record holding `mode` alone (a free n-gram row) and the product without a drafter
+    (LOOKUPS_ONLY: `mode` then ngram-cache with the static corpus cache): both tokens/s and whether the corpus cache
+    made the mode faster."""
+    if record.get("prompts") == "test":
+        raise ConfigError("choose --corpus: the test split is for reporting only; choose on the dev split")
+    alone = [r for r in record["rows"] if r["decoder"] == "free n-gram" and r["setting"] == f"--spec-type {mode}"]
+    cached = [r for r in record["rows"] if r["decoder"] == "product" and r.get("label") == LOOKUPS_ONLY
+              and r["setting"].startswith(f"--spec-type {mode},{CORPUS_MODE} ")]
+    if not alone or not cached:
+        raise ConfigError(f"choose --corpus: the record needs the free n-gram row of {mode} and the product row "
+                          f"{LOOKUPS_ONLY} with --product-ngram {mode},{CORPUS_MODE} and a --lookup-cache")
+    out = {"mode_alone": alone[0]["tokens_per_s"], "with_corpus_cache": cached[0]["tokens_per_s"]}
+    return dict(out, joins=out["with_corpus_cache"] > out["mode_alone"])
+
+
+def choose(record: dict, prefixes: Sequence[str], corpus_record: dict | None = None) -> dict:
+    """The fastest draft length per prefix and the fastest free n-gram mode among `record`'s rows (tokens/s);
+    corpus_record: whether the corpus cache joins the product (corpus_joins)."""
     rows = record["rows"]
     if record.get("prompts") == "test":
         raise ConfigError("choose: the test split is for reporting only; choose on the dev split")
@@ -56,19 +77,31 @@ def choose(record: dict, prefixes: Sequence[str]) -> dict:
     mode = max(ngram, key=lambda r: r["tokens_per_s"])["setting"].split()[1]
     out["ngram_mode"] = mode
     out["product_ngram"] = mode if mode == CORPUS_MODE else f"{mode},{CORPUS_MODE}"
+    if corpus_record is not None and mode != CORPUS_MODE:
+        out["corpus"] = corpus_joins(corpus_record, mode)
+        if not out["corpus"]["joins"]:
+            out["product_ngram"] = mode
     out["product"] = max(winners)[1] if winners else LOOKUPS_ONLY
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 2:
-        sys.exit("usage: python -m drafter_train.engines.choose RECORD.json PREFIX [PREFIX ...]")
-    path = Path(args[0])
+def _read(path: Path) -> dict:
     if not path.is_file():
         sys.exit(f"choose: no such file {path}")
+    return json.loads(path.read_text())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m drafter_train.engines.choose", description=__doc__.split("\n")[0])
+    parser.add_argument("record", type=Path, help="the dev record benchmarks.engines wrote")
+    parser.add_argument("prefixes", nargs="+", help="each drafter's label prefix (PREFIX-<draft length> rows)")
+    parser.add_argument("--corpus", type=Path, default=None,
+                        help="a dev record of the kept mode alone and with the corpus cache (the lookups product)")
+    args = parser.parse_args(argv)
+    record = _read(args.record)
+    corpus = _read(args.corpus) if args.corpus else None
     try:
-        print(json.dumps(choose(json.loads(path.read_text()), args[1:]), indent=2))
+        print(json.dumps(choose(record, args.prefixes, corpus), indent=2))
     except ConfigError as err:
         sys.exit(str(err))
     return 0
