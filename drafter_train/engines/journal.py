@@ -46,10 +46,11 @@ class RunJournal:
                 raise ConfigError(f"{what}: {self.folder} holds a stopped run with other settings ({', '.join(changed)}"
                                   "): remove that folder to start again, or choose another")
             if kept["machine"] != machine:
-                raise ConfigError(f"{what}: {self.folder} holds a run measured on another machine ({kept['machine']['cpu']}"
-                                  f", {', '.join(kept['machine']['cpu_features']) or 'no listed extensions'}; this is "
-                                  f"{machine['cpu']}, {', '.join(machine['cpu_features']) or 'none'}): its rounds "
-                                  "cannot be compared with this machine's; remove that folder to start again")
+                then, now = (f"{m['cpu']}, {', '.join(m['cpu_features']) or 'no listed extensions'}"
+                             for m in (kept["machine"], machine))
+                raise ConfigError(f"{what}: {self.folder} holds a run measured on another machine ({then}; this is "
+                                  f"{now}): its rounds cannot be compared with this machine's; remove that folder to "
+                                  "start again")
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
             write_atomic(header, json.dumps({"config": config, "machine": machine}, indent=2))
