@@ -205,10 +205,8 @@ def main(argv=None) -> int:
             found[key] = journal.get(f"round {r} {key}", lambda: llamacpp_record(d, run_llamacpp(
                 d, bin_dir, prompts, args.max_new_tokens, args.threads, args.output / "server.log")))
         if args.calibration_rounds is None or r < args.calibration_rounds:
-            measured = journal.get(f"round {r} calibration", lambda: calibrated(
+            curves, server = journal.get(f"round {r} calibration", lambda: calibrate_llamacpp(
                 args, decoders, bin_dir, calibration, sizes, f"round {r + 1}"))
-            curves.update(measured[0])
-            server.update(measured[1])
         server_rounds.append(server)
         if ours is None:
             rounds.append(found)
@@ -273,18 +271,11 @@ def journal_config(args, decoder_of: dict, prompts: list[list[int]], calibration
             "ngram_drafts": args.ngram_drafts}
 
 
-def calibrated(args, decoders: list[dict], bin_dir: Path, calibration: list[list[int]], sizes: list[int],
-               when: str) -> tuple[dict, dict]:
-    """calibrate_llamacpp's one round as (curves, server)."""
-    curves, server = {}, {}
-    calibrate_llamacpp(args, decoders, bin_dir, calibration, sizes, curves, server, when)
-    return curves, server
-
-
 def calibrate_llamacpp(args, decoders: list[dict], bin_dir: Path, calibration: list[list[int]], sizes: list[int],
-                       curves: dict, server: dict, when: str) -> None:
-    """One round's llama.cpp cost measurements into `curves` and `server`: llama-bench's pass curve per precision,
-    and llama-server's own step per cost key where that precision has speculative rows (none: nothing to predict)."""
+                       when: str) -> tuple[dict, dict]:
+    """One round's llama.cpp cost measurements as (curves, server): llama-bench's pass curve per precision, and
+    llama-server's own step per cost key where that precision has speculative rows (none: nothing to predict)."""
+    curves, server = {}, {}
     ngram_drafts = [int(n) for n in args.ngram_drafts.split(",") if n]
     for precision, target in {d["precision"]: d["target"] for d in decoders}.items():
         repack = all(d.get("repack", True) for d in decoders if d["precision"] == precision)
@@ -297,6 +288,7 @@ def calibrate_llamacpp(args, decoders: list[dict], bin_dir: Path, calibration: l
         server[precision] = llamacpp_cost.server_curves(
             bin_dir, target, drafters, calibration, args.calibration_new_tokens, args.threads, precision == "f32",
             args.output / "calibration.log", llamacpp_cost.drafts_for(mine, ngram_drafts), repack)
+    return curves, server
 
 
 def all_decoders(args, engines: list[str]) -> list[dict]:

@@ -34,12 +34,16 @@ def _name(row: dict) -> str:
     return row.get("label") or f"{row['precision']} {row['decoder']} {row['setting']}"
 
 
+def _dev_only(record: dict, what: str) -> None:
+    if record.get("prompts") == "test":
+        raise ConfigError(f"{what}: the test split is for reporting only; choose on the dev split")
+
+
 def corpus_joins(record: dict, mode: str) -> dict:
     """From a dev record holding `mode` alone (a free n-gram row) and the product without a drafter
     (LOOKUPS_ONLY: `mode` then ngram-cache with the static corpus cache): both tokens/s and whether the corpus cache
     made the mode faster."""
-    if record.get("prompts") == "test":
-        raise ConfigError("choose --corpus: the test split is for reporting only; choose on the dev split")
+    _dev_only(record, "choose --corpus")
     alone = [r for r in record["rows"] if r["decoder"] == "free n-gram" and r["setting"] == f"--spec-type {mode}"]
     cached = [r for r in record["rows"] if r["decoder"] == "product" and r.get("label") == LOOKUPS_ONLY
               and r["setting"].startswith(f"--spec-type {mode},{CORPUS_MODE} ")]
@@ -54,8 +58,7 @@ def choose(record: dict, prefixes: Sequence[str], corpus_record: dict | None = N
     """The fastest draft length per prefix and the fastest free n-gram mode among `record`'s rows (tokens/s);
     corpus_record: whether the corpus cache joins the product (corpus_joins)."""
     rows = record["rows"]
-    if record.get("prompts") == "test":
-        raise ConfigError("choose: the test split is for reporting only; choose on the dev split")
+    _dev_only(record, "choose")
     out = {"draft_len": {}, "tokens_per_s": {_name(r): r["tokens_per_s"] for r in rows}}
     plain = max((r["tokens_per_s"] for r in rows if r["decoder"] == "plain"), default=None)
     if plain is None:

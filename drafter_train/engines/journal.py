@@ -54,7 +54,6 @@ class RunJournal:
         else:
             self.folder.mkdir(parents=True, exist_ok=True)
             write_atomic(header, json.dumps({"config": config, "machine": machine}, indent=2))
-        self.resumed: list[str] = []
 
     def _path(self, unit: str) -> Path:
         return self.folder / f"{hashlib.sha1(unit.encode()).hexdigest()[:16]}.pkl"
@@ -66,7 +65,6 @@ class RunJournal:
         """The unit's kept value, else compute() kept whole (temporary file, rename) and returned."""
         path = self._path(unit)
         if path.is_file():
-            self.resumed.append(unit)
             return pickle.loads(path.read_bytes())
         value = compute()
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
