@@ -266,3 +266,6 @@ def test_the_llamacpp_verdict_says_when_output_was_not_compared(capsys):
     print_llamacpp_verdict(result, 0.03)
     assert "differs from plain in 1 of 14 prompts; llama.cpp 4.6 tok/s with the drafter, 5.0 without" in \
         capsys.readouterr().out
+    result["llamacpp"]["same_output_as_plain"] = {"near_ties": [{"near_tie": True}], "near_ties_shown": 1}
+    print_llamacpp_verdict(result, 0.03)
+    assert "differs from plain in 1 (near tie shown in 1) of 14 prompts" in capsys.readouterr().out

@@ -294,7 +294,7 @@ def test_near_tie_replay_reads_the_servers_own_log_probabilities(llamacpp_smoke,
     """On the smoke GGUF (SmolLM2, Q4_K_M): plain's answer decoded again 1 token a step reproduces it, every
     position's own token tops its log-probabilities, and a made-up difference on the runner-up at a position gets a
     margin from the 1-token step and from one pass over the prefix (a real model knows both tokens in both)."""
-    from drafter_train.engines import table
+    from drafter_train.engines import near_ties
     from drafter_train.engines.llamacpp_server import (decode_prompts, free_port, near_tie_logprobs, server_bin,
                                                        server_command)
     from drafter_train.config import TargetConfig
@@ -319,7 +319,7 @@ def test_near_tie_replay_reads_the_servers_own_log_probabilities(llamacpp_smoke,
     assert case["stepwise_tokens"] == reference[:k + 1]
     assert all(max(logprobs, key=logprobs.get) == token for logprobs, token in zip(case["stepwise"], reference))
     runner_up = sorted(case["stepwise"][k], key=case["stepwise"][k].get, reverse=True)[1]
-    tie = table.near_tie(dict(case, other=reference[:k] + [runner_up], row=0, round=0, prompt_index=0))
+    tie = near_ties.near_tie(dict(case, other=reference[:k] + [runner_up], row=0, round=0, prompt_index=0))
     assert tie["reproduced"] and tie["other_rank"] == 2 and tie["margin_stepwise"] >= 0
     assert tie["margin_batched"] is not None and tie["median_margin_before"] is not None
     assert all(v["margin"] is not None for v in tie["margin_verify"])

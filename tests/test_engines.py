@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -13,11 +14,14 @@ from omegaconf import OmegaConf
 from drafter_train.drafters.common.truncated import cut_from_target
 from drafter_train.drafters.registry import all_kinds, get_kind
 from drafter_train.engines.base import Served, acceptance_from_steps, tau_of
-from drafter_train.engines.evaluate import decode_interleaved, engine_metrics, refuse_early
+from drafter_train.engines.evaluate import (decode_interleaved, engine_metrics, evaluate_in_engine, print_engine,
+                                            refuse_early)
+from drafter_train.engines.llamacpp_server import decode_prompts, free_port, server_command
 from drafter_train.errors import ConfigError
 from tests.conftest import tiny_llama
 from tests.stubs import VOCAB, compose_cfg, save_tiny
 
+FAKE = Path(__file__).resolve().parent / "fake_llamacpp" / "build" / "bin"
 # one prompt, 7 tokens: the prompt pass made the first (free), then verify steps accepting 2 of 2, 0 of 2, 1 of 2
 # (3 + 1 + 2 = 6 tokens in 3 passes)
 STEPS = [(2, 2), (0, 2), (1, 2)]
@@ -58,6 +62,52 @@ def test_the_interface_on_a_fake_engine_gives_its_known_figures():
     assert got["speedup_rounds"] == pytest.approx([0.8, 8 / 12]) and got["speedup"] == pytest.approx(8 / 11)
     assert got["tau_diff"] == pytest.approx(0.5) and got["per_position_diff"] == pytest.approx([1 / 6, 0.0])
     assert got["output_equals_plain"]
+    assert got["same_output_as_plain"] == {"prompts": 1, "identical": 1, "differences": []}
+
+
+class PartingEngine(FakeEngine):
+    """The fake engine whose speculative output parts from plain at position 1 of prompt 1 (on token 1), with a
+    plain server to replay (the stand-in llama-server: each position's own token at -0.5, token 1 0.25 behind it
+    at position 0, 0.5 behind at position 1)."""
+
+    def __init__(self, plain, tmp_path, replay=True):
+        super().__init__()
+        self.plain, self.log_dir = plain, tmp_path
+        if replay:
+            self.plain_command = lambda: server_command(FAKE, tmp_path / "t.gguf", None, None, 0, 1, free_port(),
+                                                        False)
+
+    def decode(self, prompts, max_new_tokens, speculative):
+        served = super().decode(prompts, max_new_tokens, speculative)
+        parted = [self.plain[0], self.plain[1][:1] + [1] + self.plain[1][2:]]
+        return Served(tokens=parted if speculative else self.plain, tokens_per_s=served.tokens_per_s,
+                      steps=served.steps, free_tokens=served.free_tokens)
+
+
+def test_a_difference_from_plain_is_replayed_on_the_engines_plain_server(tmp_path, capsys):
+    """drafter-eval in llama.cpp: an output that differs from plain is listed (prompt, first differing position)
+    and replayed on the plain server for its margin; an engine with no replay (vLLM) lists it only."""
+    prompts = [[1, 1], [2, 2]]
+    plain = decode_prompts(server_command(FAKE, tmp_path / "t.gguf", None, None, 0, 1, free_port(), False),
+                           tmp_path / "p.log", prompts, 8)["tokens"]
+    assert all(len(o) >= 3 for o in plain)
+    cfg = SimpleNamespace(max_new_tokens=8, engine_rounds=1, draft_len=2)
+    got = evaluate_in_engine(PartingEngine(plain, tmp_path), prompts, cfg)
+    same = got["same_output_as_plain"]
+    assert not got["output_equals_plain"] and same["identical"] == 1 and same["prompts"] == 2
+    assert same["differences"] == [{"prompt": 1, "first_difference": 1, "spec_len": len(plain[1]),
+                                    "plain_len": len(plain[1])}]
+    [tie] = same["near_ties"]
+    # the replay reproduced plain's output; the 1-token step puts plain's token 0.5 ahead of token 1; the one-pass
+    # replay asks the stand-in another prompt, which answers other tokens: no margin there, so no near tie shown
+    assert tie["reproduced"] and tie["margin_stepwise"] == pytest.approx(0.5) and tie["other_rank"] == 2
+    assert tie["margin_batched"] is None and not tie["near_tie"] and same["near_ties_shown"] == 0
+    assert (tmp_path / "near_ties.log").is_file()
+    print_engine(got)
+    assert "identical to plain on 1/2 prompts (first differs at token 1; near ties shown in 0 of the 1 (margins " \
+           "0.500))" in capsys.readouterr().out
+    listed = evaluate_in_engine(PartingEngine(plain, tmp_path, replay=False), prompts, cfg)["same_output_as_plain"]
+    assert listed["differences"] == same["differences"] and "near_ties" not in listed
 
 
 def test_acceptance_counts_a_short_last_step_only_where_it_reached():

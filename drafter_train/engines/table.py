@@ -21,6 +21,7 @@ from drafter_train.engines.base import acceptance_from_steps
 from drafter_train.engines.llamacpp_cost import PRECISIONS, cost_key, verify_kind
 from drafter_train.errors import ConfigError
 from drafter_train.engines.llamacpp_server import decode_prompts, free_port, near_tie_logprobs, server_command
+from drafter_train.engines.near_ties import NEAR_TIE_PROBS, near_tie
 
 NGRAM_MODES = "ngram-simple,ngram-mod,ngram-cache"
 # every free n-gram mode llama-server's --spec-type takes (common/speculative.cpp of the vendored source): the served
@@ -35,7 +36,6 @@ DRAFT_MODEL = ("draft-simple", "AR drafter")
 CODE_CATEGORIES = ("coding", "code-completion")  # the shipped splits' code categories: "code" against "rest"
 NEEDED_SPEEDUPS = (1.0, 1.5, 2.0)  # the speedups a drafter row's needed acceptance is given for (the 1.5B aims)
 ACCEPTANCE_POSITIONS = 8  # per-position acceptance kept for at most this many positions (n-gram drafts run longer)
-NEAR_TIE_PROBS = 10  # top log-probabilities asked for at a difference: the other decoder's token must be among them
 
 
 def llamacpp_decoders(exports: Path, ngram_modes: list[str], draft_len: int,
@@ -275,39 +275,6 @@ def near_tie_cases(rows: list[dict], keys: list[str], rounds: list[dict], prompt
                 "prompt": prompts[d["prompt"]], "reference": rounds[d["round"]][reference]["outputs"][d["prompt"]],
                 "other": rounds[d["round"]][key]["outputs"][d["prompt"]]})
     return cases
-
-
-def near_tie(case: dict) -> dict:
-    """Whether a difference is the engine's near-tie numerics, from the plain decoder's own log-probabilities
-    (near_tie_logprobs): plain wrote token a at the position, the other decoder b. The margin a - b (a logit
-    difference) as plain computes it, 1 token a step; as one multi-token pass over the same prefix computes it; and
-    as a verify step's batch of the prefix's last m tokens does (`margin_verify`, per batch size). Shown a near tie
-    when the replay reproduced plain's output and the margin is no larger than the shift one of the engine's own
-    batch shapes gives it: then arithmetic alone, not the drafter, can pick either token. `flips_in`: the batch
-    sizes whose arithmetic itself picks b (the other decoder's token)."""
-    k, reference, other = case["position"], case["reference"], case["other"]
-    a = reference[k] if k < len(reference) else None
-    b = other[k] if k < len(other) else None
-    step = case["stepwise"][k] if k < len(case["stepwise"]) else {}
-
-    def margin(logprobs: dict) -> Optional[float]:
-        return logprobs[a] - logprobs[b] if a in logprobs and b in logprobs else None
-
-    stepwise, batched = margin(step), margin(case["batched"])
-    verify = [{"batch": v["batch"], "margin": margin(v["logprobs"])} for v in case.get("verify", ())]
-    shifts = [abs(stepwise - m) for m in [batched, *(v["margin"] for v in verify)]
-              if stepwise is not None and m is not None]
-    reproduced = case["stepwise_tokens"][:k + 1] == reference[:k + 1]
-    tops = [sorted(lp.values(), reverse=True) for lp in case["stepwise"][:k]]
-    typical = [t[0] - t[1] for t in tops if len(t) > 1]
-    return {"round": case["round"], "prompt": case["prompt_index"], "position": k, "plain_token": a,
-            "other_token": b, "reproduced": reproduced, "margin_stepwise": stepwise, "margin_batched": batched,
-            "margin_verify": verify, "flips_in": [v["batch"] for v in verify if v["margin"] is not None
-                                                  and v["margin"] < 0],
-            "other_rank": sorted(step, key=step.get, reverse=True).index(b) + 1 if b in step else None,
-            "median_margin_before": median(typical) if typical else None,
-            "near_tie": bool(reproduced and stepwise is not None and batched is not None and shifts
-                             and stepwise <= max(shifts))}
 
 
 def check_near_ties(rows: list[dict], keys: list[str], rounds: list[dict], prompts: list[list[int]],
