@@ -56,6 +56,11 @@ def check(root: Path, run: Path, out: Path, **fields) -> tuple[int, dict]:
         prompts=str(root / "prompts.jsonl"), num_prompts=6, max_new_tokens=32, tolerance=TOLERANCE, output=str(out),
         **fields))
     result = json.loads((out / "llamacpp_check.json").read_text())
+    # the settings it ran with stay in the record (benchmarks.engine_check's result file reads them)
+    assert result["num_prompts"] == 6 and result["max_new_tokens"] == 32 and result["draft_len"], result
+    if fields.get("baseline", True):
+        same = result["llamacpp"]["same_output_as_plain"]
+        assert same["prompts"] == 6 and same["differences"] == result["llamacpp"]["output_mismatches"]
     return (0 if result["ok"] else 1), result
 
 

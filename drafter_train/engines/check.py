@@ -278,11 +278,11 @@ def check_llamacpp(step_dir: Path, spec: CheckSpec) -> dict:
         record["per_drafter"] = per_drafter(served.steps, raw["step_impls"], draft_len)
     if spec.baseline:
         plain = engine.decode(prompts, spec.max_new_tokens, speculative=False)
-        same = same_output_as_plain(plain.tokens, served.tokens, prompts, draft_len, engine.plain_command(),
-                                    out / "near_ties.log")
+        identical = same_output_as_plain(plain.tokens, served.tokens, prompts, draft_len, engine.plain_command(),
+                                         out / "near_ties.log")
         record.update(plain_tokens_per_s=plain.tokens_per_s, speedup=served.tokens_per_s / plain.tokens_per_s,
-                      output_equals_plain=not same["differences"], output_mismatches=same["differences"],
-                      same_output_as_plain=same)
+                      output_equals_plain=not identical["differences"], output_mismatches=identical["differences"],
+                      same_output_as_plain=identical)
     result = {
         **same, "engine": "llamacpp", "target": model_name(target_cfg.path), "target_gguf": str(target),
         "kind": info.kind.name, "method": spec_type, "exported": str(drafter.parent), "num_prompts": len(prompts),
