@@ -11,7 +11,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Optional
 
 
 def free_port() -> int:
@@ -20,35 +20,57 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+BIND_FAILED = "couldn't bind HTTP server socket"  # llama-server's line when its port was taken (server-http.cpp)
+
+
 @contextmanager
-def running_server(command: list[str], log: Path, startup_s: float = 180) -> Iterator[str]:
-    """Start llama-server, wait for /health, yield its URL; stopped (by its own pid) on exit."""
-    port = command[command.index("--port") + 1]
-    url = f"http://127.0.0.1:{port}"
-    with log.open("w") as sink:
-        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + startup_s
-        while True:
-            if proc.poll() is not None:
-                tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-                raise RuntimeError(f"llama-server exited ({proc.returncode}): {' | '.join(tail)}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"llama-server not ready after {startup_s:.0f} s (log: {log})")
-            time.sleep(0.5)
-        yield url
-    finally:
-        proc.terminate()
+def running_server(command: list[str], log: Path, startup_s: float = 180, attempts: int = 3) -> Iterator[str]:
+    """Start llama-server, wait for /health, yield its URL; stopped (by its own pid) on exit. free_port() only
+    names a port that was free when asked: if another process binds it first, llama-server says so and exits, and
+    it is started again on another free port (up to `attempts` starts). A /health answer counts only while our own
+    process lives (else another server answered on that port)."""
+    command = list(command)
+    at = command.index("--port") + 1
+    for attempt in range(attempts):
+        with log.open("w") as sink:
+            proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
         try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+            url = _wait_ready(proc, f"http://127.0.0.1:{command[at]}", log, startup_s)
+            if url is None and attempt + 1 < attempts:  # the port was taken: try another
+                command[at] = str(free_port())
+                continue
+            if url is None:
+                raise RuntimeError(f"llama-server could not bind a port in {attempts} starts (log: {log})")
+            yield url
+            return
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def _wait_ready(proc: subprocess.Popen, url: str, log: Path, startup_s: float) -> Optional[str]:
+    """url once our llama-server answers /health; None when it exited because its port was taken; raises when it
+    exited otherwise or is not ready in startup_s."""
+    deadline = time.monotonic() + startup_s
+    while True:
+        if proc.poll() is not None:
+            text = log.read_text(errors="replace")
+            if BIND_FAILED in text:
+                return None
+            tail = text.strip().splitlines()[-3:]
+            raise RuntimeError(f"llama-server exited ({proc.returncode}): {' | '.join(tail)}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200 and proc.poll() is None:
+                    return url
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"llama-server not ready after {startup_s:.0f} s (log: {log})")
+        time.sleep(0.5)
 
 
 def post(url: str, body: dict, timeout: float = 600) -> dict:

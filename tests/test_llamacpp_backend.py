@@ -178,3 +178,23 @@ def test_real_llama_server_agrees_with_the_hf_backend(folders, tmp_path):
     same = sum(ours[i] == theirs[i] for i in ours)
     # float32 weights, but llama.cpp's f16 KV cache: near-ties may part; nearly every prompt agrees token for token.
     assert same >= len(ours) - 2, {i: (ours[i], theirs[i]) for i in ours if ours[i] != theirs[i]}
+
+
+def test_a_taken_port_starts_the_server_again_on_another(tmp_path, fake_env):
+    """free_port() names a port that was free when asked; another process binding it before llama-server does makes
+    the server say so and exit: it is started again on another free port, and only its own /health counts."""
+    import socket
+
+    from drafter_train.llamacpp_http import complete, running_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [str(FAKE / "build" / "bin" / "llama-server"), "-m", "t.gguf", "--port", str(port)]
+        with running_server(command, tmp_path / "s.log", startup_s=30) as url:
+            assert not url.endswith(f":{port}")
+            assert complete(url, [1, 2], 8)["tokens"] == fake_response([1, 2])
+        with pytest.raises(RuntimeError, match="could not bind a port in 1 starts"):
+            with running_server(command, tmp_path / "s.log", startup_s=30, attempts=1):
+                pass
