@@ -243,7 +243,7 @@ def main(argv=None) -> int:
               "load_average_before": load_before,
               "unavailable": vllm_cpu.UNAVAILABLE if vllm else [], "vllm": vllm.info if vllm else None,
               "load_average_after": load_average(), "rounds": args.rounds, "depth": args.depth,
-              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "machine": machine_identity(),
               # every decoder's output tokens per round, beside the prompts' ids: a difference can be checked again
               "prompt_ids": prompts, "outputs": {key: [found[key]["outputs"] for found in rounds]
                                                  for key in rounds[0] if "outputs" in rounds[0][key]}}

@@ -28,6 +28,8 @@
 #             (lookups) -> benchmarks/results/served_qwen1.5b.json;
 #             each output that differs from plain decoding is replayed on the plain server (--near-ties: a near tie?);
 #             a stopped table resumes decoder by decoder (OUT/table/served_qwen1.5b.journal), on the same CPU only
+# choose and table are timings: what another CPU measured (choice.json's machine, the table journal's) is moved to
+# OUT/other-machines/ and measured again here
 #   results   docs/results.md regenerated (python -m benchmarks.make_results)
 # Budget on a 2-core machine: docs/lab-notes/served-qwen.md. Environment: DATA, OUT, NUM_PROMPTS (160), VOCAB (8192),
 # E3_STEPS (100), E3_LR (5e-4), AR_LAYERS (4), AR_STEPS (60), AR_BATCH (4), SAVE_EVERY (50), PER_CATEGORY (2),
@@ -128,6 +130,17 @@ SERVED=(--engines llama.cpp --target embedded:$TARGET --target-gguf "q4_k_m=$CAC
 E3="$OUT/exports/eagle3/drafter.gguf@q4_k_m-llama"
 AR="$OUT/exports/ar/drafter.gguf@q4_k_m-llama"
 has_corpus() { [[ -f $1 ]] && python3 -c 'import json, sys; sys.exit("corpus" not in json.load(open(sys.argv[1])))' "$1"; }
+# a timing made on another CPU is made again here: its folders move to OUT/other-machines/<when>/ (kept, not used)
+here() { python3 -m drafter_train.engines.journal "$1" >&2; }
+set_aside() {
+  local to=$OUT/other-machines/$(date -u +%Y%m%dT%H%M%SZ) p
+  mkdir -p "$to"
+  for p in "$@"; do [[ -e $p ]] && mv "$p" "$to/"; done
+  echo "served_qwen: measured on another machine, set aside in $to: $*" >&2
+}
+if stage choose && [[ -f $OUT/choice.json ]] && ! here "$OUT/choice.json"; then
+  set_aside "$OUT/choice.json" "$OUT/choose" "$OUT/choose-corpus"
+fi
 if stage choose && ! has_corpus "$OUT/choice.json"; then
   if [[ ! -f $OUT/choose/choose.json ]]; then
     python3 -m benchmarks.engines "${SERVED[@]}" --prompts dev --per-category 1 --max-new-tokens 64 --rounds 1 \
@@ -186,6 +199,13 @@ print(out if out.is_file() else reexport_as_llama(f, out))' $TARGET)
   took agreement
 fi
 if stage table; then
+  if [[ -d $OUT/table/served_qwen1.5b.journal ]] && ! here "$OUT/table/served_qwen1.5b.journal"; then
+    set_aside "$OUT/table"
+  fi
+  if ! here "$OUT/choice.json"; then
+    echo "served_qwen: the table serves what the choose stage chose on this machine: run STAGES=choose first" >&2
+    exit 2
+  fi
   chosen() {  # a field of choice.json by its dotted path (draft_len.e3)
     python3 -c 'import json, sys
 value = json.load(open(sys.argv[1]))

@@ -95,3 +95,27 @@ def test_the_corpus_cache_joins_the_product_only_if_it_made_the_kept_mode_faster
         (tmp_path / name).write_text(json.dumps(record))
     assert main([str(tmp_path / "choose.json"), "e3", "--corpus", str(tmp_path / "corpus.json")]) == 0
     assert json.loads(capsys.readouterr().out)["product_ngram"] == "ngram-mod"
+
+
+def test_the_choice_names_its_machine_and_both_dev_records_must_share_it(tmp_path, capsys):
+    """choice.json carries the machine its dev records were timed on (scripts/served_qwen.sh measures again on
+    another CPU: journal.measured_here); a corpus record timed on another machine is refused in one line."""
+    from drafter_train.engines.journal import machine_identity, measured_here
+    from drafter_train.engines.journal import main as journal_main
+
+    here, there = machine_identity(), dict(machine_identity(), cpu="Some Other CPU")
+    chosen = choose(dict(RECORD, machine=here), ["e3"], dict(CORPUS, machine=here))
+    assert chosen["machine"] == here
+    with pytest.raises(ConfigError, match="^choose --corpus: the two dev records were measured on different machines$"):
+        choose(dict(RECORD, machine=here), ["e3"], dict(CORPUS, machine=there))
+    for name, machine in (("here.json", here), ("there.json", there)):
+        (tmp_path / name).write_text(json.dumps(dict(chosen, machine=machine)))
+    (tmp_path / "unnamed.json").write_text(json.dumps({"draft_len": {}}))
+    assert measured_here(tmp_path / "here.json") is None
+    assert measured_here(tmp_path / "there.json") == f"{tmp_path / 'there.json'}: measured on Some Other CPU, not " \
+                                                     "this machine"
+    assert measured_here(tmp_path / "unnamed.json").endswith("names no machine")
+    assert measured_here(tmp_path / "missing.json").endswith("nothing measured there")
+    capsys.readouterr()
+    assert journal_main([str(tmp_path / "here.json")]) == 0 and capsys.readouterr().out == ""
+    assert journal_main([str(tmp_path / "there.json")]) == 1 and "Some Other CPU" in capsys.readouterr().out

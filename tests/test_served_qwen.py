@@ -45,3 +45,26 @@ def test_the_training_and_export_commands_compose_into_valid_configs(tmp_path):
     assert "norm_before_fc: true" in done.stdout and "cut_from: qwen2.5-coder-0.5b" in done.stdout
     stages = (tmp_path / "out" / "stages.jsonl").read_text()
     assert '"stage": "eagle3"' in stages and '"stage": "ar"' in stages
+
+
+def test_timings_from_another_cpu_are_set_aside_and_the_table_waits_for_this_machines_choice(tmp_path):
+    """choose and table are timings: a table journal measured on another CPU moves to OUT/other-machines/ (kept),
+    and the table refuses to serve a choice.json chosen on another CPU (one line: run the choose stage here)."""
+    import json
+
+    from drafter_train.engines.journal import machine_identity
+
+    there = dict(machine_identity(), cpu="Some Other CPU")
+    out = tmp_path / "out"
+    journal = out / "table" / "served_qwen1.5b.journal"
+    journal.mkdir(parents=True)
+    (journal / "run.json").write_text(json.dumps({"config": {}, "machine": there}))
+    (out / "choice.json").write_text(json.dumps({"ngram_mode": "ngram-simple", "machine": there}))
+    done = run({"STAGES": "table"}, tmp_path)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines()[-1] == ("served_qwen: the table serves what the choose stage chose on "
+                                                   "this machine: run STAGES=choose first")
+    assert not (out / "table").exists()
+    [aside] = (out / "other-machines").iterdir()
+    assert (aside / "table" / "served_qwen1.5b.journal" / "run.json").is_file()
+    assert (out / "choice.json").is_file()  # the choose stage (not run here) sets it aside when it runs

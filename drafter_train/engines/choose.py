@@ -13,7 +13,7 @@ The product keeps a drafter only if that drafter, alone at its chosen length, de
 row: llama.cpp tries the n-gram modes first and asks the drafter wherever they find nothing, so a drafter that loses
 alone only adds its losing steps to the lookups' (`product`: the fastest such prefix, else "lookups": no drafter).
 Prints JSON: {"draft_len": {PREFIX: N}, "ngram_mode": ..., "product_ngram": ..., "product": PREFIX or "lookups",
-"tokens_per_s": {row: tok/s}, "corpus": {...} with --corpus}.
+"tokens_per_s": {row: tok/s}, "machine": the record's (journal.machine_identity), "corpus": {...} with --corpus}.
 """
 
 from __future__ import annotations
@@ -59,7 +59,11 @@ def choose(record: dict, prefixes: Sequence[str], corpus_record: dict | None = N
     corpus_record: whether the corpus cache joins the product (corpus_joins)."""
     rows = record["rows"]
     _dev_only(record, "choose")
-    out = {"draft_len": {}, "tokens_per_s": {_name(r): r["tokens_per_s"] for r in rows}}
+    if corpus_record is not None and corpus_record.get("machine") != record.get("machine"):
+        raise ConfigError("choose --corpus: the two dev records were measured on different machines")
+    # the machine the choice was measured on: a choice made on another CPU is made again (scripts/served_qwen.sh)
+    out = {"draft_len": {}, "tokens_per_s": {_name(r): r["tokens_per_s"] for r in rows},
+           "machine": record.get("machine")}
     plain = max((r["tokens_per_s"] for r in rows if r["decoder"] == "plain"), default=None)
     if plain is None:
         raise ConfigError("choose: no plain row to weigh the drafters against")

@@ -16,7 +16,7 @@ import json
 import os
 import pickle
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional, Sequence
 
 from drafter_train.errors import ConfigError
 from drafter_train.io import write_atomic
@@ -71,3 +71,32 @@ class RunJournal:
         tmp.write_bytes(pickle.dumps(value))
         os.replace(tmp, path)
         return value
+
+
+def measured_here(path: Path) -> Optional[str]:
+    """None when the measurement at `path` (a JSON file with a "machine", or a journal folder: its run.json) was made
+    on this machine (machine_identity); else why not, in one line."""
+    file = Path(path) / HEADER if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        return f"{path}: nothing measured there"
+    machine = json.loads(file.read_text()).get("machine")
+    if machine is None:
+        return f"{path}: names no machine"
+    return None if machine == machine_identity() else f"{path}: measured on {machine['cpu']}, not this machine"
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """python -m drafter_train.engines.journal PATH: exit 0 when PATH was measured on this machine, else 1 and why
+    (scripts/served_qwen.sh measures again what another CPU measured)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m drafter_train.engines.journal", description=main.__doc__)
+    parser.add_argument("path", type=Path, help="a JSON file naming its machine, or a journal folder")
+    why = measured_here(parser.parse_args(argv).path)
+    if why:
+        print(why)
+    return 1 if why else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
