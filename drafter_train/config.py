@@ -698,8 +698,8 @@ class ExportConfig:
     # $DRAFTER_TRAIN_LLAMACPP, else .llamacpp in the repo).
     gguf_type: str = "f16"
     # drafter.gguf's precision: auto (f32 with an f32 target, else f16) or one of gguf_type's values. A quantised
-    # drafter costs fewer bytes per drafting pass (a draft model's cost follows its bytes on a CPU); each kind says
-    # which types llama.cpp serves for it (the AR kind: all; EAGLE-3 and DFlash: floats), others are refused.
+    # drafter costs fewer bytes per drafting pass (a draft model's cost follows its bytes on a CPU); llama.cpp serves
+    # every kind's quantised drafter (AR, EAGLE-3 and DFlash: the opt-in tests in tests/test_engine_llamacpp.py).
     drafter_gguf_type: str = "auto"
     gguf_target: bool = True
     llamacpp: Optional[str] = None

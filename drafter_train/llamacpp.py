@@ -42,16 +42,6 @@ class GgufJob:
             return self.drafter_gguf_type
         return "f32" if self.gguf_type == "f32" else "f16"
 
-    def float_drafter_type(self, what: str) -> str:
-        """drafter_type for a kind llama.cpp serves in float only; a quantised type is refused in one line."""
-        from drafter_train.config import FLOAT_GGUF_TYPES
-
-        if self.drafter_type not in FLOAT_GGUF_TYPES:
-            raise ConfigError(f"export.drafter_gguf_type: {self.drafter_type} is not offered for {what} drafters "
-                              f"(llama.cpp serves them here in {' or '.join(FLOAT_GGUF_TYPES)}; quantised types are "
-                              "for stand-alone AR and EAGLE-3 drafters): use auto, f32 or f16")
-        return self.drafter_type
-
     def write_target(self, out: Path) -> None:
         if self.with_target:
             convert_typed(self.root, self.target_dir, out / TARGET_FILE, self.gguf_type, name="target")
@@ -126,15 +116,14 @@ def convert(root: Path, model_dir: Path, out_file: Path, outtype: str, target_di
     return out_file
 
 
-def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[Path], None], what: str,
-                   quantisable: bool = False) -> None:
+def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[Path], None]) -> None:
     """drafter.gguf from the engine folder write_folder(staging) writes (staged in out/<stage>: the converter names
-    general.finetune after it; removed after), converted with the target's folder; then the target, if asked.
-    quantisable: the kind's drafter is served quantised too (convert_typed: f16, then llama-quantize); else a
-    quantised job.drafter_type is refused (job.float_drafter_type) before anything is written."""
-    outtype = job.drafter_type if quantisable else job.float_drafter_type(what)
+    general.finetune after it; removed after), converted with the target's folder at job.drafter_type (a quantised
+    type: f16, then llama-quantize, whose absence is refused before anything is written); then the target, if
+    asked."""
     from drafter_train.config import FLOAT_GGUF_TYPES
 
+    outtype = job.drafter_type
     if outtype not in FLOAT_GGUF_TYPES:
         tool(job.root, "llama-quantize", f"export.drafter_gguf_type={outtype}")  # refused before the folder is written
     staging = out / stage

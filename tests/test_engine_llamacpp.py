@@ -157,6 +157,23 @@ def test_llamacpp_serves_a_q8_0_eagle3_export_with_our_acceptance(runs, tmp_path
     assert_lossless(result["llamacpp"])
 
 
+def test_llamacpp_serves_a_q8_0_dflash_export_with_our_acceptance(runs, tmp_path):
+    """export.drafter_gguf_type=q8_0 for DFlash too: its matrices through llama-quantize, served by llama-server as
+    the f32 target's draft-dflash: it drafts, its output equals plain, and its per-position acceptance stays within
+    the check's tolerance of our float drafter's."""
+    import gguf
+
+    root, found = runs
+    out = tmp_path / "q8_0"
+    gguf_export(found["dflash"], out, gguf_type="f32", drafter_gguf_type="q8_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out / DRAFTER_FILE).tensors}
+    assert "Q8_0" in set(types.values()), types
+    status, result = check(root, found["dflash"], tmp_path / "check", exported=str(out))
+    assert result["llamacpp"]["drafting_steps"] > 0 and result["ours"]["per_position_acceptance"][0] > 0.1
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
+    assert_lossless(result["llamacpp"])
+
+
 def test_llamacpp_serves_an_ar_drafter_with_our_acceptance_and_catches_broken_exports(runs, tmp_path):
     """The AR drafter (the target's first 4 layers) as draft-simple: our acceptance, lossless; a vocabulary out of
     order (shuffled embedding rows) and a layer lost in the export are caught."""

@@ -134,19 +134,12 @@ def test_bad_gguf_type_fails_in_one_line():
     assert "\n" not in str(err.value)
 
 
-def test_a_quantised_drafter_type_is_refused_for_float_only_kinds_before_anything_is_written(tmp_path):
-    """DFlash is exported in float only (llama.cpp was checked serving it in float): a quantised
-    export.drafter_gguf_type is one line, before the staging folder is written. EAGLE-3 takes it (below)."""
-    from drafter_train.llamacpp import GgufJob, convert_staged
+def test_the_drafters_gguf_type_defaults_to_float_beside_the_target():
+    from drafter_train.llamacpp import GgufJob
 
-    job = GgufJob(tmp_path, tmp_path, "f16", drafter_gguf_type="q4_k_m")
-    with pytest.raises(ConfigError, match="export.drafter_gguf_type: q4_k_m is not offered for DFlash drafters"
-                       ) as err:
-        convert_staged(job, tmp_path / "out", "stage", lambda staging: pytest.fail("wrote the folder"), "DFlash")
-    assert "\n" not in str(err.value)
-    assert GgufJob(tmp_path, tmp_path, "f32").drafter_type == "f32"  # auto: f32 with an f32 target
-    assert GgufJob(tmp_path, tmp_path, "q8_0").drafter_type == "f16"  # else f16
-    assert GgufJob(tmp_path, tmp_path, "f32", drafter_gguf_type="f32").float_drafter_type("EAGLE-3") == "f32"
+    assert GgufJob(Path("."), Path("."), "f32").drafter_type == "f32"  # auto: f32 with an f32 target
+    assert GgufJob(Path("."), Path("."), "q8_0").drafter_type == "f16"  # else f16
+    assert GgufJob(Path("."), Path("."), "f16", drafter_gguf_type="q4_k_m").drafter_type == "q4_k_m"
 
 
 def fake_converter(root: Path, log: Path) -> Path:
@@ -181,8 +174,8 @@ def test_an_ar_drafter_is_quantised_by_llama_quantize_from_an_f16_file(tmp_path)
     assert (out / "drafter.gguf").read_text() == "f32" and log.read_text() == "f16 Q4_K_M\n"
 
 
-def test_a_quantisable_kinds_drafter_is_converted_in_f16_then_quantised_and_refused_without_llama_quantize(tmp_path):
-    """convert_staged(quantisable=True), EAGLE-3's: export.drafter_gguf_type=q8_0 converts the staged folder in f16,
+def test_a_quantised_drafter_is_converted_in_f16_then_quantised_and_refused_without_llama_quantize(tmp_path):
+    """convert_staged (EAGLE-3's and DFlash's): export.drafter_gguf_type=q8_0 converts the staged folder in f16,
     then llama-quantize makes Q8_0 and the f16 file is gone; a float type converts directly; a build without
     llama-quantize is one line before the staging folder is written."""
     from drafter_train.llamacpp import GgufJob, convert_staged
@@ -193,15 +186,15 @@ def test_a_quantisable_kinds_drafter_is_converted_in_f16_then_quantised_and_refu
     out.mkdir()
     staged = []
     convert_staged(GgufJob(root, tmp_path, "f16", with_target=False, drafter_gguf_type="q8_0"), out, "eagle3",
-                   lambda staging: staged.append(staging.mkdir()), "EAGLE-3", quantisable=True)
+                   lambda staging: staged.append(staging.mkdir()))
     assert log.read_text() == "f16 Q8_0\n" and sorted(p.name for p in out.iterdir()) == ["drafter.gguf"]
     convert_staged(GgufJob(root, tmp_path, "f32", with_target=False), out, "eagle3",
-                   lambda staging: staging.mkdir(), "EAGLE-3", quantisable=True)
+                   lambda staging: staging.mkdir())
     assert (out / "drafter.gguf").read_text() == "f32" and log.read_text() == "f16 Q8_0\n"
     (root / "build" / "bin" / "llama-quantize").unlink()
     with pytest.raises(ConfigError, match="export.drafter_gguf_type=q4_k_m: llama-quantize is not built") as err:
         convert_staged(GgufJob(root, tmp_path, "f16", with_target=False, drafter_gguf_type="q4_k_m"), out, "eagle3",
-                       lambda staging: pytest.fail("wrote the folder"), "EAGLE-3", quantisable=True)
+                       lambda staging: pytest.fail("wrote the folder"))
     assert "\n" not in str(err.value)
 
 

@@ -108,7 +108,7 @@ def write_gguf(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep
     target.gguf: the vLLM folder (staged inside `out`, removed after) through llama.cpp's converter with the
     target's folder (its vocabulary, and the embeddings a learned mask embedding is written into)."""
     convert_staged(job, out, "dflash",
-                   lambda staging: write_vllm(drafter_dir, staging, draft_len, verifier, keep_embeddings), "DFlash")
+                   lambda staging: write_vllm(drafter_dir, staging, draft_len, verifier, keep_embeddings))
 
 
 FORMATS = {"vllm": write_vllm, "sglang": write_sglang, "gguf": write_gguf}

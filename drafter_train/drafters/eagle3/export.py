@@ -153,8 +153,7 @@ def write_gguf(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep
     check_gguf(config)
     _layer_config(config)  # the architecture check, before any conversion
     convert_staged(job, out, "eagle3", lambda staging: _speculators_folder(config, drafter_dir, staging, draft_len,
-                                                                           verifier, keep_embeddings), "EAGLE-3",
-                   quantisable=True)  # llama.cpp serves a llama-quantize'd eagle3 drafter (lab note: served-qwen)
+                                                                           verifier, keep_embeddings))
 
 
 FORMATS = {"vllm": write_speculators, "sglang": write_sglang, "gguf": write_gguf}
