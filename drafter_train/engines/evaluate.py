@@ -103,9 +103,8 @@ def engine_metrics(name: str, specs: list[Served], plains: list[Served], draft_l
                    plain_tokens_per_s_rounds=[p.tokens_per_s for p in plains],
                    speedup_rounds=[s.tokens_per_s / p.tokens_per_s for s, p in zip(specs, plains)])
         out["speedup"] = out["spec_tokens_per_s"] / out["plain_tokens_per_s"]
-        out["output_equals_plain"] = specs[0].tokens == plains[0].tokens
-        out["same_output_as_plain"] = same_output_as_plain(plains[0].tokens, specs[0].tokens, [], draft_len, None,
-                                                           None)
+        same = same_output_as_plain(plains[0].tokens, specs[0].tokens, [], draft_len, None, None)
+        out.update(output_equals_plain=not same["differences"], same_output_as_plain=same)
     if ours is not None:
         rates = ours["per_position_acceptance"]
         out["ours"] = {"tau": ours["tau"], "per_position_acceptance": rates}

@@ -21,8 +21,8 @@ NEAR_TIE_PROBS = 10  # top log-probabilities asked for at a difference: the othe
 
 def near_tie(case: dict) -> dict:
     """Whether a difference is the engine's near-tie numerics, from the plain decoder's own log-probabilities
-    (near_tie_logprobs): plain wrote token a at the position, the other decoder b. The margin a - b (a logit
-    difference) as plain computes it, 1 token a step; as one multi-token pass over the same prefix computes it; and
+    (near_tie_logprobs): plain wrote token a at the position, the other decoder b. The margin a - b (a difference of
+    log-probabilities) as plain computes it, 1 token a step; as one multi-token pass over the same prefix computes it; and
     as a verify step's batch of the prefix's last m tokens does (`margin_verify`, per batch size). Shown a near tie
     when the replay reproduced plain's output and the margin is no larger than the shift one of the engine's own
     batch shapes gives it: then arithmetic alone, not the drafter, can pick either token. `flips_in`: the batch
