@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Optional, Union
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase)
 
 from drafter_train.config import TargetConfig
 from drafter_train.devices import default_device
@@ -161,8 +162,26 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, text: str, chat_template: 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
     """EOS ids from the generation config (may list several, e.g. <|im_end|> and <|endoftext|>) and tokenizer."""
+    return _eos_ids(getattr(model, "generation_config", None), model.config, tokenizer)
+
+
+def target_eos_token_ids(cfg: TargetConfig, tokenizer) -> list[int]:
+    """eos_token_ids of the target ``cfg`` names, read from its configs alone: its weights are not loaded."""
+    path, gguf_file = resolved_path(cfg)
+    source, gguf_file = _locate(path, gguf_file)
+    config = _from_pretrained(AutoConfig, source, gguf_file)
+    generation = GenerationConfig.from_model_config(config)  # as from_pretrained makes it without the file
+    if not gguf_file:
+        try:
+            generation = GenerationConfig.from_pretrained(source)
+        except OSError:  # no generation_config.json
+            pass
+    return _eos_ids(generation, config, tokenizer)
+
+
+def _eos_ids(generation_config, config, tokenizer) -> list[int]:
     ids = set()
-    for source in (getattr(model, "generation_config", None), model.config):
+    for source in (generation_config, config):
         value = getattr(source, "eos_token_id", None) if source is not None else None
         ids.update(value if isinstance(value, list) else [value] if value is not None else [])
     if tokenizer.eos_token_id is not None:

@@ -18,7 +18,7 @@ from drafter_train.data.sources import open_source
 from drafter_train.data.store import DatagenStore
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.errors import ConfigError
-from drafter_train.targets import load_target
+from drafter_train.targets import eos_token_ids, load_target
 from tests.conftest import tiny_llama
 from tests.stubs import VOCAB, WORDS, compose_cfg, run_cli, save_tiny, word_tokenizer
 
@@ -244,18 +244,29 @@ def test_stories260k_on_sharegpt(stories_path, tmp_path):
     assert len(load_eval_prompts(out)) == 2
 
 
-def test_without_generation_only_prompts_and_references_are_stored(folders, tmp_path, monkeypatch):
-    """datagen.generate=false (training on fixed responses): no target call, empty responses, references kept."""
+def test_without_generation_only_prompts_and_references_are_stored(folders, tmp_path, monkeypatch, capsys):
+    """datagen.generate=false (training on fixed responses): the target's weights are not even loaded (only its
+    tokenizer and configs), empty responses, references kept, and the same EOS ids recorded as a loaded model's."""
     from drafter_train.data import generation
-
     def no_generate(*args, **kwargs):
         raise AssertionError("the target must not generate")
 
-    monkeypatch.setattr(generation, "generate_batch", no_generate)
     out = tmp_path / "fixed"
-    run_datagen(job(folders, out, "datagen.generate=false"), progress=False)
+    model, tokenizer = load_target(job(folders, out).target)
+    loaded_eos = eos_token_ids(model, tokenizer)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target's weights must not load")
+
+    monkeypatch.setattr(generation, "generate_batch", no_generate)
+    monkeypatch.setattr(datagen, "load_target", no_load)
+    run_datagen(job(folders, out, "datagen.generate=false"), progress=True)
     data = load_distill_dataset(out)
     assert all(r == [] for r in data["response_ids"]) and any(data["reference_ids"])
-    assert json.loads((out / "datagen.json").read_text())["generation"]["generate"] is False
+    references = sum(len(r) for r in data["reference_ids"])
+    assert f"{references} reference tokens (datagen.generate=false" in capsys.readouterr().err
+    manifest = json.loads((out / "datagen.json").read_text())
+    assert manifest["generation"]["generate"] is False
+    assert manifest["run"]["eos_token_ids"] == loaded_eos
     with pytest.raises(ConfigError, match="datagen.store_topk: needs datagen.generate=true"):
         OmegaConf.to_object(compose_cfg("datagen", ["datagen.generate=false", "datagen.store_topk=4"]))

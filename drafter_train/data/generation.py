@@ -60,6 +60,28 @@ class HFBackend:
         pass
 
 
+class ReferenceBackend:
+    """datagen.generate=false: the source's own answers are the records' responses, so nothing generates. The
+    target's tokenizer and EOS ids (from its configs) are all the records need; its weights are never loaded."""
+
+    batch_size: Optional[int] = None
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_token_ids: Sequence[int]):
+        self.tokenizer, self.eos_token_ids = tokenizer, list(eos_token_ids)
+
+    def generate(self, prompts: Sequence[TrainPrompt]) -> tuple[list[Continuation], float]:
+        raise RuntimeError("datagen.generate=false: the reference backend generates nothing")
+
+    def run_info(self) -> dict:
+        return {"backend": "none (datagen.generate=false: the source's answers)"}
+
+    def __enter__(self) -> "ReferenceBackend":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
 def generation_kwargs(cfg: DatagenConfig) -> dict:
     """`generate` settings: greedy at temperature 0, else sampling with temperature / top_k / top_p."""
     kwargs = dict(_NEUTRAL, max_new_tokens=cfg.max_new_tokens)

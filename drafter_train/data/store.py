@@ -199,7 +199,8 @@ def _shard_entry(path: Path) -> dict:
     """Counted from the shard itself: a run killed between the rename and the datagen.json update loses nothing."""
     shard = datasets.load_from_disk(str(path))
     responses = shard["response_ids"]
-    entry = {"name": path.name, "prompts": len(responses), "response_tokens": sum(len(r) for r in responses)}
+    entry = {"name": path.name, "prompts": len(responses), "response_tokens": sum(len(r) for r in responses),
+             "reference_tokens": sum(len(r) for r in shard["reference_ids"])}
     if "dropped_turns" in shard.column_names:  # multi-turn: what the length rules took away, never silently
         dropped = shard["dropped_turns"]
         entry.update(truncated_conversations=sum(n > 0 for n in dropped), dropped_turns=sum(dropped),

@@ -32,7 +32,7 @@ from drafter_train.recipes.cli import one_line_errors
 from drafter_train.data.chat import ChatTemplate
 from drafter_train.data.conversations import (TrainConversation, conversation_record, open_conversations,
                                               select_conversations)
-from drafter_train.data.generation import Continuation, HFBackend
+from drafter_train.data.generation import Continuation, HFBackend, ReferenceBackend
 from drafter_train.data.regenerate import progress_path, regenerate
 from drafter_train.data.sources import (Selection, TrainPrompt, exclusion_index, open_source, select_prompts,
                                         source_name)
@@ -40,10 +40,14 @@ from drafter_train.data.store import (FORMAT, SHARDS, DatagenStore, features, lo
                                       shard_name, tokenizer_fingerprint)
 from drafter_train.data.llamacpp_backend import LlamaCppBackend
 from drafter_train.data.vllm_backend import VllmBackend
-from drafter_train.targets import eos_token_ids, load_target, load_target_tokenizer, model_identity
+from drafter_train.targets import (eos_token_ids, load_target, load_target_tokenizer, model_identity,
+                                   target_eos_token_ids)
 
 __all__ = ["run_datagen", "load_distill_dataset", "load_eval_prompts", "main"]
 T = TypeVar("T")
+
+# what open_backend returns: each generates for a shard, or (generate=false) only tokenizes
+Backend = HFBackend | VllmBackend | LlamaCppBackend | ReferenceBackend
 
 
 class Throughput:
@@ -94,9 +98,14 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     return store.root
 
 
-def open_backend(cfg: DatagenJobConfig) -> HFBackend | VllmBackend | LlamaCppBackend:
+def open_backend(cfg: DatagenJobConfig) -> Backend:
     """hf: loads the target into this process. vllm: reads only its tokenizer and configs here (the engine starts
-    in a worker process when the first shard is generated, so a finished folder never starts it)."""
+    in a worker process when the first shard is generated, so a finished folder never starts it). generate=false,
+    any backend: the tokenizer and configs alone (the source's answers are kept; a 1.5B target's fp32 copy would
+    take minutes and 12 GB to load for nothing)."""
+    if not cfg.datagen.generate:
+        tokenizer = load_target_tokenizer(cfg.target)
+        return ReferenceBackend(tokenizer, target_eos_token_ids(cfg.target, tokenizer))
     if cfg.datagen.backend == "vllm":
         return VllmBackend(cfg)
     if cfg.datagen.backend == "llamacpp":
@@ -123,7 +132,7 @@ def data_settings(cfg: DatagenJobConfig) -> dict:
     return {"format": FORMAT, "target": target, "generation": generation, "prompts": prompts}
 
 
-def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, backend: HFBackend | VllmBackend | LlamaCppBackend) -> dict:
+def _manifest(cfg: DatagenJobConfig, settings: dict, selection: Selection, backend: Backend) -> dict:
     num_shards = -(-len(selection.train) // cfg.datagen.shard_size)
     counts = {"eval_prompts": len(selection.eval_prompts), "train_prompts": len(selection.train)}
     counts.update(skipped=selection.skipped, shards_total=num_shards)
@@ -155,7 +164,7 @@ def _generate_missing_shards(train: list, dg: DatagenConfig, store: DatagenStore
     return meter
 
 
-def _prompt_shard(backend: HFBackend | VllmBackend | LlamaCppBackend, dg: DatagenConfig, index: int, prompts: Sequence[TrainPrompt],
+def _prompt_shard(backend: Backend, dg: DatagenConfig, index: int, prompts: Sequence[TrainPrompt],
                   meter: Throughput) -> list[dict]:
     # Seeded per shard, so a resumed run samples exactly what an uninterrupted one would have (the vLLM
     # backend seeds each prompt instead).
@@ -163,7 +172,7 @@ def _prompt_shard(backend: HFBackend | VllmBackend | LlamaCppBackend, dg: Datage
     return generate_shard(backend, prompts, dg, meter)
 
 
-def _conversation_shard(backend: HFBackend | VllmBackend | LlamaCppBackend, chat: ChatTemplate, dg: DatagenConfig,
+def _conversation_shard(backend: Backend, chat: ChatTemplate, dg: DatagenConfig,
                         store: DatagenStore, index: int, convs: Sequence[TrainConversation],
                         meter: Throughput) -> list[dict]:
     """datagen.multi_turn: every assistant turn regenerated turn by turn (data/regenerate.py), resumable
@@ -178,7 +187,7 @@ def _conversation_shard(backend: HFBackend | VllmBackend | LlamaCppBackend, chat
 
 
 def generate_shard(
-    backend: HFBackend | VllmBackend | LlamaCppBackend, prompts: Sequence[TrainPrompt], dg: DatagenConfig, meter: Throughput
+    backend: Backend, prompts: Sequence[TrainPrompt], dg: DatagenConfig, meter: Throughput
 ) -> list[dict]:
     """Records for one shard, in prompt order; batches (backend.batch_size prompts, None = the whole shard: vLLM
     batches on its own) are formed by prompt length to waste less on padding."""
@@ -222,10 +231,12 @@ def _chunks(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
 def _summary(store: DatagenStore, meter: Throughput) -> str:
     counts = store.manifest["counts"]
     shards = len(store.manifest["shards"])
+    made = (f"{store.response_tokens()} response tokens ({meter.tokens} generated now at {meter.tokens_per_s:.1f} "
+            f"tokens/s)" if store.manifest["generation"]["generate"] else
+            f"{store.total('reference_tokens')} reference tokens (datagen.generate=false: the source's answers)")
     return (
         f"drafter-datagen: {counts['train_prompts']} training prompts in {shards}/{counts['shards_total']} shards, "
-        f"{store.response_tokens()} response tokens ({meter.tokens} generated now at {meter.tokens_per_s:.1f} "
-        f"tokens/s), {counts['eval_prompts']} eval prompts held out -> {store.root}"
+        f"{made}, {counts['eval_prompts']} eval prompts held out -> {store.root}"
         + (f"; {store.total('truncated_conversations')} conversations cut short by datagen.max_prompt_tokens "
            f"({store.total('dropped_turns')} assistant turns dropped), {store.total('cut_turns')} turns cut at "
            f"max_new_tokens" if is_multi_turn(store) else "")
