@@ -4,6 +4,7 @@ first; a kind with its own training procedure (layer-skip's search) calls it aft
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Optional
 
@@ -33,10 +34,23 @@ def check_inputs(cfg) -> None:
     for option, folder in _data_folders(cfg):
         if folder and not Path(folder).expanduser().is_dir():
             raise ConfigError(f"{option}: {folder}: no such folder")
+    if hasattr(cfg, "train"):
+        check_has_target_answers(cfg.train.data_dir, cfg.train.response)
     for option, prompts in (("eval", getattr(getattr(cfg, "eval", None), "prompts", None)),
                             ("datagen", getattr(getattr(cfg, "datagen", None), "prompts", None))):
         if prompts and (Path(prompts).suffix or Path(prompts).expanduser().is_absolute()):  # a file, not a hub id
             check_prompt_file(prompts, option)
+
+
+def check_has_target_answers(data_dir: str, response: str) -> None:
+    """train.response=target on a folder datagen wrote without generating (datagen.generate=false) would train on
+    empty answers: refuse it in one line."""
+    manifest = Path(data_dir).expanduser() / "datagen.json"
+    if response != "target" or not manifest.is_file():
+        return
+    if json.loads(manifest.read_text()).get("generation", {}).get("generate") is False:
+        raise ConfigError(f"train.response=target: {data_dir} holds no target answers (made with "
+                          f"datagen.generate=false); train on its reference answers with train.response=reference")
 
 
 def check_cut_from(value: str) -> None:

@@ -18,6 +18,7 @@ from drafter_train.data.sources import open_source
 from drafter_train.data.store import DatagenStore
 from drafter_train.decoding.autoregressive import generate_autoregressive
 from drafter_train.errors import ConfigError
+from drafter_train.preflight import check_inputs
 from drafter_train.targets import eos_token_ids, load_target
 from tests.conftest import tiny_llama
 from tests.stubs import VOCAB, WORDS, compose_cfg, run_cli, save_tiny, word_tokenizer
@@ -268,5 +269,10 @@ def test_without_generation_only_prompts_and_references_are_stored(folders, tmp_
     manifest = json.loads((out / "datagen.json").read_text())
     assert manifest["generation"]["generate"] is False
     assert manifest["run"]["eos_token_ids"] == loaded_eos
+    # training on it needs train.response=reference: the target's answers are empty, refused before anything loads
+    train = [f"target.path={folders / 'target'}", "target.chat_template=false", f"train.data_dir={out}"]
+    with pytest.raises(ConfigError, match="train.response=target: .* holds no target answers .*generate=false"):
+        check_inputs(OmegaConf.to_object(compose_cfg("train", train)))
+    check_inputs(OmegaConf.to_object(compose_cfg("train", [*train, "train.response=reference"])))
     with pytest.raises(ConfigError, match="datagen.store_topk: needs datagen.generate=true"):
         OmegaConf.to_object(compose_cfg("datagen", ["datagen.generate=false", "datagen.store_topk=4"]))
