@@ -25,7 +25,7 @@ from drafter_train.targets import load_causal_lm
 from drafter_train.recipes.train import train
 from tests.stubs import compose_cfg
 from tests.test_eagle3 import eagle3_counts
-from tests.test_sampling_exactness import chi2_pvalue, enumerate_marginals
+from tests.test_sampling_exactness import RUNS, chi2_pvalue, enumerate_marginals
 from tests.test_train import losses, stories_run, train_cfg
 
 GREEDY = make_verifier("greedy", SamplingParams())
@@ -267,7 +267,7 @@ def test_speculative_sampling_with_dflash_matches_tiny_llama_distribution(make_t
     if broken:
         monkeypatch.setattr(conditioned, "to_target_vocab", _identity_mapped)
     params, prompt, num_tokens = SamplingParams(temperature=1.0), [1, 5, 3], 3
-    counts = eagle3_counts(target, make_drafter(model), prompt, params, 1200, num_tokens)  # draft_len 2 of block 4
+    counts = eagle3_counts(target, make_drafter(model), prompt, params, RUNS, num_tokens)  # draft_len 2 of block 4
     exact = enumerate_marginals(target, prompt, num_tokens, 8, params)
     pvalues = [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)]
     if broken:
