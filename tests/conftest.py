@@ -139,6 +139,27 @@ def stories_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def stories_data(stories_path, tmp_path_factory) -> Path:
+    """drafter-datagen output on stories260K (32 prompts x 32 tokens), made once a session: the stories260K training
+    tests (tests/test_train.py stories_run) all train on these same records."""
+    from omegaconf import OmegaConf
+
+    from drafter_train.recipes.datagen import run_datagen
+    from tests.stubs import compose_cfg
+
+    root = tmp_path_factory.mktemp("stories_data")
+    prompts = root / "p.txt"
+    prompts.write_text("".join(f"{s} {i}\n" for i in range(12) for s in ("Once upon a time", "The little dog", "Lily saw")))
+    datagen = compose_cfg("datagen", [
+        f"target.path={stories_path}", "target.chat_template=false", f"datagen.prompts={prompts}",
+        "datagen.num_prompts=32", "datagen.num_eval_prompts=4", "datagen.max_new_tokens=32",
+        f"datagen.output_dir={root / 'data'}",
+    ])
+    run_datagen(OmegaConf.to_object(datagen), progress=False)
+    return root / "data"
+
+
+@pytest.fixture(scope="session")
 def llamacpp_smoke() -> Path:
     """The llama.cpp build's smoke run (drafter_train.llamacpp.smoke_check), once a session, before any test that
     runs its tools: a build whose tools crash on this CPU fails those tests with its one line, not with a signal."""

@@ -1,7 +1,10 @@
 """Run by each rank of a 2-process launch (tests/test_distributed.py): train as drafter-train would, and report what
 this rank drew from the data and the parameters it holds at every checkpoint.
 
-    accelerate launch ... -m tests.ddp_rank_report REPORT_DIR <train overrides>
+    accelerate launch ... -m tests.ddp_rank_report REPORT_DIR <train overrides> [:: REPORT_DIR <train overrides> ...]
+
+Several runs separated by `::` train one after the other in the same launch (its process group), as the jobs of a
+Hydra sweep do: one launch (its interpreter and library start-up, most of a tiny run's cost) serves several checks.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from tests.stubs import compose_cfg
 
 
 def main(report_dir: Path, overrides: list[str]) -> None:
-    drawn: list[list[int]] = []
+    drawn: list[list[int]] = []  # this run's draws
     draw, save = BatchStream.next_indices, train_module.save_and_evaluate
 
     def recording_draw(stream):
@@ -36,8 +39,24 @@ def main(report_dir: Path, overrides: list[str]) -> None:
 
     BatchStream.next_indices = recording_draw
     train_module.save_and_evaluate = reporting_save
-    train_module.train(OmegaConf.to_object(compose_cfg("train", overrides)))
+    try:
+        train_module.train(OmegaConf.to_object(compose_cfg("train", overrides)))
+    finally:
+        BatchStream.next_indices, train_module.save_and_evaluate = draw, save
+
+
+def runs(args: list[str]) -> list[tuple[Path, list[str]]]:
+    """`REPORT_DIR overrides... [:: REPORT_DIR overrides...]` -> [(report dir, overrides)], in order."""
+    jobs, job = [], []
+    for arg in [*args, "::"]:
+        if arg != "::":
+            job.append(arg)
+        elif job:
+            jobs.append((Path(job[0]), job[1:]))
+            job = []
+    return jobs
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2:])
+    for report_dir, overrides in runs(sys.argv[1:]):
+        main(report_dir, overrides)

@@ -116,13 +116,33 @@ def accelerate_launch(config: str, args: list[str], cwd: Path, use_cpu: bool = F
     return done
 
 
-def test_two_ddp_ranks_train_one_model_on_disjoint_data(tiny_data, one_process, tmp_path):
-    """Each rank reports what it drew and what it holds at every checkpoint (tests/ddp_rank_report.py)."""
-    (tmp_path / "reports").mkdir()
-    args = [str(tmp_path / "reports"), *overrides(tiny_data, tmp_path / "out", 2, "tracker=tensorboard")]
-    accelerate_launch("ddp_cpu.yaml", args, cwd=tmp_path, use_cpu=True, module="tests.ddp_rank_report")
+# the 2-rank DDP runs whose ranks report what they drew and hold (tests/ddp_rank_report.py), in the order they train:
+# name -> train overrides. The run with a tracker goes last: a tracker's end (accelerate's end_training) also ends the
+# process group.
+RANK_REPORT_RUNS = {
+    "nar": ("drafter=nar", "drafter.path=truncated:1", "drafter.glancing_ratio=0.5"),  # a Spec-Drafter: its own module
+    "ar": ("tracker=tensorboard",),
+}
 
-    reports = {p.stem: torch.load(p, weights_only=False) for p in (tmp_path / "reports").glob("*.pt")}
+
+@pytest.fixture(scope="module")
+def rank_reports(tiny_data, tmp_path_factory) -> dict[str, tuple[dict, Path]]:
+    """ONE DDP launch of tests/ddp_rank_report.py training each of RANK_REPORT_RUNS in turn (as a sweep's jobs
+    share a launch): name -> (the ranks' reports by "rank<r>-step<s>", the run folder). One launch, not one per run:
+    starting the launcher and 2 ranks costs more than training these tiny runs."""
+    root = tmp_path_factory.mktemp("rank_reports")
+    args = []
+    for name, extra in RANK_REPORT_RUNS.items():
+        (root / name / "reports").mkdir(parents=True)
+        args += ["::", str(root / name / "reports"), *overrides(tiny_data, root / name / "out", 2, *extra)]
+    accelerate_launch("ddp_cpu.yaml", args[1:], cwd=root, use_cpu=True, module="tests.ddp_rank_report")
+    return {name: ({p.stem: torch.load(p, weights_only=False) for p in (root / name / "reports").glob("*.pt")},
+                   root / name / "out" / RUN) for name in RANK_REPORT_RUNS}
+
+
+def test_two_ddp_ranks_train_one_model_on_disjoint_data(tiny_data, one_process, rank_reports):
+    """Each rank reports what it drew and what it holds at every checkpoint (tests/ddp_rank_report.py)."""
+    reports, run_dir = rank_reports["ar"]
     assert sorted(reports) == ["rank0-step2", "rank0-step4", "rank1-step2", "rank1-step4"]
     assert all(r["num_processes"] == 2 for r in reports.values())
     for step in (2, 4):  # gradients were all-reduced: both ranks hold the same parameters, bit for bit
@@ -134,12 +154,25 @@ def test_two_ddp_ranks_train_one_model_on_disjoint_data(tiny_data, one_process, 
         assert not set(mine) & set(theirs), f"step {step + 1}: both ranks trained on the same records"
         assert sorted(mine + theirs) == sorted(single.next_indices())
 
-    run_dir = tmp_path / "out" / RUN
     assert_one_job_of_two_ranks(run_dir, DistributedType.MULTI_CPU.value)
     assert [r["step"] for r in rows(run_dir) if "eval/tau" in r] == [0, 2, 4]
     writers = {p.name.split(".")[-2] for p in run_dir.rglob("events.out.tfevents.*")}  # <time>.<host>.<pid>.<n>
     assert len(writers) == 1  # TensorBoard files from one process only: the main one
     assert_matches_one_process(run_dir, one_process)
+
+
+def test_two_ddp_ranks_train_one_spec_drafter(rank_reports):
+    """A Spec-Drafter is its own training module: DDP hooks run on its forward (glancing's no-grad pass included),
+    so both ranks hold the same weights and the checkpoint is a Spec-Drafter folder."""
+    reports, run_dir = rank_reports["nar"]
+    assert sorted(reports) == ["rank0-step2", "rank0-step4", "rank1-step2", "rank1-step4"]
+    first, last = reports["rank0-step2"]["weights"], reports["rank0-step4"]["weights"]
+    assert not torch.equal(first["mask_embeds"], last["mask_embeds"])  # it trained
+    for step in (2, 4):
+        r0, r1 = reports[f"rank0-step{step}"], reports[f"rank1-step{step}"]
+        assert r0["num_processes"] == 2 and all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
+    assert_one_job_of_two_ranks(run_dir, DistributedType.MULTI_CPU.value)
+    assert json.loads((run_dir / "latest" / "drafter" / "config.json").read_text())["model_type"] == "spec_drafter"
 
 
 def assert_main_process_reported(done: subprocess.CompletedProcess, jobs: int = 1) -> None:
@@ -224,25 +257,6 @@ def test_launch_precision_must_match_the_run(monkeypatch):
     with pytest.raises(ConfigError, match=r"train\.mixed_precision=bf16"):
         check_launch_precision("no")
     check_launch_precision("bf16")
-
-
-def test_two_ddp_ranks_train_one_spec_drafter(tiny_data, tmp_path):
-    """A Spec-Drafter is its own training module: DDP hooks run on its forward (glancing's no-grad pass included),
-    so both ranks hold the same weights and the checkpoint is a Spec-Drafter folder."""
-    (tmp_path / "reports").mkdir()
-    args = [str(tmp_path / "reports"), *overrides(tiny_data, tmp_path / "out", 2, "drafter=nar",
-                                                  "drafter.path=truncated:1", "drafter.glancing_ratio=0.5")]
-    accelerate_launch("ddp_cpu.yaml", args, cwd=tmp_path, use_cpu=True, module="tests.ddp_rank_report")
-    reports = {p.stem: torch.load(p, weights_only=False) for p in (tmp_path / "reports").glob("*.pt")}
-    assert sorted(reports) == ["rank0-step2", "rank0-step4", "rank1-step2", "rank1-step4"]
-    first, last = reports["rank0-step2"]["weights"], reports["rank0-step4"]["weights"]
-    assert not torch.equal(first["mask_embeds"], last["mask_embeds"])  # it trained
-    for step in (2, 4):
-        r0, r1 = reports[f"rank0-step{step}"], reports[f"rank1-step{step}"]
-        assert r0["num_processes"] == 2 and all(torch.equal(r0["weights"][k], r1["weights"][k]) for k in r0["weights"])
-    run_dir = tmp_path / "out" / RUN
-    assert_one_job_of_two_ranks(run_dir, DistributedType.MULTI_CPU.value)
-    assert json.loads((run_dir / "latest" / "drafter" / "config.json").read_text())["model_type"] == "spec_drafter"
 
 
 # ---- the launch configs, as accelerate reads them ------------------------------------------------------------------

@@ -23,7 +23,7 @@ from drafter_train.features import FeatureTap, default_layers
 from drafter_train.targets import load_causal_lm
 from drafter_train.recipes.train import train
 from tests.stubs import VOCAB, compose_cfg
-from tests.test_sampling_exactness import chi2_pvalue, enumerate_marginals
+from tests.test_sampling_exactness import RUNS, chi2_pvalue, enumerate_marginals
 from tests.test_train import train_cfg
 
 GREEDY = make_verifier("greedy", SamplingParams())
@@ -230,7 +230,7 @@ def test_speculative_sampling_with_eagle3_matches_tiny_llama_distribution(make_t
     model = random_eagle3(target, layers=(1, 2), draft_ids=torch.tensor([1, 2, 4, 5, 7]), scale=0.4)
     params, prompt, num_tokens = SamplingParams(temperature=1.0), [1, 5, 3], 3
     drafter = (IdentityMappedDrafter if broken else Eagle3Drafter)(model)
-    counts = eagle3_counts(target, drafter, prompt, params, 1200, num_tokens)
+    counts = eagle3_counts(target, drafter, prompt, params, RUNS, num_tokens)
     exact = enumerate_marginals(target, prompt, num_tokens, 8, params)
     pvalues = [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)]
     if broken:

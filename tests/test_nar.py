@@ -261,8 +261,8 @@ def test_tiny_nar_run_trains_checkpoints_and_reloads(tiny_data, tmp_path, extra)
     assert train(cfg)["tau"] == metrics["tau"]
 
 
-def test_nar_training_raises_tau_on_stories260k(stories_path, tmp_path):
-    metrics, baseline, _ = stories_run(stories_path, tmp_path, "drafter=nar", "drafter.path=truncated:2",
+def test_nar_training_raises_tau_on_stories260k(stories_path, stories_data, tmp_path):
+    metrics, baseline, _ = stories_run(stories_path, stories_data, tmp_path, "drafter=nar", "drafter.path=truncated:2",
                                        "drafter.glancing_ratio=0.5", "train.max_steps=60", "train.save_every=60")
     assert metrics["tau"] > baseline + 0.4 and metrics["greedy_match"] == 1.0
 

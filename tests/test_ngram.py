@@ -18,7 +18,7 @@ from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
 from drafter_train.recipes.train import train
 from tests.stubs import compose_cfg, naive_greedy_speculative, word_tokenizer
-from tests.test_sampling_exactness import chi2_pvalue, enumerate_marginals
+from tests.test_sampling_exactness import RUNS, chi2_pvalue, enumerate_marginals
 from tests.test_train import train_cfg
 
 
@@ -71,13 +71,13 @@ def test_speculative_sampling_with_prompt_lookup_matches_the_target(make_tiny_ll
     counts = torch.zeros(num_tokens, 8)
     generator, verifier = torch.Generator().manual_seed(1234), make_verifier("sample", params)
     proposed = 0
-    for _ in range(1200):
+    for _ in range(RUNS):
         out = generate_speculative(target, PromptLookupDrafter(ngram()), prompt, 2, verifier, num_tokens, params,
                                    generator=generator)
         counts[torch.arange(num_tokens), torch.tensor(out.tokens)] += 1
         proposed += out.stats.proposed
     exact = enumerate_marginals(target, prompt, num_tokens, 8, params)
-    assert proposed > 500  # the prompt repeats, so lookup drafts in most runs
+    assert proposed > RUNS // 2  # the prompt repeats, so lookup drafts in most runs
     assert min(chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)) > 1e-3
 
 

@@ -19,6 +19,16 @@ from drafter_train.drafters.common.truncated import cut_from_target
 from tests.stubs import BigramLM
 
 
+# Decoder runs behind a chi-square test of a tiny model (vocabulary 6-8, 3-4 sampled positions) where the bug it
+# guards moves the samples far: with 500 runs each deliberately broken variant still fails by a wide margin (1200-1500
+# runs, drawn before, cost 2.4-3x the time for the same verdicts): a draft-vocabulary map forgotten (EAGLE-3, DFlash:
+# p ~ 0), caches not cropped after a rejection (Spec-Drafter, prompt lookup: p < 1e-28), the correction drawn from p
+# instead of the residual or every draft kept (lookup first, corpus lookup: p < 1e-11), q paired with the wrong draft
+# or the residual (seq2seq Spec-Drafter chains and trees: p < 1e-9). Tests whose bugs move the samples less keep more
+# runs and say so (the AR chain below, the bigram rules, lookup's trees, the seq2seq AR drafter).
+RUNS = 500
+
+
 def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson chi-square goodness of fit; cells with expected count < 5 are pooled into one."""
     n = counts.sum()
@@ -120,6 +130,7 @@ def test_speculative_sampling_matches_tiny_llama_distribution(make_tiny_llama):
     target = make_tiny_llama(vocab_size=8, num_layers=4, init=0.4)
     drafter = cut_from_target(target, 1)
     params, prompt, num_tokens = SamplingParams(temperature=1.0), [1, 5, 3], 3
+    # 1200 runs, not RUNS: a correction drawn from p instead of the residual fails only at p ~ 1e-4 after 500
     counts = sampled_counts(target, drafter, prompt, 8, make_verifier("sample", params), params, 1200, num_tokens, 2)
     exact = enumerate_marginals(target, prompt, num_tokens, 8, params)
     pvalues = [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)]
@@ -131,7 +142,7 @@ def test_speculative_sampling_with_nar_drafter_matches_tiny_llama_distribution(m
     target = make_tiny_llama(vocab_size=8, num_layers=4, init=0.4)
     drafter = SpecDrafter.from_target(target, 1, 0, 2).eval()
     params, prompt, num_tokens = SamplingParams(temperature=1.0), [1, 5, 3], 3
-    counts = sampled_counts(target, drafter, prompt, 8, make_verifier("sample", params), params, 1200, num_tokens, 2)
+    counts = sampled_counts(target, drafter, prompt, 8, make_verifier("sample", params), params, RUNS, num_tokens, 2)
     exact = enumerate_marginals(target, prompt, num_tokens, 8, params)
     pvalues = [chi2_pvalue(counts[j], exact[j]) for j in range(num_tokens)]
     assert min(pvalues) > 1e-3, pvalues

@@ -14,7 +14,6 @@ from drafter_train.machine import probe_cpu
 from drafter_train.config import CONF_DIR
 from drafter_train.recipes.cli import compose_config
 from drafter_train.drafters.eagle3.config import Eagle3DrafterConfig
-from drafter_train.recipes.datagen import run_datagen
 from drafter_train.drafters.registry import get_kind
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
 from drafter_train.recipes.train import TrainingDivergedError, train
@@ -114,31 +113,24 @@ def test_offline_teacher_matches_stored_logits(tiny_data, tmp_path):
     assert by_step[6] < by_step[1]
 
 
-def stories_run(stories_path, tmp_path, *overrides: str) -> tuple[dict, float, Path]:
-    """datagen on stories260K (32 prompts x 32 tokens), then train; returns (last metrics, untrained tau, run dir)."""
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("".join(f"{s} {i}\n" for i in range(12) for s in ("Once upon a time", "The little dog", "Lily saw")))
-    datagen = compose_cfg("datagen", [
-        f"target.path={stories_path}", "target.chat_template=false", f"datagen.prompts={prompts}",
-        "datagen.num_prompts=32", "datagen.num_eval_prompts=4", "datagen.max_new_tokens=32",
-        f"datagen.output_dir={tmp_path / 'data'}",
-    ])
-    run_datagen(OmegaConf.to_object(datagen), progress=False)
+def stories_run(stories_path, data, tmp_path, *overrides: str) -> tuple[dict, float | None, Path]:
+    """Train on stories260K's datagen output `data` (the stories_data fixture); returns (last metrics, untrained tau
+    or None without an evaluation at step 0, run dir)."""
     cfg = OmegaConf.to_object(compose_cfg("train", [
         f"target.path={stories_path}", "target.chat_template=false", "drafter.path=truncated:2",
-        f"train.data_dir={tmp_path / 'data'}", f"train.output_root={tmp_path}", "train.max_steps=30",
+        f"train.data_dir={data}", f"train.output_root={tmp_path}", "train.max_steps=30",
         "train.batch_size=4", "train.save_every=30", "train.log_every=1", "train.lr=3e-3", "eval.num_prompts=4",
         "eval.max_new_tokens=32", "eval.prompts=null", *overrides,  # datagen's held-out stories, not dev's chat
     ]))
     metrics = train(cfg)
     run_dir = tmp_path / cfg.train.run_name
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    baseline = next(r["eval/tau"] for r in rows if r["step"] == 0 and "eval/tau" in r)
+    baseline = next((r["eval/tau"] for r in rows if r["step"] == 0 and "eval/tau" in r), None)
     return metrics, baseline, run_dir
 
 
-def test_training_raises_tau_on_stories260k(stories_path, tmp_path):
-    metrics, baseline, run_dir = stories_run(stories_path, tmp_path)
+def test_training_raises_tau_on_stories260k(stories_path, stories_data, tmp_path):
+    metrics, baseline, run_dir = stories_run(stories_path, stories_data, tmp_path)
     by_step = losses(run_dir)
     assert by_step[30] < by_step[1]
     assert metrics["tau"] > baseline + 0.3 and metrics["greedy_match"] == 1.0
