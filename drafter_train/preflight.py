@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Optional
 
 from drafter_train.data.prompts import check_prompt_file
+from drafter_train.data.store import MANIFEST
 from drafter_train.drafters.registry import is_saved_drafter
 from drafter_train.errors import ConfigError, ModelNotFoundError
 from drafter_train.gguf_file import check_gguf
@@ -45,7 +46,7 @@ def check_inputs(cfg) -> None:
 def check_has_target_answers(data_dir: str, response: str) -> None:
     """train.response=target on a folder datagen wrote without generating (datagen.generate=false) would train on
     empty answers: refuse it in one line."""
-    manifest = Path(data_dir).expanduser() / "datagen.json"
+    manifest = Path(data_dir).expanduser() / MANIFEST
     if response != "target" or not manifest.is_file():
         return
     if json.loads(manifest.read_text()).get("generation", {}).get("generate") is False:
