@@ -14,9 +14,13 @@
 #             E3_STEPS steps on those answers (offline features: the 1.5B's hidden states, extracted once)
 #   ar        a stand-alone AR drafter: the 0.5B's first AR_LAYERS layers (drafter.cut_from), AR_STEPS steps of
 #             cross-entropy on the target's answers, full vocabulary (llama.cpp's draft models must share it)
-#   exports   EAGLE-3 as an f16 drafter GGUF and quantised (q8_0, q4_k_m: llama-quantize), the AR drafter at q4_k_m
-#             (its 151k x 896 head dominates its cost), the answers as llama.cpp's static n-gram cache
+#   dflash    a DFlash drafter (one forward drafts a block) on the same features and layers as EAGLE-3, block
+#             DF_BLOCK (drafts up to DF_BLOCK - 1 tokens), draft vocabulary VOCAB, DF_STEPS steps; llama.cpp serves it
+#             as draft-dflash on the llama re-export, like EAGLE-3
+#   exports   EAGLE-3 as an f16 drafter GGUF and quantised (q8_0, q4_k_m: llama-quantize), DFlash at q8_0, the AR
+#             drafter at q4_k_m (its 151k x 896 head dominates its cost), the answers as llama.cpp's static n-gram cache
 #   choose    on the dev split (never the test split): draft lengths 1-3 of each drafter and each free n-gram mode,
+#             (a choice.json without one of today's drafters, or from another CPU, is set aside and made again)
 #             timed in llama.cpp; the fastest length per drafter and the fastest mode are kept (OUT/choice.json,
 #             python -m drafter_train.engines.choose), the product runs that mode, then the corpus cache if a second
 #             dev pass shows it makes the mode faster (choice.json's "corpus"), ahead of EAGLE-3 only if EAGLE-3
@@ -33,7 +37,8 @@
 # OUT/other-machines/ and measured again here
 #   results   docs/results.md regenerated (python -m benchmarks.make_results)
 # Budget on a 2-core machine: docs/lab-notes/served-qwen.md. Environment: DATA, OUT, NUM_PROMPTS (160), VOCAB (8192),
-# E3_STEPS (100), E3_LR (5e-4), AR_LAYERS (4), AR_STEPS (60), AR_BATCH (4), SAVE_EVERY (50), PER_CATEGORY (2),
+# E3_STEPS (100), E3_LR (5e-4), AR_LAYERS (4), AR_STEPS (60), AR_BATCH (4), DF_STEPS (60), DF_BLOCK (4),
+# SAVE_EVERY (50), PER_CATEGORY (2),
 # NEW_TOKENS (64), ROUNDS (3), THREADS (2), E3_TYPE (the EAGLE-3 export the table serves: q4_k_m, the fastest of f16,
 # q8_0, q4_k_m in choose's second dev pass, docs/lab-notes/served-qwen.md; or f16, q8_0), STAGES.
 set -euo pipefail
@@ -44,9 +49,9 @@ DRAFT_MODEL=qwen2.5-coder-0.5b
 DATA=${DATA:-data/$TARGET}
 OUT=${OUT:-checkpoints/served-$TARGET}
 THREADS=${THREADS:-2}
-STAGES=" ${STAGES:-targets llamacpp datagen eagle3 ar exports choose agreement table results} "
+STAGES=" ${STAGES:-targets llamacpp datagen eagle3 ar dflash exports choose agreement table results} "
 for s in $STAGES; do
-  case $s in targets|llamacpp|datagen|eagle3|ar|exports|choose|table|agreement|results) ;;
+  case $s in targets|llamacpp|datagen|eagle3|ar|dflash|exports|choose|table|agreement|results) ;;
     *) echo "served_qwen: STAGES: unknown stage $s" >&2; exit 2;;
   esac
 done
@@ -95,6 +100,15 @@ if stage ar && ! trained "$OUT/ar" "${AR_STEPS:-60}"; then
     train.lr=5e-4 train.warmup_steps=10 "${EVAL[@]}"
   took ar
 fi
+if stage dflash && ! trained "$OUT/dflash" "${DF_STEPS:-60}"; then
+  # EAGLE-3's layers (low, middle, high of 28), so the EAGLE-3 feature cache is read again, not extracted again
+  drafter-train target=$TARGET train.data_dir="$DATA" train.output_root="$OUT" train.run_name=dflash drafter=dflash \
+    drafter.features=offline drafter.target_layers=[2,14,25] drafter.draft_vocab_size=${VOCAB:-8192} \
+    drafter.block_size=${DF_BLOCK:-4} drafter.draft_len=2 loss=fkl train.max_steps=${DF_STEPS:-60} \
+    train.save_every=${SAVE_EVERY:-50} train.keep_last=1 train.log_every=5 train.batch_size=8 train.lr=5e-4 \
+    train.warmup_steps=20 "${EVAL[@]}"
+  took dflash
+fi
 export_to() {  # drafter-export into DIR.part, renamed to DIR when it succeeds; skipped when DIR exists
   local dir=$1; shift
   if [[ -d $dir ]]; then echo "served_qwen: $dir exists, skipped"; return 0; fi
@@ -108,6 +122,8 @@ if stage exports; then
     export_to "$OUT/exports/eagle3-$t" export.run_dir="$OUT/eagle3" export.format=gguf export.gguf_type=f16 \
       export.drafter_gguf_type=$t export.gguf_target=false
   done
+  export_to "$OUT/exports/dflash" export.run_dir="$OUT/dflash" export.format=gguf export.gguf_type=f16 \
+    export.drafter_gguf_type=q8_0 export.gguf_target=false
   export_to "$OUT/exports/ar" export.run_dir="$OUT/ar" export.format=gguf export.gguf_type=f16 \
     export.drafter_gguf_type=q4_k_m export.gguf_target=false
   if [[ ! -f $OUT/exports/corpus.lookup ]]; then
@@ -130,17 +146,27 @@ SERVED=(--engines llama.cpp --target embedded:$TARGET --target-gguf "q4_k_m=$CAC
         --threads $THREADS --calibration-rounds 1)
 E3="$OUT/exports/eagle3/drafter.gguf@q4_k_m-llama"
 AR="$OUT/exports/ar/drafter.gguf@q4_k_m-llama"
+DF="$OUT/exports/dflash/drafter.gguf@q4_k_m-llama"
 has_corpus() { [[ -f $1 ]] && python3 -c 'import json, sys; sys.exit("corpus" not in json.load(open(sys.argv[1])))' "$1"; }
 # a timing made on another CPU is made again here: its folders move to OUT/other-machines/<when>/ (kept, not used)
 here() { python3 -m drafter_train.engines.journal "$1" >&2; }
-set_aside() {
-  local to=$OUT/other-machines/$(date -u +%Y%m%dT%H%M%SZ) p
+set_aside() {  # set_aside WHERE WHY PATH...: kept in OUT/WHERE/<when>/, not used
+  local to=$OUT/$1/$(date -u +%Y%m%dT%H%M%SZ) why=$2 p
+  shift 2
   mkdir -p "$to"
   for p in "$@"; do [[ -e $p ]] && mv "$p" "$to/"; done
-  echo "served_qwen: measured on another machine, set aside in $to: $*" >&2
+  echo "served_qwen: $why, set aside in $to: $*" >&2
 }
+# the drafters choose weighs (label prefixes of its rows): e3 EAGLE-3, ar the AR drafter, df DFlash
+PREFIXES=(e3 ar df)
+chose_all() { python3 -c 'import json, sys
+sys.exit(not set(sys.argv[2:]) <= set(json.load(open(sys.argv[1]))["draft_len"]))' "$1" "${PREFIXES[@]}"; }
 if stage choose && [[ -f $OUT/choice.json ]] && ! here "$OUT/choice.json"; then
-  set_aside "$OUT/choice.json" "$OUT/choose" "$OUT/choose-corpus"
+  set_aside other-machines "measured on another machine" "$OUT/choice.json" "$OUT/choose" "$OUT/choose-corpus"
+fi
+# a choice made before a drafter joined is made again, all drafters side by side in one dev pass
+if stage choose && [[ -f $OUT/choice.json ]] && ! chose_all "$OUT/choice.json"; then
+  set_aside superseded "chosen without one of ${PREFIXES[*]}" "$OUT/choice.json" "$OUT/choose" "$OUT/choose-corpus"
 fi
 if stage choose && ! has_corpus "$OUT/choice.json"; then
   if [[ ! -f $OUT/choose/choose.json ]]; then
@@ -150,11 +176,13 @@ if stage choose && ! has_corpus "$OUT/choice.json"; then
       --draft-gguf "e3-1=$E3" --draft-len-of e3-1=1 --draft-gguf "e3-2=$E3" --draft-len-of e3-2=2 \
       --draft-gguf "e3-3=$E3" --draft-len-of e3-3=3 --draft-gguf "ar-1=$AR" --draft-len-of ar-1=1 \
       --draft-gguf "ar-2=$AR" --draft-len-of ar-2=2 --draft-gguf "ar-3=$AR" --draft-len-of ar-3=3 \
+      --draft-gguf "df-1=$DF" --draft-len-of df-1=1 --draft-gguf "df-2=$DF" --draft-len-of df-2=2 \
+      --draft-gguf "df-3=$DF" --draft-len-of df-3=3 \
       --output "$OUT/choose" --result-name choose
   fi
   # does the corpus cache help the kept mode? that mode alone and as the product without a drafter, on dev; the
   # same pass times EAGLE-3 (length 1) as exported in f16 and quantised (exports/eagle3-q8_0, -q4_k_m)
-  mode=$(python3 -m drafter_train.engines.choose "$OUT/choose/choose.json" e3 ar | python3 -c \
+  mode=$(python3 -m drafter_train.engines.choose "$OUT/choose/choose.json" "${PREFIXES[@]}" | python3 -c \
     'import json, sys; print(json.load(sys.stdin)["ngram_mode"])')
   corpus=()
   if [[ $mode != ngram-cache ]]; then
@@ -168,7 +196,8 @@ if stage choose && ! has_corpus "$OUT/choice.json"; then
     fi
     corpus=(--corpus "$OUT/choose-corpus/choose-corpus.json")
   fi
-  python3 -m drafter_train.engines.choose "$OUT/choose/choose.json" e3 ar "${corpus[@]}" > "$OUT/choice.json.part"
+  python3 -m drafter_train.engines.choose "$OUT/choose/choose.json" "${PREFIXES[@]}" "${corpus[@]}" \
+    > "$OUT/choice.json.part"
   mv "$OUT/choice.json.part" "$OUT/choice.json"
   took choose
 fi
@@ -201,7 +230,7 @@ print(out if out.is_file() else reexport_as_llama(f, out))' $TARGET)
 fi
 if stage table; then
   if [[ -d $OUT/table/served_qwen1.5b.journal ]] && ! here "$OUT/table/served_qwen1.5b.journal"; then
-    set_aside "$OUT/table"
+    set_aside other-machines "measured on another machine" "$OUT/table"
   fi
   if ! here "$OUT/choice.json"; then
     echo "served_qwen: the table serves what the choose stage chose on this machine: run STAGES=choose first" >&2
@@ -230,6 +259,7 @@ print(value)' "$OUT/choice.json" "$1"
     --draft-gguf "eagle3=$E3_SERVED" \
     --draft-len-of eagle3=$(chosen draft_len.e3) \
     --draft-gguf "ar=$AR" --draft-len-of ar=$(chosen draft_len.ar) \
+    --draft-gguf "dflash=$DF" --draft-len-of dflash=$(chosen draft_len.df) \
     --product eagle3 "${lookups[@]}" --product-ngram "$(chosen product_ngram)" --near-ties "${ours[@]}" \
     --output "$OUT/table" --result --result-name served_qwen1.5b
   took table

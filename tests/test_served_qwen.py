@@ -36,15 +36,19 @@ def test_the_training_and_export_commands_compose_into_valid_configs(tmp_path):
         real = shutil.which(entry)
         (fake / entry).write_text(f'#!/bin/sh\necho "{entry} $*" >> "{tmp_path}/calls"\nexec "{real}" "$@" --cfg job\n')
         (fake / entry).chmod(0o755)
-    done = run({"STAGES": "eagle3 ar", "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "E3_STEPS": "7"}, tmp_path)
+    done = run({"STAGES": "eagle3 ar dflash", "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}", "E3_STEPS": "7",
+                "DF_BLOCK": "3"}, tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert len(calls) == 2 and all(c.startswith("drafter-train target=qwen2.5-coder-1.5b") for c in calls)
+    assert len(calls) == 3 and all(c.startswith("drafter-train target=qwen2.5-coder-1.5b") for c in calls)
     assert "drafter.norm_before_fc=true" in calls[0] and "train.max_steps=7" in calls[0]
     assert "drafter.cut_from=qwen2.5-coder-0.5b" in calls[1]
+    assert "drafter=dflash" in calls[2] and "drafter.block_size=3" in calls[2]
     assert "norm_before_fc: true" in done.stdout and "cut_from: qwen2.5-coder-0.5b" in done.stdout
+    # DFlash reads EAGLE-3's layers, so the EAGLE-3 feature cache serves both
+    assert "target_layers:\n  - 2\n  - 14\n  - 25\n" in done.stdout and "block_size: 3" in done.stdout
     stages = (tmp_path / "out" / "stages.jsonl").read_text()
-    assert '"stage": "eagle3"' in stages and '"stage": "ar"' in stages
+    assert all(f'"stage": "{s}"' in stages for s in ("eagle3", "ar", "dflash"))
 
 
 def test_timings_from_another_cpu_are_set_aside_and_the_table_waits_for_this_machines_choice(tmp_path):
@@ -68,3 +72,24 @@ def test_timings_from_another_cpu_are_set_aside_and_the_table_waits_for_this_mac
     [aside] = (out / "other-machines").iterdir()
     assert (aside / "table" / "served_qwen1.5b.journal" / "run.json").is_file()
     assert (out / "choice.json").is_file()  # the choose stage (not run here) sets it aside when it runs
+
+
+def test_a_choice_made_without_one_of_the_drafters_is_set_aside_and_made_again(tmp_path):
+    """A choice.json from this machine that chose no draft length for one of the drafters the script now weighs (a
+    drafter added since) is set aside (OUT/superseded/, kept), so the choose stage times every drafter again side by
+    side instead of serving a drafter it never chose for."""
+    import json
+
+    from drafter_train.engines.journal import machine_identity
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "choice.json").write_text(json.dumps({"ngram_mode": "ngram-simple", "machine": machine_identity(),
+                                                 "corpus": {}, "draft_len": {"e3": 1, "ar": 1}}))
+    (out / "choose").mkdir()
+    done = run({"STAGES": "choose", "DRAFTER_TRAIN_LLAMACPP": str(tmp_path / "no-llamacpp")}, tmp_path)
+    assert "served_qwen: chosen without one of e3 ar df, set aside in" in done.stderr, done.stderr[-2000:]
+    [aside] = (out / "superseded").iterdir()
+    assert json.loads((aside / "choice.json").read_text())["draft_len"] == {"e3": 1, "ar": 1}
+    assert (aside / "choose").is_dir() and not (out / "other-machines").exists()
+    assert not (out / "choice.json").exists()  # the dev pass after it needs llama.cpp, which this test lacks
