@@ -9,9 +9,10 @@ sizes depends on the CPU (docs/benchmarks.md, "CPU kernels" and "CPU kernels cho
   33.6 ms against 47.4 ms on oneDNN with plain weights), and oneDNN on packed weights from ~4 rows on.
 
 `use_onednn_linears(model, kernels)` switches each `nn.Linear` of at least MIN_ONEDNN_ELEMENTS weights in place:
-- "auto" (calibrate): times the model's own patched layers at a few row counts with both kernels and records, per
-  row count, the faster one (`RowPolicy`); rows between two measured counts take the smaller count's choice, rows
-  past the largest take the largest's;
+- "auto" (calibrate): times the model's own patched layers (a sample of each shape, CALIBRATION_BYTES in all, each
+  counted for its twins) at a few row counts with both kernels and records, per row count, the faster one
+  (`RowPolicy`); rows between two measured counts take the smaller count's choice, rows past the largest take the
+  largest's;
 - "onednn": oneDNN at every row count;
 - "default": PyTorch's F.linear (undoes the patch).
 oneDNN runs on a copy of the weight packed into its blocked layout once (`packed_weight`; repacked when the
@@ -59,6 +60,10 @@ CPU_KERNELS = ("auto", "onednn", "default")
 MIN_ONEDNN_ELEMENTS = 1 << 16
 # Row counts "auto" times: plain steps (1), chains and small trees (2-17), batches (32 and more take its choice).
 CALIBRATION_ROWS = (1, 2, 3, 4, 5, 8, 9, 16, 17, 32)
+# "auto" times a sample of the layers, each shape's members in turn until the sample holds this many weight bytes:
+# far past any CPU's last-level cache, so the timed passes stream their weights from memory as a forward does. A
+# 1.5B fp32 target's ~6 GB of linear weights took minutes to time whole at every load on 2 cores.
+CALIBRATION_BYTES = 256 << 20
 
 
 def onednn_available() -> bool:
@@ -235,25 +240,52 @@ def kernel_states(model: nn.Module, current: str, settings: tuple[str, ...]) -> 
     return states
 
 
+def calibration_sample(layers: list[nn.Linear], min_bytes: int = CALIBRATION_BYTES) -> list[tuple[nn.Linear, float]]:
+    """The layers "auto" times, in `layers`' order, each with how many of `layers` it stands for: layers are grouped
+    by weight shape, and each group gives its next member in turn until the sample holds `min_bytes` of weights (or
+    every layer). A group's members are alike (same shape, same kernel path), so each timed member counts for
+    len(group) / members timed; the weighted sum estimates a pass over all of `layers`."""
+    groups: dict[tuple, list[int]] = {}
+    for i, m in enumerate(layers):
+        groups.setdefault((tuple(m.weight.shape), m.weight.dtype, m.bias is not None), []).append(i)
+    taken: dict[tuple, int] = dict.fromkeys(groups, 0)
+    chosen, size = [], 0
+    while size < min_bytes and len(chosen) < len(layers):
+        for key, members in groups.items():
+            if taken[key] < len(members) and (size < min_bytes or taken[key] == 0):
+                i = members[taken[key]]
+                taken[key] += 1
+                chosen.append(i)
+                size += layers[i].weight.numel() * layers[i].weight.element_size()
+    group_of = {i: key for key, members in groups.items() for i in members}
+    return [(layers[i], len(groups[group_of[i]]) / taken[group_of[i]]) for i in sorted(chosen)]
+
+
 @torch.inference_mode()
 def calibrate_rows(layers: list[nn.Linear], rows: tuple[int, ...] = CALIBRATION_ROWS, repeats: int = 5,
-                   margin: float = 0.05) -> RowPolicy:
+                   margin: float = 0.05, min_bytes: Optional[int] = None) -> RowPolicy:
     """Per row count, whether oneDNN on packed weights runs `layers` (one after the other, as a forward does) faster
     than F.linear by more than `margin`: the fastest of `repeats` interleaved timings of each (interference from
     other work only ever slows a run down, so the minimum is the steadiest estimate). Within the margin PyTorch's own
-    kernel stays: plain decoding then runs as it would without this project. ~5 s for SmolLM2-135M on 2 cores."""
+    kernel stays: plain decoding then runs as it would without this project. Timed on `calibration_sample` (at least
+    `min_bytes` of weights, default CALIBRATION_BYTES; each shape's time scaled to its count): ~5 s for SmolLM2-135M
+    on 2 cores."""
     generator = torch.Generator().manual_seed(0)  # its own: timing must not move the training run's random stream
-    inputs = {n: {m.in_features: torch.randn(n, m.in_features, generator=generator) for m in layers} for n in rows}
+    sample = calibration_sample(layers, CALIBRATION_BYTES if min_bytes is None else min_bytes)
+    inputs = {n: {m.in_features: torch.randn(n, m.in_features, generator=generator) for m, _ in sample}
+              for n in rows}
 
     def run(n: int, onednn: bool) -> float:
-        start = time.perf_counter()
-        for m in layers:
+        total = 0.0
+        for m, count in sample:
             x = inputs[n][m.in_features]
+            start = time.perf_counter()
             if onednn:
                 torch.ops.mkldnn._linear_pointwise(x, packed_weight(m.weight), m.bias, "none", [], "")
             else:
                 F.linear(x, m.weight, m.bias)
-        return time.perf_counter() - start
+            total += count * (time.perf_counter() - start)
+        return total
 
     for n in rows:  # packs the weights; warms both paths at every size
         run(n, True), run(n, False)

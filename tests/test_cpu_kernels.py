@@ -216,6 +216,39 @@ def test_auto_picks_the_kernel_that_is_faster_at_each_row_count(monkeypatch):
         assert ("mkldnn::_linear_pointwise" in ops_run(lambda: model(torch.randn(2, 240)))) == policy.uses_onednn(2)
 
 
+def test_auto_times_a_sample_of_each_shape_scaled_to_its_count(monkeypatch):
+    """"auto" times one member of each weight shape in turn until the sample holds CALIBRATION_BYTES, counting each
+    timed member for its unseen twins: a big target is not timed whole at every load, and the estimate still weighs
+    every shape by how often a forward runs it. Checked on which weights the calibration touches, and that a stubbed
+    F.linear slow from 4 rows on in one shape only still sends those rows to oneDNN through the scaling."""
+    from drafter_train.cpu_kernels import calibration_sample
+
+    wide, narrow = [nn.Linear(256, 1024) for _ in range(6)], [nn.Linear(256, 256, bias=False) for _ in range(6)]
+    layers = [m for pair in zip(wide, narrow) for m in pair]  # a forward's order: wide, narrow, wide, narrow ...
+    one = 256 * 1024 * 4 + 256 * 256 * 4  # the bytes of one member of each shape
+    sample = calibration_sample(layers, min_bytes=2 * one)
+    assert [m for m, _ in sample] == [wide[0], narrow[0], wide[1], narrow[1]]  # in order, each shape in turn
+    assert [count for _, count in sample] == [3.0, 3.0, 3.0, 3.0]
+    assert calibration_sample(layers, min_bytes=1) == [(wide[0], 6.0), (narrow[0], 6.0)]  # each shape at least once
+    assert calibration_sample(layers, min_bytes=1 << 40) == [(m, 1.0) for m in layers]  # small models: all of them
+
+    plain_linear, timed = F.linear, []
+
+    def slow_narrow_from_4_rows(x, w, b=None):
+        timed.append(w)
+        if w.shape[0] == 256 and x.numel() // x.shape[-1] >= 4:
+            time.sleep(0.004)
+        return plain_linear(x, w, b)
+
+    model = nn.Sequential(*layers)
+    monkeypatch.setattr(cpu_kernels, "CALIBRATION_BYTES", one)
+    monkeypatch.setattr(F, "linear", slow_narrow_from_4_rows)
+    assert use_onednn_linears(model, "auto") == 12
+    monkeypatch.setattr(F, "linear", plain_linear)
+    assert {id(w) for w in timed} == {id(wide[0].weight), id(narrow[0].weight)}
+    assert all(row_policy(model).uses_onednn(n) for n in (4, 8, 32)), row_policy(model).describe()
+
+
 def test_auto_leaves_the_global_random_stream_alone():
     """Timing draws its inputs from its own generator: a run on "auto" draws the same random numbers afterwards as
     one on another setting, so it trains the same drafter."""
