@@ -66,8 +66,11 @@ class RunLogger:
         self.accelerator.get_tracker("wandb").log_table("eval", columns=columns, data=data, step=step)
 
     def finish(self) -> None:
+        """End this run's trackers, and only them: accelerate's end_training() also destroys the process group, which
+        belongs to the launch, and a `-m` sweep's later jobs in the same launch still need it."""
         if self.cfg.kind != "none":
-            self.accelerator.end_training()
+            for tracker in self.accelerator.trackers:
+                tracker.finish()
 
 
 def log_report(cfg: TrackerConfig, folder: Path, columns: list[str], rows: list[list], markdown: str,

@@ -117,11 +117,11 @@ def accelerate_launch(config: str, args: list[str], cwd: Path, use_cpu: bool = F
 
 
 # the 2-rank DDP runs whose ranks report what they drew and hold (tests/ddp_rank_report.py), in the order they train:
-# name -> train overrides. The run with a tracker goes last: a tracker's end (accelerate's end_training) also ends the
-# process group.
+# name -> train overrides. The run with a tracker goes first: ending its tracker must leave the launch's process group
+# to the run after it, as a `-m` sweep's jobs share one launch (accelerate's end_training would destroy it).
 RANK_REPORT_RUNS = {
-    "nar": ("drafter=nar", "drafter.path=truncated:1", "drafter.glancing_ratio=0.5"),  # a Spec-Drafter: its own module
     "ar": ("tracker=tensorboard",),
+    "nar": ("drafter=nar", "drafter.path=truncated:1", "drafter.glancing_ratio=0.5"),  # a Spec-Drafter: its own module
 }
 
 
