@@ -20,7 +20,7 @@ import mmap
 import struct
 from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 from drafter_train.errors import ConfigError
 
@@ -130,6 +130,40 @@ def check_gguf(path: Union[str, Path], field: str) -> GGUFHeader:
         except _Truncated as err:
             raise ConfigError(f"{where}: cut short inside its tensor data: {size:,} bytes, but its tensor table "
                               f"ends at byte {err.data_end:,}; fetch or assemble it again") from None
+
+
+def rewrite_gguf(src: Union[str, Path], dst: Union[str, Path], fields: Mapping = {}, tensors: Mapping = {},
+                 drop: tuple = (), add: Mapping = {}) -> None:
+    """dst = src with some metadata values (`fields`: name -> value) and tensor data (`tensors`: name -> array of
+    the same shape) replaced, the names in `drop` left out and tensors appended (`add`: name -> (array, its
+    gguf.GGMLQuantizationType)); everything else copied as it is. With the gguf package's reader and writer (the
+    header check above does not need them)."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(dst, reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture" or name in drop:
+            continue  # the writer writes the first two itself
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, fields.get(name, field.contents()), vtype, sub_type=sub)
+    for tensor in reader.tensors:
+        if tensor.name not in drop:
+            data = np.ascontiguousarray(tensors.get(tensor.name, tensor.data))
+            writer.add_tensor(tensor.name, data, raw_dtype=tensor.tensor_type)
+    for name, (data, raw_dtype) in add.items():
+        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=raw_dtype)
+    save_gguf(writer)
+
+
+def save_gguf(writer) -> None:
+    """Write a filled gguf.GGUFWriter's file in the order the format wants: header, metadata, tensors."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
 
 
 def file_type(path: Union[str, Path], field: str) -> str:

@@ -116,11 +116,12 @@ def convert(root: Path, model_dir: Path, out_file: Path, outtype: str, target_di
     return out_file
 
 
-def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[Path], None]) -> None:
+def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[Path], None],
+                   finish: Optional[Callable[[Path], None]] = None) -> None:
     """drafter.gguf from the engine folder write_folder(staging) writes (staged in out/<stage>: the converter names
     general.finetune after it; removed after), converted with the target's folder at job.drafter_type (a quantised
-    type: f16, then llama-quantize, whose absence is refused before anything is written); then the target, if
-    asked."""
+    type: f16, then llama-quantize, whose absence is refused before anything is written); finish(file): a last
+    change to the converter's float file, before any quantisation; then the target, if asked."""
     from drafter_train.config import FLOAT_GGUF_TYPES
 
     outtype = job.drafter_type
@@ -129,7 +130,7 @@ def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[
     staging = out / stage
     write_folder(staging)
     try:
-        convert_typed(job.root, staging, out / DRAFTER_FILE, outtype, target_dir=job.target_dir)
+        convert_typed(job.root, staging, out / DRAFTER_FILE, outtype, target_dir=job.target_dir, finish=finish)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     job.write_target(out)
@@ -141,18 +142,23 @@ def quantize(root: Path, src: Path, out_file: Path, gguf_type: str) -> Path:
 
 
 def convert_typed(root: Path, model_dir: Path, out_file: Path, gguf_type: str, target_dir: Optional[Path] = None,
-                  name: str = "drafter") -> Path:
+                  name: str = "drafter", finish: Optional[Callable[[Path], None]] = None) -> Path:
     """convert() in f32 or f16, or a quantised type (q8_0, q4_k_m ...: config.GGUF_TYPES) made from an f16 file by
     llama-quantize (llama.cpp's per-tensor rules, e.g. a fallback type for rows a k-quant cannot split, which the
-    converter's own q8_0 skips); the f16 file is removed."""
+    converter's own q8_0 skips); the f16 file is removed. finish(file) runs on the converted float file first."""
     from drafter_train.config import FLOAT_GGUF_TYPES
 
     if gguf_type in FLOAT_GGUF_TYPES:
-        return convert(root, model_dir, out_file, gguf_type, target_dir, name)
+        convert(root, model_dir, out_file, gguf_type, target_dir, name)
+        if finish is not None:
+            finish(out_file)
+        return out_file
     tool(root, "llama-quantize", f"gguf type {gguf_type}")  # refused before a conversion that would be thrown away
     f16 = out_file.with_name(out_file.stem + ".f16-tmp.gguf")
     try:
         convert(root, model_dir, f16, "f16", target_dir, name)
+        if finish is not None:
+            finish(f16)
         return quantize(root, f16, out_file, gguf_type)
     finally:
         f16.unlink(missing_ok=True)

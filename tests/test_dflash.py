@@ -458,3 +458,45 @@ def test_engine_export_refuses_layers_the_engines_do_not_run(tiny_data, tmp_path
         with pytest.raises(ConfigError, match=message):
             export(ExportConfig(run_dir=str(tmp_path / name / cfg.train.run_name), which="latest",
                                 output_dir=str(tmp_path / "x"), format="vllm"))
+
+
+def test_gguf_export_of_a_reduced_vocabulary_adds_d2t_after_llamacpps_converter(dflash_run, tmp_path, monkeypatch):
+    """llama.cpp's dflash graph scatters a reduced draft vocabulary's logits through a `d2t` tensor (I64, absolute
+    target ids), but its converter's DFlash class maps no d2t ("Can not map tensor 'model.d2t'", measured on the
+    1.5B's drafter). So the converter must get the staged folder without d2t, and drafter.gguf must hold it, absolute,
+    beside what the converter wrote. The converter is stubbed here (no llama.cpp in the default suite); the opt-in
+    test_engine_llamacpp serves a real one."""
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from drafter_train import llamacpp
+    from drafter_train.gguf_file import save_gguf
+    from drafter_train.recipes.export import ExportConfig, export
+
+    seen = {}
+
+    def converter(root, model_dir, out_file, outtype, target_dir=None, name="drafter"):
+        weights = load_file(str(model_dir / "model.safetensors"))
+        seen["names"] = set(weights)
+        writer = gguf.GGUFWriter(out_file, "dflash")
+        writer.add_tensor("output.weight", weights["lm_head.weight"].float().numpy())
+        save_gguf(writer)
+        return out_file
+
+    root = tmp_path / "llamacpp"
+    (root / "llama.cpp").mkdir(parents=True)
+    (root / "llama.cpp" / "convert_hf_to_gguf.py").write_text("")  # found, never run: convert is the stub above
+    monkeypatch.setattr(llamacpp, "convert", converter)
+    out = tmp_path / "gguf"
+    export(ExportConfig(run_dir=str(dflash_run), which="latest", output_dir=str(out), format="gguf",
+                        gguf_type="f32", gguf_target=False, llamacpp=str(root)))
+    assert "d2t" not in seen["names"] and "lm_head.weight" in seen["names"]
+    trained = load_file(str(dflash_run / "latest" / "drafter" / "model.safetensors"))
+    tensors = {t.name: t for t in gguf.GGUFReader(out / llamacpp.DRAFTER_FILE).tensors}
+    assert tensors["d2t"].tensor_type == gguf.GGMLQuantizationType.I64
+    expected = trained["d2t"].long() + torch.arange(16)
+    assert expected.unique().numel() == 16 and not torch.equal(expected, torch.arange(16))  # a real mapping
+    assert np.array_equal(np.asarray(tensors["d2t"].data).reshape(-1), expected.numpy())
+    assert np.array_equal(np.asarray(tensors["output.weight"].data), trained["lm_head.weight"].float().numpy())
+    assert sorted(p.name for p in out.iterdir() if p.suffix == ".gguf") == [llamacpp.DRAFTER_FILE]

@@ -14,7 +14,10 @@ convention (features.py), so they are written as they are; the engines add 1 to 
   `mask_token_id` in the mask slots; a reduced draft vocabulary ships `d2t`; frozen copies of the target's
   embeddings are left out (vLLM shares the target's).
 - `gguf`: llama.cpp's `dflash` architecture (`--spec-type draft-dflash`): the `vllm` folder through llama.cpp's own
-  converter (its DFlashDraftModel conversion reads mask_embedding.pt and d2t), with the target's folder.
+  converter (its DFlashDraftModel conversion reads mask_embedding.pt), with the target's folder. A reduced draft
+  vocabulary: llama.cpp's dflash graph reads a `d2t` tensor (I64, the target id of each draft row) and scatters the
+  draft logits through it, but the converter's DFlash class maps no d2t (only its DSpark subclass writes one), so
+  d2t leaves the staged folder and is added to the converted file in that form (`add_d2t`) before quantisation.
 - `sglang`: SGLang's DFlashDraftModel takes the embeddings (mask slots included) and the LM head from the target and
   silently ignores other weights: only a drafter with the target's frozen embedding as mask (drafter.learned_mask=
   false), the whole vocabulary and the target's frozen LM head is served as trained; others are refused.
@@ -23,13 +26,16 @@ convention (features.py), so they are written as they are; the engines add 1 to 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from drafter_train.drafters.common.export import drafter_weights
 from drafter_train.errors import ConfigError
+from drafter_train.gguf_file import rewrite_gguf
 from drafter_train.llamacpp import GgufJob, convert_staged
 
 # Qwen3 fields the engines read from the layer config (the rest of the backbone's config is dropped).
@@ -102,13 +108,33 @@ def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, ke
     _write(out, spec, weights)
 
 
+def add_d2t(path: Path, d2t: torch.Tensor) -> None:
+    """Rewrite the GGUF at `path` with a `d2t` tensor: I64, draft row i -> target id i + d2t[i] (the offsets this
+    project and EAGLE store, made absolute as llama.cpp's graph reads them). Everything else is copied as it is."""
+    import gguf  # the gguf package (a dependency)
+
+    ids = d2t.to(torch.int64).numpy() + np.arange(d2t.numel(), dtype=np.int64)
+    tmp = path.with_name(path.name + ".d2t-tmp")
+    rewrite_gguf(path, tmp, add={"d2t": (ids, gguf.GGMLQuantizationType.I64)})
+    os.replace(tmp, path)
+
+
 def write_gguf(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep_embeddings: bool,
                job: GgufJob) -> None:
     """drafter.gguf (llama.cpp's dflash architecture, `--spec-type draft-dflash`) and, with job.with_target,
     target.gguf: the vLLM folder (staged inside `out`, removed after) through llama.cpp's converter with the
-    target's folder (its vocabulary, and the embeddings a learned mask embedding is written into)."""
-    convert_staged(job, out, "dflash",
-                   lambda staging: write_vllm(drafter_dir, staging, draft_len, verifier, keep_embeddings))
+    target's folder (its vocabulary, and the embeddings a learned mask embedding is written into); a reduced draft
+    vocabulary's d2t added after the converter (module doc)."""
+    taken: dict[str, torch.Tensor] = {}
+
+    def stage(staging: Path) -> None:
+        write_vllm(drafter_dir, staging, draft_len, verifier, keep_embeddings)
+        weights = load_file(str(staging / "model.safetensors"))
+        if "d2t" in weights:
+            taken["d2t"] = weights.pop("d2t")
+            save_file(weights, str(staging / "model.safetensors"), metadata={"format": "pt"})
+
+    convert_staged(job, out, "dflash", stage, finish=lambda path: add_d2t(path, taken["d2t"]) if taken else None)
 
 
 FORMATS = {"vllm": write_vllm, "sglang": write_sglang, "gguf": write_gguf}
