@@ -43,6 +43,9 @@ def runs(stories_path, tmp_path_factory):
         "eagle3": [*STORIES_EAGLE3, "train.lr=3e-3"],
         "ar": ["drafter=ar", "drafter.path=truncated:4"],
         "dflash": [*STORIES_DFLASH, "train.lr=3e-3", "loss=fkl"],
+        # a reduced draft vocabulary (half of stories260K's 512): d2t, which llama.cpp's converter leaves to us
+        "dflash-d2t": [*(o for o in STORIES_DFLASH if not o.startswith("drafter.draft_vocab_size=")),
+                       "drafter.draft_vocab_size=256", "train.lr=3e-3", "loss=fkl"],
     }, steps=120, num_prompts=32)
     return root, found
 
@@ -214,6 +217,27 @@ def test_llamacpp_serves_a_dflash_export_with_our_acceptance_and_catches_broken_
         "random fc": random_fc(tensors_of(good / DRAFTER_FILE)),
     }
     for name, result in served_broken(root, found["dflash"], good, tmp_path, broken).items():
+        assert not result["ok"] and not result["comparison"]["agree"], (name, result["comparison"])
+
+
+def test_llamacpp_serves_a_reduced_vocabulary_dflash_through_d2t_and_catches_a_shuffled_one(runs, tmp_path):
+    """A DFlash drafter on a reduced draft vocabulary: its GGUF carries d2t (absolute target ids, added after the
+    converter, which maps none for DFlash), llama.cpp scatters the draft logits through it: our per-position
+    acceptance, lossless; the same file with d2t's rows shuffled is caught."""
+    import gguf
+
+    root, found = runs
+    status, result = check(root, found["dflash-d2t"], tmp_path / "ok")
+    ours, engine = result["ours"], result["llamacpp"]
+    good = tmp_path / "ok" / "drafter"
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(good / DRAFTER_FILE).tensors}
+    assert types["d2t"] == "I64" and tensors_of(good / DRAFTER_FILE)["output.weight"].shape[0] == 256, types
+    assert result["method"] == "draft-dflash" and engine["drafting_steps"] > 0
+    assert ours["per_position_acceptance"][0] > 0.1, ours
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
+    assert_lossless(engine)
+    broken = {"shuffled d2t": shuffled("d2t")(tensors_of(good / DRAFTER_FILE))}
+    for name, result in served_broken(root, found["dflash-d2t"], good, tmp_path, broken).items():
         assert not result["ok"] and not result["comparison"]["agree"], (name, result["comparison"])
 
 
