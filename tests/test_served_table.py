@@ -71,6 +71,11 @@ def test_served_decoders_for_targets_and_labelled_drafters(tmp_path):
         "q4_k_m-llama", "product", "lookups", None)
     assert table._row(lookups)["setting"] == "--spec-type ngram-simple,ngram-cache --lookup-cache-static corpus.lookup"
     assert table.cost_key(lookups) == "ngram"  # its steps cost what an n-gram mode's do
+    # a product whose modes leave out ngram-cache gets no static cache: only ngram-cache reads it
+    simple = table.served_decoders(targets, drafters, [], 1, products=["e3"], product_ngram="ngram-simple",
+                                   lookup_cache=cache)[-1]
+    assert simple["decoder"] == "product" and simple.get("lookup_cache") is None
+    assert table._row(simple)["setting"] == "--spec-type ngram-simple,draft-eagle3 --spec-draft-n-max 1"
     # a target label served with --no-repack: every row at that precision, and its setting says so
     nr = table.served_decoders(targets, drafters, ["ngram-simple"], 2, spec_precisions=["q4_k_m-llama"],
                                no_repack=["q4_k_m-llama"])

@@ -107,6 +107,8 @@ def served_decoders(targets: dict[str, Path], drafters: Sequence[dict], ngram_mo
                           f"(targets: {', '.join(targets)})")
     out = [dict(engine="llama.cpp", precision=p, target=t, decoder="plain", spec_type=None, draft_len=0)
            for p, t in targets.items()]
+    if PRODUCT_NGRAM not in product_ngram.split(","):
+        lookup_cache = None  # only ngram-cache reads llama.cpp's static cache: the flag would be noise in the setting
     for precision in spec_precisions or [first]:
         out += [dict(engine="llama.cpp", precision=precision, target=targets[precision], decoder="free n-gram",
                      spec_type=mode, draft_len=draft_len) for mode in ngram_modes]
