@@ -73,7 +73,7 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused_before_the_target_lo
     with one more embedding row passes."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from drafter_train.targets import check_tokenizer_fits
+    from drafter_train.model_paths import check_tokenizer_fits
 
     def qwen2(folder, vocab):
         save_tiny(Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=32,

@@ -25,7 +25,7 @@ from drafter_train.config import CONF_DIR, ExportConfig
 from drafter_train.recipes.cli import register_configs
 from drafter_train.errors import CheckpointDamagedError, ConfigError, DrafterTrainError
 from drafter_train.llamacpp import GgufJob, llamacpp_dir, target_folder
-from drafter_train.targets import check_decoder_only
+from drafter_train.model_paths import check_decoder_only
 from drafter_train.model_card import MARKER, RunInfo, looks_local, model_card, read_run_info, step_text, target_names
 
 # Keys that describe how a file was loaded on the training machine, not the model.
