@@ -8,6 +8,9 @@ What a crash cannot do, a disk or a person can: the last file written into a che
 size and sha256 of every other file in it. Resuming verifies `latest` and falls back to the newest intact step;
 drafter-eval and drafter-export verify what they read. A checkpoint without checksums.json (written before they
 were recorded) is accepted unverified.
+
+torch is imported by the four functions that save or restore tensors (RNG and training state), not with the module:
+drafter-export checks the run folder it is given before torch loads.
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-import torch
 from omegaconf import OmegaConf
 
 from drafter_train.io import write_atomic
@@ -124,10 +126,14 @@ def _relink(run_dir: Path, name: str, step_dir: Path) -> None:
 
 
 def rng_state() -> dict:
+    import torch
+
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
 
 
 def set_rng_state(state: dict) -> None:
+    import torch
+
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
 
@@ -152,6 +158,8 @@ def save_checkpoint(
 
     started=True: start_checkpoint() made the folder and all ranks have written their shards into it.
     """
+    import torch
+
     final = run_dir / f"step-{step}"
     tmp = partial_checkpoint(run_dir, step) if started else start_checkpoint(run_dir, step)
     drafter.save_pretrained(tmp / "drafter")
@@ -185,6 +193,8 @@ def prune(run_dir: Path, keep_last: int) -> None:
 
 
 def load_training_state(step_dir: Path) -> dict:
+    import torch
+
     return torch.load(step_dir / "training_state.pt", weights_only=False)
 
 

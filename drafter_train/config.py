@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-
-from drafter_train.cpu_kernels import CPU_KERNELS
 from drafter_train.errors import ConfigError
+
+# target.cpu_kernels (cpu_kernels.py): measured per row count, oneDNN always, or PyTorch's own. Named here, not in
+# cpu_kernels.py (which imports torch), so that a console script checks its config before torch loads.
+CPU_KERNELS = ("auto", "onednn", "default")
 
 VERIFY_MODES = ("greedy", "sample", "specdec", "spectr")
 TREE_BRANCHING = ("topk", "iid")

@@ -50,11 +50,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drafter_train.config import CPU_KERNELS
 from drafter_train.devices import on_cpu
 
 log = logging.getLogger(__name__)
 
-CPU_KERNELS = ("auto", "onednn", "default")
 # Smaller weights stay on the default kernel: oneDNN's fixed cost per call (~20 us here) outweighs its gain on them
 # (a 64 x 64 layer: 3 us default, 28 us oneDNN), which would make tiny targets like stories260K slower.
 MIN_ONEDNN_ELEMENTS = 1 << 16
@@ -327,7 +327,7 @@ def use_grouped_attention(model: nn.Module, kernels: str = "auto") -> bool:
     switches it back. Returns whether the model uses it now. Models on another attention (eager, flash...) are left as they are."""
     if kernels not in CPU_KERNELS:
         raise ValueError(f"cpu kernels must be one of {CPU_KERNELS}, got {kernels!r}")
-    # transformers is imported here, not with the module: config.py imports CPU_KERNELS and stays light
+    # transformers is imported here, on first use: the rest of this module needs torch alone
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 

@@ -11,7 +11,7 @@ import torch
 def default_device() -> torch.device:
     """The device accelerate gives this process, for entry points that run without an Accelerator (eval, datagen).
     Training moves its models to `accelerator.device`, which is the same device."""
-    from accelerate import PartialState  # imported here: config.py imports cpu_kernels, which imports this module
+    from accelerate import PartialState  # imported on first use: the rest of this module needs torch alone
 
     return PartialState().device
 

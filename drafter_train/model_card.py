@@ -17,7 +17,6 @@ from omegaconf.errors import OmegaConfBaseException
 
 from drafter_train.drafters.registry import DrafterKind, folder_kind, get_kind, module_name
 from drafter_train.io import read_json_or_empty
-from drafter_train.machine import describe_usable
 from drafter_train.errors import ConfigError
 
 _STEP = re.compile(r"^step-(\d+)$")
@@ -226,6 +225,8 @@ _DEFINITIONS = (
 
 def _calibration_section(record: dict) -> str:
     """The draft length / tree size drafter-eval's calibration picked, and the machine it measured."""
+    from drafter_train.machine import describe_usable  # torch: not with the module, which drafter-report imports
+
     pick, machine = record["pick"], record["machine"]
     where = (f"{machine['cpu']} ({machine['device']}, {describe_usable(machine)}, {machine['logical_cores']} logical "
              f"cores, {machine['torch_threads']} torch threads, {machine['dtype']}, torch {machine['torch']}; load "

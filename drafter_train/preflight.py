@@ -1,20 +1,24 @@
 """Checks of a job config that need no model: every path it names, before anything loads, so a mistyped path is one
 line at once, not after minutes of loading the target and timing its kernels. The entry points call `check_inputs`
-first; a kind with its own training procedure (layer-skip's search) calls it after checking its own settings."""
+first; a kind with its own training procedure (layer-skip's search) calls it after checking its own settings.
+
+The console scripts run these checks before their recipe (and torch, transformers, datasets) is imported: this
+module imports none of them itself. What reads an existing model folder's config or tokenizer imports transformers
+there (model_paths.py), after every path has been found to exist."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Optional
 
 from drafter_train.data.prompts import check_prompt_file
-from drafter_train.data.store import MANIFEST
 from drafter_train.drafters.registry import is_saved_drafter
 from drafter_train.errors import ConfigError, ModelNotFoundError
 from drafter_train.gguf_file import check_gguf
-from drafter_train.targets import (check_attention, check_decoder_only, check_model_path, check_tokenizer_fits,
-                                   local_gguf)
+from drafter_train.model_paths import (EMBEDDED_PREFIX, check_decoder_only, check_model_path, check_tokenizer_fits,
+                                       local_gguf)
 
 
 def check_inputs(cfg) -> None:
@@ -46,6 +50,8 @@ def check_inputs(cfg) -> None:
 def check_has_target_answers(data_dir: str, response: str) -> None:
     """train.response=target on a folder datagen wrote without generating (datagen.generate=false) would train on
     empty answers: refuse it in one line."""
+    from drafter_train.data.store import MANIFEST  # imports datasets: only once the folder is known to exist
+
     manifest = Path(data_dir).expanduser() / MANIFEST
     if response != "target" or not manifest.is_file():
         return
@@ -56,7 +62,7 @@ def check_has_target_answers(data_dir: str, response: str) -> None:
 
 def check_cut_from(value: str) -> None:
     """drafter.cut_from names a model that exists: a named target installed, a local path there (and whole)."""
-    from drafter_train.targets import EMBEDDED_PREFIX, embedded_gguf, named_path
+    from drafter_train.targets import embedded_gguf, named_path
 
     path = named_path(value)
     if path.startswith(EMBEDDED_PREFIX):
@@ -75,6 +81,30 @@ def check_model_files(path: str, option: str, gguf_file: Optional[str] = None) -
         check_gguf(gguf, option)
     else:
         check_decoder_only(path, option)
+
+
+def flash_attention_available() -> bool:
+    return _cuda_available() and importlib.util.find_spec("flash_attn") is not None
+
+
+def _cuda_available() -> bool:
+    import torch  # only for target.attn_implementation=flash_attention_2
+
+    return torch.cuda.is_available()
+
+
+def check_attention(cfg, eval_cfg=None) -> None:
+    """Refuse, before anything loads, an attention kernel (target.attn_implementation, a TargetConfig) this machine
+    or this evaluation cannot use."""
+    if cfg.attn_implementation != "flash_attention_2":
+        return
+    if not flash_attention_available():
+        raise ConfigError("target.attn_implementation=flash_attention_2 needs a CUDA GPU and the flash-attn package "
+                          f"(here: GPU {'yes' if _cuda_available() else 'none'}, flash-attn "
+                          f"{'yes' if importlib.util.find_spec('flash_attn') else 'not installed'}); use sdpa")
+    if eval_cfg is not None and (eval_cfg.tree.enabled or eval_cfg.calibration.enabled):
+        raise ConfigError("target.attn_implementation=flash_attention_2 takes no tree masks, which eval.tree and "
+                          "eval.calibration verify with; use sdpa")
 
 
 def _named(option: str, check) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import hashlib
 import importlib.metadata
-import importlib.util
 import os
 import shutil
 import tempfile
@@ -26,12 +25,10 @@ from drafter_train.config import TargetConfig
 from drafter_train.devices import default_device
 from drafter_train.cpu_kernels import use_grouped_attention, use_onednn_linears
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
+from drafter_train.model_paths import EMBEDDED_PREFIX, TOKENIZER_FILES, locate
 from drafter_train.named_targets import NAMED, installed_gguf
 
-EMBEDDED_PREFIX = "embedded:"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Any of these in a folder means AutoTokenizer has something to load.
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)
@@ -95,7 +92,7 @@ def load_causal_lm(
     Returned in eval mode with gradients off: targets (and drafters under evaluation) are never trained through
     this loader, and frozen parameters keep autograd from recording graphs during decoding.
     """
-    source, gguf_file = _locate(path, gguf_file)
+    source, gguf_file = locate(path, gguf_file)
     torch_dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     model = _from_pretrained(AutoModelForCausalLM, source, gguf_file, dtype=torch_dtype, **kwargs)
@@ -106,10 +103,10 @@ def load_causal_lm(
 
 def load_tokenizer(path: str, gguf_file: Optional[str] = None) -> PreTrainedTokenizerBase:
     """The tokenizer stored with a model (same path rules as ``load_causal_lm``), with a pad token set."""
-    source, gguf_file = _locate(path, gguf_file)
-    if not gguf_file and Path(source).is_dir() and not any(Path(source, f).is_file() for f in _TOKENIZER_FILES):
+    source, gguf_file = locate(path, gguf_file)
+    if not gguf_file and Path(source).is_dir() and not any(Path(source, f).is_file() for f in TOKENIZER_FILES):
         # Without this, AutoTokenizer fails with a page about sentencepiece and slow tokenizers.
-        raise ModelNotFoundError(f"{path}: no tokenizer files in this folder ({', '.join(_TOKENIZER_FILES)})")
+        raise ModelNotFoundError(f"{path}: no tokenizer files in this folder ({', '.join(TOKENIZER_FILES)})")
     tokenizer = _from_pretrained(AutoTokenizer, source, gguf_file)
     if tokenizer.pad_token is None and tokenizer.eos_token is not None:
         # Batched generation left-pads prompts; the pad id is masked out, so reusing EOS is harmless.
@@ -168,7 +165,7 @@ def eos_token_ids(model: PreTrainedModel, tokenizer) -> list[int]:
 def target_eos_token_ids(cfg: TargetConfig, tokenizer) -> list[int]:
     """eos_token_ids of the target ``cfg`` names, read from its configs alone: its weights are not loaded."""
     path, gguf_file = resolved_path(cfg)
-    source, gguf_file = _locate(path, gguf_file)
+    source, gguf_file = locate(path, gguf_file)
     config = _from_pretrained(AutoConfig, source, gguf_file)
     generation = GenerationConfig.from_model_config(config)  # as from_pretrained makes it without the file
     if not gguf_file:
@@ -192,23 +189,6 @@ def _eos_ids(generation_config, config, tokenizer) -> list[int]:
 def attention(cfg: TargetConfig) -> Optional[str]:
     """The attn_implementation to load the target with (None: transformers' default for the architecture)."""
     return None if cfg.attn_implementation == "auto" else cfg.attn_implementation
-
-
-def flash_attention_available() -> bool:
-    return torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
-
-
-def check_attention(cfg: TargetConfig, eval_cfg=None) -> None:
-    """Refuse, before anything loads, an attention kernel this machine or this evaluation cannot use."""
-    if cfg.attn_implementation != "flash_attention_2":
-        return
-    if not flash_attention_available():
-        raise ConfigError("target.attn_implementation=flash_attention_2 needs a CUDA GPU and the flash-attn package "
-                          f"(here: GPU {'yes' if torch.cuda.is_available() else 'none'}, flash-attn "
-                          f"{'yes' if importlib.util.find_spec('flash_attn') else 'not installed'}); use sdpa")
-    if eval_cfg is not None and (eval_cfg.tree.enabled or eval_cfg.calibration.enabled):
-        raise ConfigError("target.attn_implementation=flash_attention_2 takes no tree masks, which eval.tree and "
-                          "eval.calibration verify with; use sdpa")
 
 
 def model_identity(cfg: TargetConfig) -> dict:
@@ -269,7 +249,7 @@ def target_folder(path: str, gguf_file: Optional[str] = None, cache_dir: Optiona
     if local.is_dir() and not gguf_file:
         return local.absolute()
     if local.is_file() or (local.is_dir() and gguf_file):
-        source, name = _locate(path, gguf_file)
+        source, name = locate(path, gguf_file)
         return gguf_folder(Path(source, name), cache_dir)
     return None
 
@@ -348,92 +328,7 @@ def _save_dequantised(gguf: Path, out: Path) -> None:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Path resolution shared by models and tokenizers
-
-
-def _locate(path: str, gguf_file: Optional[str]) -> tuple[str, Optional[str]]:
-    """(folder or hub id, GGUF file name or None), failing early and clearly for local paths that cannot work."""
-    local = Path(path).expanduser()
-    if local.is_file():
-        if local.suffix != ".gguf":
-            raise ModelNotFoundError(f"{path}: not a .gguf file; pass a HF model folder, a .gguf file or a hub id")
-        if gguf_file and gguf_file != local.name:
-            raise ModelNotFoundError(f"{path} is a .gguf file but gguf_file names another one ({gguf_file})")
-        return str(local.parent), local.name
-    if local.is_dir():
-        _check_folder(local, path, gguf_file)
-        return str(local), gguf_file
-    if _looks_local(path):
-        # Do not let a mistyped local path fall through to hub look-ups (slow online, confusing offline).
-        raise ModelNotFoundError(f"{path}: no such file or folder")
-    return path, gguf_file
-
-
-def _check_folder(folder: Path, path: str, gguf_file: Optional[str]) -> None:
-    if gguf_file:
-        if not (folder / gguf_file).is_file():
-            raise ModelNotFoundError(f"{path}: no GGUF file {gguf_file!r} in this folder")
-    elif not (folder / "config.json").is_file():
-        ggufs = sorted(p.name for p in folder.glob("*.gguf"))
-        hint = f"; it holds {', '.join(ggufs)}: name one as gguf_file" if ggufs else ""
-        if (folder / "drafter" / "config.json").is_file():  # a training checkpoint (step-N, best, latest)
-            hint = f"; it is a drafter-train checkpoint: its drafter is {Path(path) / 'drafter'}"
-        raise ModelNotFoundError(f"{path}: folder has no config.json, so it is not a HF model folder{hint}")
-
-
-def check_model_path(path: str, gguf_file: Optional[str] = None) -> None:
-    """The checks `load_causal_lm` makes on a local path, without loading anything: a mistyped folder, a folder that
-    is not a model folder, a missing GGUF file (hub ids and embedded targets pass)."""
-    if not path.startswith(EMBEDDED_PREFIX):
-        _locate(path, gguf_file)
-
-
-def local_gguf(path: str, gguf_file: Optional[str] = None) -> Optional[Path]:
-    """The local GGUF file a target or drafter path names (a .gguf file, or a folder plus ``gguf_file``), or None
-    (a HF folder, a hub id, the embedded target). The path must have passed `check_model_path`."""
-    if path.startswith(EMBEDDED_PREFIX):
-        return None
-    source, name = _locate(path, gguf_file)
-    return Path(source) / name if name and Path(source).is_dir() else None
-
-
-def check_decoder_only(path: str, option: str) -> None:
-    """Refuse, in one line and before the weights load, a local model folder whose config is an encoder-decoder
-    (T5, BART, Marian, Whisper ...): AutoModelForCausalLM would fail on it with a list of 200 config classes.
-    transformers' own `is_encoder_decoder` decides, not a list of model types kept here."""
-    folder = Path(path).expanduser()
-    if not (folder / "config.json").is_file():
-        return
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError):  # a model type this transformers does not know: loading says so
-        return
-    if getattr(config, "is_encoder_decoder", False):
-        raise ConfigError(f"{option}: {path}: this {config.model_type} model is an encoder-decoder; drafter-datagen, "
-                          "drafter-train, drafter-eval and drafter-export take decoder-only models: encoder-decoder "
-                          "targets go through drafter-seq2seq (docs/seq2seq.md)")
-
-
-def check_tokenizer_fits(path: str) -> None:
-    """Refuse, in one line and before the weights load, a local target folder whose tokenizer has ids its model cannot
-    embed (config vocab_size): such an id (a pad token, a prompt's token) fails as an IndexError in the embedding
-    mid-run. transformers picks the tokenizer class by model type for some families (Qwen2 gets Qwen2Tokenizer,
-    which adds <|endoftext|> as pad, whatever class the folder declares), so the tokenizer that loads is checked."""
-    folder = Path(path).expanduser()
-    if not (folder / "config.json").is_file() or not any((folder / f).is_file() for f in _TOKENIZER_FILES):
-        return  # hub ids, GGUF files, embedded targets: checked by loading
-    from transformers import AutoConfig
-
-    rows = getattr(AutoConfig.from_pretrained(folder).get_text_config(), "vocab_size", None)
-    tokenizer = load_tokenizer(str(folder))
-    beyond = sorted((i, t) for t, i in tokenizer.get_vocab().items() if rows and i >= rows)
-    if beyond:
-        named = ", ".join(f"{t} = {i}" for i, t in beyond[:3]) + (" ..." if len(beyond) > 3 else "")
-        pad = f"; its pad token is {tokenizer.pad_token} = {tokenizer.pad_token_id}" if tokenizer.pad_token else ""
-        raise ConfigError(f"target.path: {path}: the tokenizer ({type(tokenizer).__name__}) has ids ({named}) that the "
-                          f"model cannot embed: config vocab_size is {rows}{pad}")
+# What a model's config says (path resolution and the checks before loading: model_paths.py)
 
 
 def has_sliding_window(config) -> bool:
@@ -454,14 +349,6 @@ def check_full_cache(model, feature: str) -> None:
                           "attention layers; use chains (no eval.tree) or another drafter kind")
 
 
-def _looks_local(path: str) -> bool:
-    """Hub ids are ``name`` or ``org/name``; anything else that does not exist is a mistyped local path."""
-    return (
-        path.startswith(("/", ".", "~"))
-        or path.count("/") > 1
-        or (os.sep != "/" and os.sep in path)
-        or path.endswith(".gguf")
-    )
 
 
 def _from_pretrained(cls, source: str, gguf_file: Optional[str], **kwargs):

@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Optional
-
-from accelerate import Accelerator
+from typing import TYPE_CHECKING, Optional
 
 from drafter_train.config import TrackerConfig
+
+if TYPE_CHECKING:  # imported by drafter-report and the sweep callback, which need no accelerate
+    from accelerate import Accelerator
 
 
 def flat_config(config: dict, prefix: str = "") -> dict:

@@ -68,15 +68,18 @@ def word_tokenizer(words=WORDS):
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def run_cli(module: str, *args: str, cwd, env: dict | None = None):
-    """Run a console script's main() in a fresh interpreter, offline, and capture its output (`env`: added to the
-    environment)."""
+def run_cli(script: str, *args: str, cwd, env: dict | None = None):
+    """Run console script `script` (drafter-train ...) as pyproject.toml's [project.scripts] defines it, from this
+    checkout, in a fresh interpreter, offline, and capture its output (`env`: added to the environment)."""
     import os
     import subprocess
     import sys
+    import tomllib
 
+    scripts = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+    module, function = scripts[script].split(":")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", **(env or {})}
-    cmd = [sys.executable, "-c", f"from {module} import main; main()", *args]
+    cmd = [sys.executable, "-c", f"from {module} import {function}; {function}()", *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
 
 

@@ -21,8 +21,8 @@ from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.drafters.common.distill import apply_loss, teacher_logits
 from drafter_train.data.training_data import eval_prompt_ids
-from drafter_train.drafters.registry import (BuildContext, DrafterKind, folder_kind, get_kind, kind_names, make_drafter,
-                                             register)
+from drafter_train.drafters.registry import (BuildContext, DrafterKind, all_kinds, folder_kind, get_kind, kind_names,
+                                             kind_schemas, make_drafter, register)
 from drafter_train.evaluation import evaluate_decoding
 from drafter_train.recipes.export import export
 from drafter_train.recipes.train import train
@@ -120,6 +120,8 @@ def toy_kind():
 
 def test_a_kind_defined_outside_the_package_trains_evaluates_and_exports(toy_kind, tiny_data, tmp_path):
     assert get_kind("toy_bigram") is toy_kind and "toy_bigram" in kind_names() and "eagle3" in kind_names()
+    # what the console scripts register with Hydra before any model module loads: every kind's own config
+    assert kind_schemas() == {kind.name: kind.config_class for kind in all_kinds()}
     cfg = OmegaConf.to_object(compose_cfg("train", [
         f"target.path={tiny_data / 'target'}", "target.chat_template=false", "drafter=toy_bigram_schema",
         "drafter.draft_len=2", "loss=fkl", f"train.data_dir={tiny_data / 'data'}", f"train.output_root={tmp_path}",

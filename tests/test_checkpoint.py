@@ -187,7 +187,7 @@ def test_rerunning_a_run_with_damaged_latest_resumes_and_rewrites_it(tiny_data, 
             f"train.data_dir={tiny_data / 'data'}", f"train.output_root={tmp_path}", "train.run_name=run",
             "train.max_steps=4", "train.save_every=2", "train.batch_size=4", "train.log_every=1", "train.lr=3e-3",
             "train.warmup_steps=0", "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.warmup=0"]
-    done = run_cli("drafter_train.recipes.train", *args, cwd=tmp_path)
+    done = run_cli("drafter-train", *args, cwd=tmp_path)
     assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     warnings = [line for line in done.stderr.splitlines() if "warning" in line]
     assert len(warnings) == 1 and WEIGHTS in warnings[0] and "resuming from step-2" in warnings[0], warnings

@@ -212,7 +212,7 @@ def test_loading_an_empty_folder(tmp_path):
 
 
 def drafter_datagen(*args, cwd):
-    return run_cli("drafter_train.recipes.datagen", *args, cwd=cwd)
+    return run_cli("drafter-datagen", *args, cwd=cwd)
 
 
 def test_cli(folders, tmp_path):

@@ -134,9 +134,9 @@ def test_flash_attention_is_refused_before_loading_where_it_cannot_run(tiny_data
 
 def test_flash_attention_is_refused_for_draft_trees(monkeypatch):
     from drafter_train.config import EvalConfig, TreeConfig
-    from drafter_train.targets import check_attention
+    from drafter_train.preflight import check_attention
 
-    monkeypatch.setattr("drafter_train.targets.flash_attention_available", lambda: True)  # as on a GPU with flash-attn
+    monkeypatch.setattr("drafter_train.preflight.flash_attention_available", lambda: True)  # as on a GPU with flash-attn
     target = TargetConfig(attn_implementation="flash_attention_2")
     check_attention(target, EvalConfig())  # chains: allowed
     with pytest.raises(ConfigError, match="takes no tree masks"):

@@ -228,7 +228,7 @@ def test_only_the_main_process_writes_hydra_files_into_the_shared_run_dir(tmp_pa
     (A run that stops at its config check: Hydra has written its files by then.)"""
     for rank in ("1", "0"):
         out = tmp_path / f"rank{rank}"
-        done = run_cli("drafter_train.recipes.train", f"train.output_root={out}", "train.run_name=run", "train.batch_size=0",
+        done = run_cli("drafter-train", f"train.output_root={out}", "train.run_name=run", "train.batch_size=0",
                        cwd=tmp_path, env={"RANK": rank})
         assert done.returncode == 2 and "train.batch_size" in done.stderr, done.stderr[-2000:]
         written = sorted(p.name for p in (out / "run").iterdir())

@@ -57,7 +57,7 @@ def reference_counts(folders, draft_len: int, max_new_tokens: int) -> tuple[int,
 
 
 def drafter_eval(*args, cwd):
-    return run_cli("drafter_train.recipes.evaluate", *args, cwd=cwd)
+    return run_cli("drafter-eval", *args, cwd=cwd)
 
 
 def test_cli_documented_override_line(folders, tmp_path):

@@ -279,12 +279,12 @@ def test_a_refused_upload_is_one_line_and_keeps_the_folder(tiny_run, tmp_path, h
 
 
 def test_cli_exports_and_reports_errors_in_one_line(tiny_run, tmp_path):
-    ok = run_cli("drafter_train.recipes.export", f"export.run_dir={tiny_run}", f"export.output_dir={tmp_path / 'cli'}",
+    ok = run_cli("drafter-export", f"export.run_dir={tiny_run}", f"export.output_dir={tmp_path / 'cli'}",
                  cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert (tmp_path / "cli" / "README.md").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cli"]  # no Hydra outputs/ or .hydra/ next to it
-    bad = run_cli("drafter_train.recipes.export", f"export.run_dir={tmp_path / 'nope'}", f"export.output_dir={tmp_path / 'x'}",
+    bad = run_cli("drafter-export", f"export.run_dir={tmp_path / 'nope'}", f"export.output_dir={tmp_path / 'x'}",
                   cwd=tmp_path)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     errors = [line for line in bad.stderr.splitlines() if "error" in line.lower()]

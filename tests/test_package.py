@@ -71,7 +71,7 @@ def test_a_user_config_folder_adds_options(tmp_path):
     """hydra.searchpath adds a user's own config folder: here a drafter preset that lives outside the package."""
     (tmp_path / "conf" / "drafter").mkdir(parents=True)
     (tmp_path / "conf" / "drafter" / "my_lookup.yaml").write_text("defaults:\n  - ngram_schema\n  - _self_\n\nmin_ngram: 2\n")
-    shown = run([sys.executable, "-c", "from drafter_train.recipes.evaluate import main; main()",
+    shown = run([sys.executable, "-c", "from drafter_train.recipes.cli import eval_main; eval_main()",
                  f"hydra.searchpath=[file://{tmp_path / 'conf'}]", "drafter=my_lookup", "--cfg", "job"], tmp_path,
                 env={"PYTHONPATH": str(REPO)})
     assert shown.returncode == 0, shown.stderr[-2000:]

@@ -122,7 +122,7 @@ def test_sweep_callback_logs_the_report_to_the_sweeps_tracker_offline(runs, trac
 
 def test_folder_without_runs_is_one_clear_error(tmp_path):
     (tmp_path / "empty" / "wandb").mkdir(parents=True)
-    result = run_cli("drafter_train.recipes.report", f"report.input={tmp_path / 'empty'}", cwd=tmp_path)
+    result = run_cli("drafter-report", f"report.input={tmp_path / 'empty'}", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("drafter-report: error: report.input:") and "holds no runs" in line
@@ -144,7 +144,7 @@ def test_run_without_a_best_checkpoint_is_listed_as_not_reported(runs, tmp_path)
 def test_train_multirun_trains_each_job_and_reports_through_the_callback(tiny_data, tmp_path):
     out = tmp_path / "ckpt"
     result = run_cli(
-        "drafter_train.recipes.train", "-m", "drafter.draft_len=1,2", f"target.path={tiny_data / 'target'}",
+        "drafter-train", "-m", "drafter.draft_len=1,2", f"target.path={tiny_data / 'target'}",
         "target.chat_template=false", "drafter.path=truncated:1", f"train.data_dir={tiny_data / 'data'}",
         f"train.output_root={out}", "train.max_steps=2", "train.save_every=2", "train.batch_size=4",
         "train.eval_at_start=false", "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.warmup=0",
@@ -171,7 +171,7 @@ def test_train_multirun_trains_each_job_and_reports_through_the_callback(tiny_da
 def test_eval_multirun_writes_per_job_metrics_and_a_report(tiny_data, tmp_path):
     sweep = tmp_path / "sweep"
     result = run_cli(
-        "drafter_train.recipes.evaluate", "-m", "eval.draft_len=1,3", f"target.path={tiny_data / 'target'}",
+        "drafter-eval", "-m", "eval.draft_len=1,3", f"target.path={tiny_data / 'target'}",
         "target.chat_template=false", "drafter.path=truncated:1", f"eval.prompts={tiny_data / 'prompts.jsonl'}",
         "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.warmup=0", f"hydra.sweep.dir={sweep}", cwd=tmp_path,
     )
@@ -184,7 +184,7 @@ def test_eval_multirun_writes_per_job_metrics_and_a_report(tiny_data, tmp_path):
         ("truncated:1", m["draft_len"], round(m["tau"], 3)) for m in metrics]
     assert_valid_png(sweep / "report.png")
     # drafter-report accepts the same sweep folder and writes the same table elsewhere.
-    again = run_cli("drafter_train.recipes.report", f"report.input={sweep}", f"report.output_dir={tmp_path / 'r'}",
+    again = run_cli("drafter-report", f"report.input={sweep}", f"report.output_dir={tmp_path / 'r'}",
                     cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert table_rows((tmp_path / "r" / "report.md").read_text()) == rows

@@ -10,8 +10,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from drafter_train.config import CONF_DIR
 from drafter_train.errors import ConfigError
 from drafter_train.recipes import seq2seq as recipe
+from drafter_train.recipes.cli import job_config
 from drafter_train.seq2seq.drafters import SpecDrafter
 from drafter_train.seq2seq.toy import make_pairs, toy_target, toy_tokenizer
 from drafter_train.seq2seq.training import DrafterTraining
@@ -35,12 +37,12 @@ def job(inputs, out: Path, *extra: str):
     target, pairs = inputs
     overrides = [f"target.path={target}", f"data.path={pairs}", f"train.output_root={out}", "data.max_new_tokens=6",
                  "train.batch_size=4", "train.max_steps=4", "train.save_every=2", "eval.warmup=0", *extra]
-    return recipe.to_job_config(compose_cfg("seq2seq", overrides))
+    return job_config(compose_cfg("seq2seq", overrides), "drafter-seq2seq")
 
 
 def test_console_script_runs_datagen_training_and_test_evaluation(inputs, tmp_path):
     target, pairs = inputs
-    done = run_cli("drafter_train.recipes.seq2seq", f"target.path={target}", f"data.path={pairs}",
+    done = run_cli("drafter-seq2seq", f"target.path={target}", f"data.path={pairs}",
                    f"train.output_root={tmp_path}", "data.max_new_tokens=6", "train.batch_size=4", "train.max_steps=4",
                    "train.save_every=2", "drafter.kind=nar", "drafter.draft_len=3", "loss.name=accepted_length",
                    "eval.baseline_kernels=same", "target.cpu_kernels=default", f"hydra.run.dir={tmp_path}/hydra",
@@ -132,15 +134,15 @@ def test_bad_paths_are_one_line_errors_before_anything_loads(inputs, tmp_path, m
             recipe.run(job(inputs, tmp_path / "out", override))
     assert not (tmp_path / "out").exists()
     with pytest.raises(ConfigError, match=r"^data.path: must be set"):
-        recipe.to_job_config(compose_cfg("seq2seq", [f"target.path={target}"]))
-    done = run_cli("drafter_train.recipes.seq2seq", f"target.path={target}", f"data.path={tmp_path / 'missing'}",
+        job_config(compose_cfg("seq2seq", [f"target.path={target}"]), "drafter-seq2seq")
+    done = run_cli("drafter-seq2seq", f"target.path={target}", f"data.path={tmp_path / 'missing'}",
                    f"hydra.run.dir={tmp_path}/hydra", cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         f"drafter-seq2seq: error: data.path: {tmp_path / 'missing'}: no such folder"]
 
 
 def test_config_composes_with_its_documented_command():
-    first = (Path(recipe.CONF_DIR) / "seq2seq.yaml").read_text().splitlines()[0]
+    first = (Path(CONF_DIR) / "seq2seq.yaml").read_text().splitlines()[0]
     assert first.startswith("# drafter-seq2seq target.path=")
     cfg = OmegaConf.to_object(compose_cfg("seq2seq", ["target.path=t", "data.path=d"]))
     assert cfg.drafter.kind == "ar" and cfg.eval.baseline_kernels == "all" and cfg.run_dir == Path("checkpoints/seq2seq")

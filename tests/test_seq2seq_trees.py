@@ -121,17 +121,19 @@ def test_evaluator_runs_trees_with_the_same_fields():
 def test_drafter_seq2seq_reads_eval_tree():
     """drafter-seq2seq's eval.tree: the decoder's TreeSpec (depth unset: drafter.draft_len); iid trees need sampling.
     (Its text targets are refused before loading: tests/test_seq2seq_entry.py.)"""
-    from drafter_train.recipes.seq2seq import to_job_config
+    from drafter_train.recipes.cli import job_config
     from tests.stubs import compose_cfg
 
-    base = ["target.path=t", "data.path=d", "drafter.draft_len=3"]
-    iid = to_job_config(compose_cfg("seq2seq", base + ["eval.tree.top_k=2", "eval.tree.branching=iid",
-                                                       "eval.verify=sample"]))
-    assert iid.tree_spec() == TreeSpec(2, 3, None, "iid") and to_job_config(compose_cfg("seq2seq", base)).tree_spec() is None
+    def job(*overrides: str):
+        return job_config(compose_cfg("seq2seq", ["target.path=t", "data.path=d", "drafter.draft_len=3", *overrides]),
+                          "drafter-seq2seq")
+
+    iid = job("eval.tree.top_k=2", "eval.tree.branching=iid", "eval.verify=sample")
+    assert iid.tree_spec() == TreeSpec(2, 3, None, "iid") and job().tree_spec() is None
     with pytest.raises(ConfigError, match="^eval.tree.branching: iid trees are sampled"):
-        to_job_config(compose_cfg("seq2seq", base + ["eval.tree.top_k=2", "eval.tree.branching=iid"]))
+        job("eval.tree.top_k=2", "eval.tree.branching=iid")
     with pytest.raises(ConfigError, match=r"^eval.tree.total_tokens: must be in \[depth"):
-        to_job_config(compose_cfg("seq2seq", base + ["eval.tree.top_k=2", "eval.tree.total_tokens=99"]))
+        job("eval.tree.top_k=2", "eval.tree.total_tokens=99")
 
 
 def test_a_decoder_with_sliding_window_layers_is_refused():

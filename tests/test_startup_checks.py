@@ -4,7 +4,10 @@ target cannot support (sliding-window KV caches) before any decoding."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -73,7 +76,7 @@ def test_a_tokenizer_with_ids_past_the_embedding_is_refused_before_the_target_lo
     with one more embedding row passes."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from drafter_train.targets import check_tokenizer_fits
+    from drafter_train.model_paths import check_tokenizer_fits
 
     def qwen2(folder, vocab):
         save_tiny(Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=32,
@@ -202,10 +205,48 @@ def test_drafter_eval_on_the_command_line_exits_2_with_one_line(tmp_path, bad):
         target.write_bytes(intact.read_bytes()[:30000])  # what `head -c 30000 model.gguf > cut.gguf` leaves
     else:
         target = seq2seq_folder(tmp_path / "t5")
-    done = run_cli("drafter_train.recipes.evaluate", "target=local", f"target.path={target}",
+    done = run_cli("drafter-eval", "target=local", f"target.path={target}",
                    "drafter.path=truncated:1", cwd=tmp_path)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr and len(lines) == 1, done.stderr
     words = "cut short inside its tensor data" if bad == "cut_gguf" else "go through drafter-seq2seq"
     assert lines[0].startswith(f"drafter-eval: error: target.path: {target}: ") and words in lines[0]
+
+
+# Each console script with a bad input: its one line. The six run in one interpreter, one command line after another
+# (as Hydra allows), which then reports which heavy libraries any of them imported.
+CONSOLE_REFUSALS = {
+    "train_main": (["train.batch_size=0"], "drafter-train: error: train.batch_size: must be >= 1, got 0"),
+    "eval_main": (["target.path=/no/such/target"], "drafter-eval: error: target.path: /no/such/target: no such file or folder"),
+    "datagen_main": (["datagen.prompts=/no/such/prompts.jsonl"], "drafter-datagen: error: datagen.prompts: no such file: "
+                                                                 "/no/such/prompts.jsonl"),
+    "export_main": (["export.run_dir=/no/such/run", "export.output_dir=out"],
+                    "drafter-export: error: export.run_dir: /no/such/run: no such folder"),
+    "report_main": (["report.input=/no/such/runs"], "drafter-report: error: report.input: /no/such/runs: no such folder"),
+    "seq2seq_main": (["target.path=/no/such/t5", "data.path=/no/such/pairs"],
+                     "drafter-seq2seq: error: target.path: /no/such/t5 is not a model folder (no config.json)"),
+}
+HEAVY = ("torch", "transformers", "datasets", "accelerate", "deepspeed")
+REFUSE_ALL = f"""
+import json, sys
+from drafter_train.recipes import cli
+for function, (args, _) in {CONSOLE_REFUSALS!r}.items():
+    sys.argv = [function, *args]
+    try:
+        getattr(cli, function)()
+    except SystemExit as done:
+        print(json.dumps([function, done.code]))
+print(json.dumps(sorted({{name.split(".")[0] for name in sys.modules}} & set({HEAVY!r}))))
+"""
+
+
+def test_console_scripts_refuse_bad_input_in_one_line_before_torch_loads(tmp_path):
+    """recipes/cli.py: a field's check or a missing path is one line, exit 2, and torch, transformers, datasets,
+    accelerate and deepspeed were never imported (the recipes import them; the checks come first)."""
+    done = subprocess.run([sys.executable, "-c", REFUSE_ALL], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    lines = done.stdout.strip().splitlines()
+    assert [json.loads(line) for line in lines[:-1]] == [[name, 2] for name in CONSOLE_REFUSALS], done.stderr[-3000:]
+    assert done.stderr.strip().splitlines() == [error for _, error in CONSOLE_REFUSALS.values()]
+    assert json.loads(lines[-1]) == []  # none of HEAVY

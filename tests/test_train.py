@@ -204,7 +204,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_last_good_one(tiny_data, tmp
     def broken_save(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("drafter_train.checkpoint.torch.save", broken_save)
+    monkeypatch.setattr("torch.save", broken_save)  # what checkpoint.py saves the training state with
     with pytest.raises(OSError):
         train(train_cfg(tiny_data, tmp_path, "train.max_steps=6"))
     assert (run_dir / "latest").resolve().name == "step-3"
@@ -302,8 +302,8 @@ def test_cli_trains_and_reports_errors_in_one_line(tiny_data, tmp_path):
             "target.chat_template=false", "drafter.path=truncated:1", f"train.data_dir={tiny_data / 'data'}",
             f"train.output_root={tmp_path}", "train.max_steps=2", "train.save_every=2", "train.batch_size=4",
             "eval.num_prompts=1", "eval.max_new_tokens=4"]
-    ok = run_cli("drafter_train.recipes.train", *base, cwd=tmp_path)
+    ok = run_cli("drafter-train", *base, cwd=tmp_path)
     assert ok.returncode == 0, ok.stderr[-2000:]
     assert (tmp_path / "ar-fkl-k4" / "latest" / "drafter" / "config.json").exists()
-    bad = run_cli("drafter_train.recipes.train", *base, "drafter.draft_len=0", cwd=tmp_path)
+    bad = run_cli("drafter-train", *base, "drafter.draft_len=0", cwd=tmp_path)
     assert bad.returncode != 0 and "drafter.draft_len" in bad.stderr and "Traceback" not in bad.stderr

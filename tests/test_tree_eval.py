@@ -86,7 +86,7 @@ def test_tree_metrics_record_shape_histogram_and_depths(folders):  # noqa: F811
 def test_eval_sweep_over_tree_size_is_reported_as_one_line(folders, tmp_path):  # noqa: F811
     sweep = tmp_path / "sweep"
     result = run_cli(
-        "drafter_train.recipes.evaluate", "-m", "eval.tree.total_tokens=3,6", "eval.tree.top_k=2", "eval.tree.depth=3",
+        "drafter-eval", "-m", "eval.tree.total_tokens=3,6", "eval.tree.top_k=2", "eval.tree.depth=3",
         f"target.path={folders / 'target'}", "target.chat_template=false", f"drafter.path={folders / 'drafter'}",
         f"eval.prompts={folders / 'prompts.txt'}", "eval.num_prompts=2", "eval.max_new_tokens=8", "eval.warmup=0",
         f"hydra.sweep.dir={sweep}", cwd=tmp_path,
@@ -176,7 +176,7 @@ def test_calibration_mode_picks_measures_and_records(tiny_run, tmp_path):  # noq
     engines.write_text(json.dumps({"data": {"cost_curves": [{"engine": "llama.cpp", "precision": "q8_0", "ms_1": 5.0,
                                                              "relative": {"1": 1.0, "2": 1.5, "3": 2.0}}]}}))
     result = run_cli(
-        "drafter_train.recipes.evaluate", f"target.path={root / 'target'}", "target.chat_template=false",
+        "drafter-eval", f"target.path={root / 'target'}", "target.chat_template=false",
         "drafter=path", f"drafter.path={drafter_dir}", f"eval.prompts={prompts}", "eval.num_prompts=3",
         "eval.max_new_tokens=10", "eval.warmup=0", f"eval.output={tmp_path / 'metrics.json'}",
         "eval.calibration.enabled=true", "eval.calibration.num_prompts=2", "eval.calibration.draft_lens=[1,2]",

@@ -180,7 +180,7 @@ def test_one_line_refusals(folders, tmp_path, monkeypatch, overrides, env, error
 
 
 def test_cli_refusal(tmp_path):
-    result = run_cli("drafter_train.recipes.datagen", "datagen.backend=vllm", "datagen.vllm_python=/no/such/python",
+    result = run_cli("drafter-datagen", "datagen.backend=vllm", "datagen.vllm_python=/no/such/python",
                      f"datagen.output_dir={tmp_path / 'out'}", cwd=tmp_path)
     assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == (
         "drafter-datagen: error: datagen.vllm_python: cannot run /no/such/python: No such file or directory"

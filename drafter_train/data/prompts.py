@@ -7,12 +7,13 @@ also reads parquet; their errors name the config section (``eval.`` or ``datagen
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Sequence
-
-import datasets
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from drafter_train.config import PROMPTS_DIR
 from drafter_train.errors import ConfigError
+
+if TYPE_CHECKING:
+    import datasets
 
 # Short and varied on purpose: acceptance rates differ between free-form stories, factual answers and code, and an
 # evaluation over one kind of prompt would flatter or punish a drafter.
@@ -160,6 +161,8 @@ def _check_file(path: str, section: str, suffixes: Sequence[str]) -> Path:
 
 def _read(file: Path, section: str) -> datasets.Dataset:
     # datasets reads a JSON list of strings as one "text" column, so no special case is needed for it.
+    import datasets  # here, not with the module: the console scripts check prompt paths before datasets loads
+
     builder = BUILDERS[file.suffix.lower()]
     try:
         return datasets.load_dataset(builder, data_files=str(file), split="train")

@@ -1,9 +1,12 @@
 """Drafter kinds. Each kind is ONE folder, drafters/<kind>/ (ar, nar, eagle3, dflash, layerskip, ngram ...), whose
-package registers a `DrafterKind` on import: its typed config, build/load, the training module and its loss on a
+model module registers a `DrafterKind` on import: its typed config, build/load, the training module and its loss on a
 batch, the decoder-side drafter and its export formats. The trainer, the evaluator and the exporter call these and
-never ask "which kind am I?". The kinds are found by looking: every sub-package of drafters/ except common/ is
-imported once, on first use; no list of names is kept anywhere. A kind defined outside the package (a plugin, a
-test) calls `register` itself (docs/add-a-drafter.md).
+never ask "which kind am I?". The kinds are found by looking: the model module of every sub-package of drafters/
+except common/ is imported once, on first use; no list of names is kept anywhere. A kind defined outside the package
+(a plugin, a test) calls `register` itself (docs/add-a-drafter.md).
+
+The console scripts check a job's config before torch loads: `kind_schemas` finds each kind's typed config through
+its folder's config module alone (which imports no model code), and this module imports torch only for type hints.
 
 A saved drafter folder says its kind through config.json's `model_type` (a kind's own model class), and any other
 causal LM is an AR drafter.
@@ -19,15 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Optional
 
-import torch
-from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
 from drafter_train.config import DrafterConfig
-from drafter_train.cpu_kernels import use_onednn_linears
 from drafter_train.errors import ConfigError
 
 if TYPE_CHECKING:
+    import torch
+    from torch import nn
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from drafter_train.config import TrainJobConfig
     from drafter_train.data.batches import Batch
     from drafter_train.decoding.drafter import Drafter
@@ -107,7 +109,7 @@ NOT_KINDS = ("common",)
 
 
 class _Registry:
-    """The registered kinds by name, filled by `register` (each kind's package on import, or a plugin)."""
+    """The registered kinds by name, filled by `register` (each kind's model module on import, or a plugin)."""
 
     def __init__(self) -> None:
         self.kinds: dict[str, DrafterKind] = {}
@@ -115,17 +117,22 @@ class _Registry:
         self.discovered = False
 
     def discover(self) -> None:
-        """Import every kind folder of drafters/ once (each registers itself on import)."""
+        """Import the model module of every kind folder of drafters/ once (each registers its kind on import)."""
         if self.discovered:
             return
         self.discovered = True
-        package = importlib.import_module("drafter_train.drafters")
-        for info in pkgutil.iter_modules(package.__path__):
-            if info.ispkg and info.name not in NOT_KINDS:
-                importlib.import_module(f"{package.__name__}.{info.name}")
+        for folder in _kind_folders():
+            importlib.import_module(f"{folder}.model")
 
 
 _REGISTRY = _Registry()
+
+
+def _kind_folders() -> list[str]:
+    """The kind folders of drafters/, as module names (every sub-package but NOT_KINDS)."""
+    package = importlib.import_module("drafter_train.drafters")
+    return [f"{package.__name__}.{info.name}" for info in pkgutil.iter_modules(package.__path__)
+            if info.ispkg and info.name not in NOT_KINDS]
 
 
 def register(kind: DrafterKind, module: Optional[str] = None) -> DrafterKind:
@@ -158,6 +165,19 @@ def get_kind(name: str) -> DrafterKind:
 def all_kinds() -> list[DrafterKind]:
     _REGISTRY.discover()
     return list(_REGISTRY.kinds.values())
+
+
+def kind_schemas() -> dict[str, type]:
+    """Each kind's typed config by kind name, found without importing any model: the DrafterConfig subclass that each
+    kind folder's config module defines (its `kind` default is the kind's name), and the config of every kind
+    registered so far (a plugin's; the same class for a folder whose model module has been imported)."""
+    schemas = {}
+    for folder in _kind_folders():
+        module = importlib.import_module(f"{folder}.config")
+        (schema,) = [value for value in vars(module).values() if isinstance(value, type)
+                     and issubclass(value, DrafterConfig) and value.__module__ == module.__name__]
+        schemas[schema.kind] = schema
+    return schemas | {kind.name: kind.config_class for kind in _REGISTRY.kinds.values()}
 
 
 def folder_kind(path: str) -> Optional[DrafterKind]:
@@ -207,5 +227,7 @@ def is_saved_drafter(path: str) -> bool:
 def make_drafter(model: PreTrainedModel, cpu_kernels: str = "auto") -> "Drafter":
     """The decoder-side drafter for a loaded drafter model, its Linear layers on `cpu_kernels` (cpu_kernels.py:
     inference only, training through the same model is unaffected)."""
+    from drafter_train.cpu_kernels import use_onednn_linears  # torch: not before a console script's checks
+
     use_onednn_linears(model, cpu_kernels)
     return model_kind(model).decoder_drafter(model)

@@ -1,22 +1,32 @@
-"""What every console script shares: user errors as one line on stderr, no traceback; the configs registered with
-Hydra (job schemas and every drafter kind's)."""
+"""The console scripts (pyproject.toml's [project.scripts]) and what they share: user errors as one line on stderr,
+no traceback; the configs registered with Hydra (job schemas and every drafter kind's).
+
+A console script checks before it loads. It composes its config (Hydra), builds the typed job (every field's own
+check, a value left unset named), checks every path the job names (preflight.py; drafter-seq2seq's own check_paths),
+and only then imports its recipe module: torch, transformers, datasets and accelerate come with the recipe, so a bad
+input is one line on stderr (`drafter-train: error: ...`, exit 2) in about a second instead of after ~10 s of imports.
+Nothing imported here imports them (tests/test_startup_checks.py keeps it so).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+import hydra
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from drafter_train.config import (CONF_DIR, DatagenJobConfig, DrafterConfig, EvalJobConfig, ExportJobConfig,
                                   ReportJobConfig, TrainJobConfig)
-from drafter_train.drafters.registry import all_kinds
-from drafter_train.errors import DrafterTrainError
-from drafter_train.seq2seq.config import Seq2SeqJobConfig
+from drafter_train.drafters.registry import kind_schemas
+from drafter_train.errors import ConfigError, DrafterTrainError
+from drafter_train.preflight import check_inputs
+from drafter_train.seq2seq.config import Seq2SeqJobConfig, check_paths
 
 
 @contextlib.contextmanager
@@ -54,8 +64,8 @@ def register_configs() -> None:
         cs.store(name=name, node=node)
     # One schema per registered drafter kind (<kind>_schema), extended by the YAML files of the `drafter` group
     # (conf/drafter/*.yaml); any_schema: a saved folder of whatever kind (drafter=path).
-    for kind in all_kinds():
-        cs.store(group="drafter", name=f"{kind.name}_schema", node=kind.config_class)
+    for name, schema in kind_schemas().items():
+        cs.store(group="drafter", name=f"{name}_schema", node=schema)
     cs.store(group="drafter", name="any_schema", node=DrafterConfig)
 
 
@@ -65,3 +75,58 @@ def compose_config(name: str, overrides: list[str]) -> Any:
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return OmegaConf.to_object(compose(name, overrides=list(overrides)))
+
+
+def job_config(cfg: DictConfig, prog: str) -> Any:
+    """Composed Hydra config -> the typed job (dataclasses: every field's check runs); a required value left unset
+    (`???`) is one line naming it."""
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"{missing[0]}: must be set ({prog} {missing[0]}=...)")
+    return OmegaConf.to_object(cfg)
+
+
+def console(prog: str, config_name: str, recipe: str, check: Callable[[Any], None] = lambda job: None) -> None:
+    """Run console script `prog` on the command line: for each job (one, or a -m sweep's), the typed job and `check`
+    of what it names, then `command(job)` of the module `recipe`, imported only now (module doc). Returns nothing;
+    the command's return value goes to Hydra (a sweeper optimises drafter-train's tau)."""
+    register_configs()
+
+    def task(cfg: DictConfig) -> Any:
+        with one_line_errors(prog):
+            job = job_config(cfg, prog)
+            check(job)
+            return importlib.import_module(recipe).command(job)
+
+    task.__module__ = recipe  # Hydra names the job after its task's module: drafter-train's log is train.log
+    hydra.main(version_base=None, config_path=CONF_DIR, config_name=config_name)(task)()
+
+
+def train_main() -> None:
+    """drafter-train (recipes/train.py)."""
+    console("drafter-train", "train", "drafter_train.recipes.train", check_inputs)
+
+
+def eval_main() -> None:
+    """drafter-eval (recipes/evaluate.py)."""
+    console("drafter-eval", "eval", "drafter_train.recipes.evaluate", check_inputs)
+
+
+def datagen_main() -> None:
+    """drafter-datagen (recipes/datagen.py)."""
+    console("drafter-datagen", "datagen", "drafter_train.recipes.datagen", check_inputs)
+
+
+def export_main() -> None:
+    """drafter-export (recipes/export.py: its checks are its own, and it imports no torch before they pass)."""
+    console("drafter-export", "export", "drafter_train.recipes.export")
+
+
+def report_main() -> None:
+    """drafter-report (recipes/report.py: its checks are its own, and it imports no torch at all)."""
+    console("drafter-report", "report", "drafter_train.recipes.report")
+
+
+def seq2seq_main() -> None:
+    """drafter-seq2seq (recipes/seq2seq.py): its target folder and splits checked first (seq2seq/config.py)."""
+    console("drafter-seq2seq", "seq2seq", "drafter_train.recipes.seq2seq", check_paths)

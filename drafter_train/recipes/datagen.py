@@ -17,18 +17,16 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterator, Sequence, TypeVar
 
-import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from drafter_train.config import CONF_DIR, DatagenConfig, DatagenJobConfig
-from drafter_train.recipes.cli import register_configs
+from drafter_train.config import DatagenConfig, DatagenJobConfig
+from drafter_train.recipes.cli import datagen_main
 from drafter_train.devices import default_device
 from drafter_train.machine import machine_info
 from drafter_train.preflight import check_inputs
-from drafter_train.recipes.cli import one_line_errors
 from drafter_train.data.chat import ChatTemplate
 from drafter_train.data.conversations import (TrainConversation, conversation_record, open_conversations,
                                               select_conversations)
@@ -247,15 +245,15 @@ def is_multi_turn(store: DatagenStore) -> bool:
     return bool(store.manifest["prompts"].get("multi_turn"))
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="datagen")
-def _hydra_main(cfg: DictConfig) -> None:
-    with one_line_errors("drafter-datagen"):
-        run_datagen(OmegaConf.to_object(cfg))
+def command(job: DatagenJobConfig) -> None:
+    """drafter-datagen once recipes/cli.py has checked the job."""
+    run_datagen(job)
 
 
 def main() -> None:
-    register_configs()
-    _hydra_main()
+    """drafter-datagen as `python -m drafter_train.recipes.datagen`, and for installs whose console script still
+    names this function; the console script is recipes/cli.py's datagen_main."""
+    datagen_main()
 
 
 if __name__ == "__main__":

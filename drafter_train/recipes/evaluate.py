@@ -11,19 +11,17 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from drafter_train.calibrate import calibrate, calibration_record, engine_costs, engine_predictions
 from drafter_train.checkpoint import verify_drafter_folder
 from drafter_train.evaluation import calibration_decoder, check_decoder, evaluate_decoding, print_calibration, print_table
-from drafter_train.config import CONF_DIR, EvalConfig, EvalJobConfig
-from drafter_train.recipes.cli import register_configs
+from drafter_train.config import EvalConfig, EvalJobConfig
+from drafter_train.recipes.cli import eval_main
 from drafter_train.cpu_kernels import row_policy
 from drafter_train.preflight import check_inputs, check_writable
-from drafter_train.recipes.cli import one_line_errors
 from drafter_train.data.overlap import check_eval_overlap, recorded_data_dir
 from drafter_train.data.prompts import load_prompt_records, refuse_test_split, split_name
 from drafter_train.drafters.common.loading import load_drafter
@@ -126,24 +124,19 @@ def engine_curves(path: Optional[str]) -> list[dict]:
     return curves
 
 
-def to_job_config(cfg: DictConfig) -> EvalJobConfig:
-    """Composed Hydra config -> dataclasses (runs every field check)."""
-    return OmegaConf.to_object(cfg)
-
-
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="eval")
-def _hydra_main(cfg: DictConfig) -> None:
-    with one_line_errors("drafter-eval"):
-        metrics = run_eval_job(to_job_config(cfg))
+def command(job: EvalJobConfig) -> None:
+    """drafter-eval once recipes/cli.py has checked the job: evaluate, print the table and where the metrics went."""
+    metrics = run_eval_job(job)
     print_table(metrics)
     if "engine" in metrics:
         print_engine(metrics["engine"])
-    print(f"metrics written to {metrics_path(cfg.eval).resolve()}", file=sys.stderr)
+    print(f"metrics written to {metrics_path(job.eval).resolve()}", file=sys.stderr)
 
 
 def main() -> None:
-    register_configs()
-    _hydra_main()
+    """drafter-eval as `python -m drafter_train.recipes.evaluate`, and for installs whose console script still names
+    this function; the console script is recipes/cli.py's eval_main."""
+    eval_main()
 
 
 if __name__ == "__main__":

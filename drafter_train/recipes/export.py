@@ -16,16 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
-
 from drafter_train.checkpoint import step_dirs, verify_checkpoint
-from drafter_train.recipes.cli import one_line_errors
-from drafter_train.config import CONF_DIR, ExportConfig
-from drafter_train.recipes.cli import register_configs
+from drafter_train.config import ExportConfig, ExportJobConfig
+from drafter_train.recipes.cli import export_main
 from drafter_train.errors import CheckpointDamagedError, ConfigError, DrafterTrainError
 from drafter_train.llamacpp import GgufJob, llamacpp_dir, target_folder
-from drafter_train.targets import check_decoder_only
+from drafter_train.model_paths import check_decoder_only
 from drafter_train.model_card import MARKER, RunInfo, looks_local, model_card, read_run_info, step_text, target_names
 
 # Keys that describe how a file was loaded on the training machine, not the model.
@@ -337,18 +333,18 @@ def _local_inputs(cfg: ExportConfig) -> set[str]:
     return {str(Path.home())} | {str(Path(p).expanduser().absolute()) for p in given}
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="export")
-def _hydra_main(cfg: DictConfig) -> None:
-    with one_line_errors("drafter-export"):
-        result = export(OmegaConf.to_object(cfg).export)
+def command(job: ExportJobConfig) -> None:
+    """drafter-export once recipes/cli.py has built the job (its checks are export's own)."""
+    result = export(job.export)
     print(f"exported {result.checkpoint.name} to {result.folder}", file=sys.stderr)
     if result.url:
         print(f"pushed to {result.url}", file=sys.stderr)
 
 
 def main() -> None:
-    register_configs()
-    _hydra_main()
+    """drafter-export as `python -m drafter_train.recipes.export`, and for installs whose console script still names
+    this function; the console script is recipes/cli.py's export_main."""
+    export_main()
 
 
 if __name__ == "__main__":

@@ -20,13 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import hydra
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from drafter_train.recipes.cli import on_main_process, one_line_errors
-from drafter_train.config import CONF_DIR, ReportJobConfig, TrackerConfig
-from drafter_train.recipes.cli import register_configs
+from drafter_train.recipes.cli import on_main_process, one_line_errors, report_main
+from drafter_train.config import ReportJobConfig, TrackerConfig
 from drafter_train.io import read_json_or_empty
 from drafter_train.errors import ConfigError
 from drafter_train.model_card import run_config
@@ -254,19 +252,18 @@ class SweepReport(Callback):
         print(f"sweep report: {report.markdown} and {report.plot}", file=sys.stderr)
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="report")
-def _hydra_main(cfg: DictConfig) -> None:
-    with one_line_errors("drafter-report"):
-        job: ReportJobConfig = OmegaConf.to_object(cfg)
-        job.report.require_inputs()
-        folder = Path(job.report.input)
-        report = write_report(folder, Path(job.report.output_dir) if job.report.output_dir else folder, job.tracker)
+def command(job: ReportJobConfig) -> None:
+    """drafter-report once recipes/cli.py has built the job (its checks are the report's own)."""
+    job.report.require_inputs()
+    folder = Path(job.report.input)
+    report = write_report(folder, Path(job.report.output_dir) if job.report.output_dir else folder, job.tracker)
     print(f"{len(report.results)} runs reported: {report.markdown} and {report.plot}", file=sys.stderr)
 
 
 def main() -> None:
-    register_configs()
-    _hydra_main()
+    """drafter-report as `python -m drafter_train.recipes.report`, and for installs whose console script still names
+    this function; the console script is recipes/cli.py's report_main."""
+    report_main()
 
 
 if __name__ == "__main__":

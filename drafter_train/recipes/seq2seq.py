@@ -19,20 +19,18 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from transformers import AutoTokenizer, PreTrainedModel
 
 from drafter_train.checkpoint import (TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best,
                                       prepare_run_dir, prune, resume_checkpoint, rng_state, save_checkpoint,
                                       save_run_config, set_rng_state)
-from drafter_train.config import CONF_DIR
 from drafter_train.cpu_kernels import use_grouped_attention, use_onednn_linears
 from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.errors import ConfigError
 from drafter_train.io import write_atomic
-from drafter_train.recipes.cli import one_line_errors, register_configs
+from drafter_train.recipes.cli import seq2seq_main
 from drafter_train.preflight import check_writable
 from drafter_train.seq2seq.config import Seq2SeqJobConfig, check_paths, split_path
 from drafter_train.seq2seq.data import read_pairs, regenerate
@@ -147,27 +145,18 @@ def run(cfg: Seq2SeqJobConfig) -> dict:
     return metrics
 
 
-def to_job_config(cfg: DictConfig) -> Seq2SeqJobConfig:
-    """Composed Hydra config -> dataclasses (every field check); a required path left unset is one line."""
-    missing = sorted(OmegaConf.missing_keys(cfg))
-    if missing:
-        raise ConfigError(f"{missing[0]}: must be set (drafter-seq2seq {missing[0]}=...)")
-    return OmegaConf.to_object(cfg)
-
-
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="seq2seq")
-def _hydra_main(cfg: DictConfig) -> None:
-    with one_line_errors("drafter-seq2seq"):
-        metrics = run(to_job_config(cfg))
+def command(job: Seq2SeqJobConfig) -> None:
+    """drafter-seq2seq once recipes/cli.py has checked the job (check_paths): the whole job, then its test figures."""
+    metrics = run(job)
     print(f"drafter-seq2seq: test split: tau {metrics['tau']:.3f}, speedup {metrics['speedup']:.3f} over plain "
           f"decoding on {metrics['baseline']['kernels']} kernels (best: step {metrics['best_step']}); metrics in "
-          f"{Path(cfg.eval.output or Path(cfg.train.output_root) / cfg.train.run_name / 'metrics.json').resolve()}",
-          file=sys.stderr)
+          f"{Path(job.eval.output or job.run_dir / 'metrics.json').resolve()}", file=sys.stderr)
 
 
 def main() -> None:
-    register_configs()
-    _hydra_main()
+    """drafter-seq2seq as `python -m drafter_train.recipes.seq2seq`, and for installs whose console script still
+    names this function; the console script is recipes/cli.py's seq2seq_main."""
+    seq2seq_main()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """`drafter-train`: distil a drafter from the target's outputs, evaluating real speculative decoding at every
-checkpoint. `train(cfg)` is the whole recipe, top to bottom; `@hydra.main` only wraps it."""
+checkpoint. `train(cfg)` is the whole recipe, top to bottom; the console script (recipes/cli.py) only checks the
+command line's config and calls it."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ import shutil
 import sys
 import time
 
-import hydra
 import torch
 from accelerate.utils import set_seed
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from tqdm.auto import tqdm
 from transformers import get_scheduler
 
@@ -21,10 +21,10 @@ from drafter_train.checkpoint import (
     TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune, rng_state,
     partial_checkpoint, resume_checkpoint, save_checkpoint, save_run_config, set_rng_state, start_checkpoint,
 )
-from drafter_train.config import CONF_DIR, TrainJobConfig
+from drafter_train.config import TrainJobConfig
 from drafter_train.machine import machine_info
 from drafter_train.preflight import check_inputs
-from drafter_train.recipes.cli import on_main_process, one_line_errors, register_configs
+from drafter_train.recipes.cli import on_main_process, train_main
 from drafter_train.data.batches import BatchStream, collate, token_counts
 from drafter_train.data.overlap import check_eval_overlap
 from drafter_train.data.prompts import refuse_test_split, split_name
@@ -296,14 +296,10 @@ def save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optim
     return metrics
 
 
-def to_job_config(cfg: DictConfig) -> TrainJobConfig:
-    return OmegaConf.to_object(cfg)
-
-
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="train")
-def _hydra_main(cfg: DictConfig) -> float:
-    with one_line_errors("drafter-train"):
-        metrics = train(to_job_config(cfg))
+def command(job: TrainJobConfig) -> float:
+    """drafter-train once recipes/cli.py has checked the job: train; the main process prints the final checkpoint's
+    figures. Returns tau, what a Hydra sweeper would optimise."""
+    metrics = train(job)
     tau = metrics.get("tau", math.nan)
     if on_main_process():  # the only process that evaluates: other ranks hold no metrics
         print(f"final checkpoint: tau={tau:.3f} acceptance={metrics.get('acceptance_rate', math.nan):.3f} "
@@ -312,8 +308,9 @@ def _hydra_main(cfg: DictConfig) -> float:
 
 
 def main() -> None:
-    register_configs()
-    _hydra_main()
+    """drafter-train as `python -m drafter_train.recipes.train` (what accelerate launch runs), and for installs whose
+    console script still names this function; the console script is recipes/cli.py's train_main."""
+    train_main()
 
 
 if __name__ == "__main__":

@@ -10,8 +10,7 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from drafter_train.config import BASELINE_KERNELS, EvalConfig, LossConfig, TreeConfig, check_field
-from drafter_train.cpu_kernels import CPU_KERNELS
+from drafter_train.config import BASELINE_KERNELS, CPU_KERNELS, EvalConfig, LossConfig, TreeConfig, check_field
 from drafter_train.errors import ConfigError
 
 SPLITS = ("train", "dev", "test")
@@ -168,13 +167,15 @@ def split_path(data_dir: str, split: str) -> Path:
 def check_paths(cfg: Seq2SeqJobConfig) -> None:
     """Every path the job names, and what its config.json alone tells, before any weights load: the target folder
     (an encoder-decoder with more decoder layers than the drafter takes, whose decoder takes draft trees if eval.tree
-    asks for them), the three splits."""
+    asks for them), the three splits. The paths first: what reads config.json imports transformers (and torch)."""
+    if not (Path(cfg.target.path).expanduser() / "config.json").is_file():
+        raise ConfigError(f"target.path: {cfg.target.path} is not a model folder (no config.json)")
+    for split in SPLITS:
+        split_path(cfg.data.path, split)
     from transformers import AutoConfig
 
     from drafter_train.seq2seq.target import check_trees, model_class, num_layers
 
-    if not (Path(cfg.target.path).expanduser() / "config.json").is_file():
-        raise ConfigError(f"target.path: {cfg.target.path} is not a model folder (no config.json)")
     config = AutoConfig.from_pretrained(cfg.target.path)
     model_class(config)  # refuses a decoder-only model in one line
     total = num_layers(config)[1]
@@ -186,5 +187,3 @@ def check_paths(cfg: Seq2SeqJobConfig) -> None:
         check_field(cfg.drafter.kind != "nar" or spec.depth <= cfg.drafter.draft_len, "eval.tree.depth",
                     f"the Spec-Drafter has drafter.draft_len={cfg.drafter.draft_len} mask queries, cannot draft a "
                     f"tree {spec.depth} deep")
-    for split in SPLITS:
-        split_path(cfg.data.path, split)

@@ -1,3 +1,2 @@
-"""The nar drafter kind: importing the package registers it (drafters/registry.py)."""
-
-from drafter_train.drafters.nar import model  # noqa: F401  (registers the kind)
+"""The nar drafter kind: model.py registers it, config.py holds its typed config (drafters/registry.py imports
+each when needed)."""
