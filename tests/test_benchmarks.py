@@ -269,3 +269,32 @@ def test_the_llamacpp_verdict_says_when_output_was_not_compared(capsys):
     result["llamacpp"]["same_output_as_plain"] = {"near_ties": [{"near_tie": True}], "near_ties_shown": 1}
     print_llamacpp_verdict(result, 0.03)
     assert "differs from plain in 1 (near tie shown in 1) of 14 prompts" in capsys.readouterr().out
+
+
+def test_pass_curve_prices_each_pass_against_its_own_step_and_the_fastest_plain_step(tmp_path, monkeypatch):
+    """benchmarks.pass_curve: each file and layout timed once by llama-bench (stood in), its relative costs, and the
+    ceiling of always-accepted drafts: the best n / cost(n), against the file's own step and the fastest step."""
+    from benchmarks import pass_curve
+
+    curves = {("q4_k_m", True): {1: 80.0, 2: 120.0, 4: 160.0},  # 4 tokens for 2 steps: ceiling 2.0
+              ("q4_k_m", False): {1: 100.0, 2: 150.0, 4: 400.0},  # 2 tokens for 1.5 steps: 4/3
+              ("f16", True): {1: 200.0, 2: 204.0, 4: 210.0},  # 4 / 1.05 against its own step; 4 * 80 / 210 overall
+              ("f16", False): {1: 200.0, 2: 204.0, 4: 210.0}}
+    timed = []
+
+    def fake_bench(bin_dir, gguf, sizes, depth, repeats, threads, repack=True):
+        timed.append((gguf.name, tuple(sizes), depth, repeats, threads, repack))
+        return curves[(gguf.stem, repack)]
+
+    monkeypatch.setattr(pass_curve, "bench_curve", fake_bench)
+    monkeypatch.setattr(pass_curve, "target_files", lambda name, types: {
+        "q4_k_m": tmp_path / "q4_k_m.gguf", **{t: tmp_path / f"{t}.gguf" for t in types}})
+    monkeypatch.setattr(pass_curve, "write_result", lambda name, **kw: captured.update(name=name, **kw))
+    captured: dict = {}
+    pass_curve.main(["--types", "f16", "--tokens", "4,2", "--repetitions", "2"])
+    assert timed == [(f, (1, 2, 4), 128, 2, 2, r) for f in ("q4_k_m.gguf", "f16.gguf") for r in (True, False)]
+    assert captured["name"] == "pass_curve" and captured["columns"][3:6] == ["n=1", "n=2", "n=4"]
+    rows = {(r[0], r[1]): r[2:] for r in captured["rows"]}
+    assert rows[("q4_k_m", "repacked")] == pytest.approx([80.0, 1.0, 1.5, 2.0, 2.0, 2.0])
+    assert rows[("q4_k_m", "as stored")] == pytest.approx([100.0, 1.0, 1.5, 4.0, 4 / 3, 4 / 3 * 80 / 100])
+    assert rows[("f16", "repacked")] == pytest.approx([200.0, 1.0, 1.02, 1.05, 4 / 1.05, 4 * 80 / 210])
