@@ -9,7 +9,8 @@ copy (cached, as the served table's --export-types). Each file is timed by llama
 pass over N tokens after a DEPTH-token context; the median of --repetitions) with llama.cpp's repacked weight layout and without it. A verify step
 over k drafts is a pass over k + 1 tokens, so with every draft accepted it yields k + 1 tokens for the pass's cost:
 'ceiling' is the best (k + 1) / cost(k + 1) over the measured sizes, against the file's own 1-token step and against
-the fastest 1-token step measured here (the baseline a served speedup is counted against).
+the fastest 1-token step measured here (the baseline a served speedup is counted against). llama-bench computes
+the logits of a pass's last token only, a verify step those of every position: the ceilings are upper bounds.
 Writes benchmarks/results/pass_curve.json.
 """
 
@@ -76,7 +77,9 @@ def main(argv=None) -> None:
                  "ceiling x own plain", "ceiling x fastest plain"], rows=rows,
         notes=f"llama-bench -n 0 -p {','.join(map(str, tokens))} -d {args.depth} -r {args.repetitions} "
               f"-t {args.threads}, --repack {args.repack}: n = tokens in one pass (a verify step over n - 1 drafts); "
-              "ceiling = best n / cost(n) over these n, every draft accepted and drafting free.",
+              "ceiling = best n / cost(n) over these n, every draft accepted and drafting free. llama-bench's pass "
+              "computes the logits of its last token only, a verify step those of every position (the served "
+              "table prices steps by llama-server's own), so these ceilings are upper bounds.",
         data={"files": {label: str(path) for label, path in files.items()}})
     for row in rows:
         print(*row)
