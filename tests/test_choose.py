@@ -119,3 +119,16 @@ def test_the_choice_names_its_machine_and_both_dev_records_must_share_it(tmp_pat
     capsys.readouterr()
     assert journal_main([str(tmp_path / "here.json")]) == 0 and capsys.readouterr().out == ""
     assert journal_main([str(tmp_path / "there.json")]) == 1 and "Some Other CPU" in capsys.readouterr().out
+
+
+def test_a_mode_or_drafter_that_had_no_draft_accepted_is_not_chosen_for_a_noisy_win():
+    """Seen on dev in llama.cpp: ngram-map-k4v drafted nothing (tau 1.0), yet its one round measured 19 % above plain,
+    and it was kept. A row with tau 1 decoded plainly; it is chosen only when no mode had a draft accepted."""
+    rows = [dict(r, tau=1.0 if "ngram-mod" in r["setting"] else 1.2) for r in RECORD["rows"] if r["decoder"] != "plain"]
+    rows.append(_row("plain", "plain", 12.0))
+    assert choose(dict(RECORD, rows=rows), ["e3"])["ngram_mode"] == "ngram-simple"  # ngram-mod (15.5) drafted nothing
+    none = [dict(r, tau=1.0) if r["decoder"] == "free n-gram" else r for r in rows]
+    assert choose(dict(RECORD, rows=none), ["e3"])["ngram_mode"] == "ngram-mod"  # then the fastest, as before
+    e3_plain = [dict(r, tau=1.0) if r.get("label", "").startswith("e3") else r for r in rows]
+    chosen = choose(dict(RECORD, rows=e3_plain), ["e3"])
+    assert chosen["draft_len"] == {"e3": 2} and chosen["product"] == "lookups"  # 12.5 > 12.0 by noise alone

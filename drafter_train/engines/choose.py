@@ -4,7 +4,8 @@
 
 RUN/choose.json is what `python -m benchmarks.engines --prompts dev ...` wrote: one row per decoder. Each PREFIX's
 drafter ran at several draft lengths, as the labels PREFIX-1, PREFIX-2 ...; the fastest length is kept. The free
-n-gram mode kept is the fastest one; the product runs it ahead of its drafter, and then llama.cpp's ngram-cache
+n-gram mode kept is the fastest one that had a draft accepted (one that had none decoded plainly, and beat plain
+only by noise); the product runs it ahead of its drafter, and then llama.cpp's ngram-cache
 (the context's n-grams plus the corpus as the static cache: prompt and corpus lookup), unless that is the one kept.
 With --corpus, a second dev record that timed the kept mode alone and as the product without a drafter
 (`--ngram-modes MODE --product lookups --product-ngram MODE,ngram-cache --lookup-cache ...`), the corpus cache joins
@@ -37,6 +38,11 @@ def _name(row: dict) -> str:
 def _dev_only(record: dict, what: str) -> None:
     if record.get("prompts") == "test":
         raise ConfigError(f"{what}: the test split is for reporting only; choose on the dev split")
+
+
+def _accepted(row: dict) -> bool:
+    """Whether any of the row's drafts was accepted (tau above 1; a row without a tau counts as accepted)."""
+    return row.get("tau") is None or row["tau"] > 1.0
 
 
 def corpus_joins(record: dict, mode: str) -> dict:
@@ -76,12 +82,14 @@ def choose(record: dict, prefixes: Sequence[str], corpus_record: dict | None = N
                               f"{', '.join(sorted({r.get('label', '') for r in rows} - {''}))})")
         best = max(mine, key=lambda r: r["tokens_per_s"])
         out["draft_len"][prefix] = int(best["label"].rpartition("-")[2])
-        if best["tokens_per_s"] > plain:
+        if best["tokens_per_s"] > plain and _accepted(best):
             winners.append((best["tokens_per_s"], prefix))
     ngram = [r for r in rows if r["decoder"] == "free n-gram"]
     if not ngram:
         raise ConfigError("choose: no free n-gram rows (run the benchmark with --ngram-modes)")
-    mode = max(ngram, key=lambda r: r["tokens_per_s"])["setting"].split()[1]
+    # a mode none of whose drafts was accepted decoded plainly: what it measured beyond plain is the machine's noise
+    # (one dev round), so it is kept only if no mode had a draft accepted
+    mode = max([r for r in ngram if _accepted(r)] or ngram, key=lambda r: r["tokens_per_s"])["setting"].split()[1]
     out["ngram_mode"] = mode
     out["product_ngram"] = mode if mode == CORPUS_MODE else f"{mode},{CORPUS_MODE}"
     if corpus_record is not None and mode != CORPUS_MODE:
