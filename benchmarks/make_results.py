@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -76,7 +77,17 @@ def section(name: str, result: dict) -> str:
 
 
 def results_page(results: dict[str, dict]) -> str:
-    return HEADER + "\n" + "\n".join(section(name, result) for name, result in results.items())
+    """Every section; results that share a title (the same benchmark on two kinds of CPU) are headed apart by their
+    machine's kind."""
+    titles = Counter(result["title"] for result in results.values())
+    return HEADER + "\n" + "\n".join(
+        section(name, dict(result, title=f"{result['title']} ({machine_kind(result.get('machine') or {})})")
+                if titles[result["title"]] > 1 else result) for name, result in results.items())
+
+
+def machine_kind(machine: dict) -> str:
+    """The CPU and the extensions it lists, e.g. 'AMD EPYC, avx2, avx512f'."""
+    return ", ".join([machine.get("cpu", "unknown CPU"), *machine.get("cpu_features", [])])
 
 
 def readme_block(results: dict[str, dict]) -> str:

@@ -298,3 +298,18 @@ def test_pass_curve_prices_each_pass_against_its_own_step_and_the_fastest_plain_
     assert rows[("q4_k_m", "repacked")] == pytest.approx([80.0, 1.0, 1.5, 2.0, 2.0, 2.0])
     assert rows[("q4_k_m", "as stored")] == pytest.approx([100.0, 1.0, 1.5, 4.0, 4 / 3, 4 / 3 * 80 / 100])
     assert rows[("f16", "repacked")] == pytest.approx([200.0, 1.0, 1.02, 1.05, 4 / 1.05, 4 * 80 / 210])
+
+
+def test_results_that_share_a_title_are_headed_apart_by_their_machine(tmp_path):
+    """The same benchmark run on two kinds of CPU (the served table on an AVX2 and an AVX-512 EPYC): two sections,
+    each heading naming its CPU and what it lists; a title held by one result is left as it is."""
+    results, docs, readme = tmp_path / "results", tmp_path / "results.md", tmp_path / "README.md"
+    for name, features in (("served_a", ["avx2"]), ("served_b", ["avx2", "avx512f"])):
+        write_result(name, title="Served", question="?", command="c", split="s", baseline="b",
+                     columns=["decoder", "speedup"], rows=[["plain", 1.0]],
+                     machine=dict(MACHINE, cpu_features=features), results_dir=results)
+    fake_result(results, "kernels", "Kernels", [["default", 1.0]])
+    assert make_results.main(["--results-dir", str(results), "--docs", str(docs), "--readme", str(readme)]) == 0
+    page = docs.read_text()
+    assert "## Served (Test CPU, avx2)\n" in page and "## Served (Test CPU, avx2, avx512f)\n" in page
+    assert "## Kernels\n" in page and "## Served\n" not in page
