@@ -99,7 +99,7 @@ def readme_block(results: dict[str, dict]) -> str:
     lines = []
     served = results.get(SERVED_HEADLINE)
     if served and (served.get("data") or {}).get("served"):
-        lines += [f"**{served['title']}** ({served['machine'].get('cpu', 'CPU')}, {served['split']}):", "",
+        lines += [f"**{served['title']}** ({machine_kind(served['machine'])}; {served['split']}):", "",
                   served_summary(served["data"]["engine_rows"]), "",
                   "Speedup over the fastest plain decoding measured in the run (the baseline row); 'code' is the code "
                   "categories' prompts, 'rest' every other category. The full table, with tau, acceptance per "

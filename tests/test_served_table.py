@@ -195,7 +195,7 @@ def test_the_readme_block_shows_the_served_table_above_the_main_job(tmp_path):
     results, readme = tmp_path / "results", tmp_path / "README.md"
     write_result("served_qwen1.5b", title="Qwen served by llama.cpp", question="Which pays?", command="x",
                  split="test split, 2 prompts", baseline="the fastest plain row", columns=["engine"], rows=[["unused"]],
-                 machine={"cpu": "Test CPU"}, results_dir=results,
+                 machine={"cpu": "Test CPU", "cpu_features": ["avx2"]}, results_dir=results,
                  data={"engine_rows": SERVED_ROWS, "cost_curves": [], "served": True})
     write_result("main_job", title="The main job", question="?", command="y", split="test split, first 16 prompts",
                  baseline="plain", columns=["decoder", "speedup"], rows=[["product", 1.25]], machine={"cpu": "Test CPU"},
@@ -203,7 +203,7 @@ def test_the_readme_block_shows_the_served_table_above_the_main_job(tmp_path):
     readme.write_text("# P\n<!-- results:start -->\nold\n<!-- results:end -->\n")
     make_results.main(["--results-dir", str(results), "--docs", str(tmp_path / "r.md"), "--readme", str(readme)])
     text = readme.read_text()
-    assert "**Qwen served by llama.cpp** (Test CPU, test split, 2 prompts):" in text
+    assert "**Qwen served by llama.cpp** (Test CPU, avx2; test split, 2 prompts):" in text  # the CPU's kind
     assert ("| q4_k_m | AR drafter (0.5B) | 10.8 | 0.900 | 1.050 | 0.750 | 3/4 (first differs at token 7; near-tie "
             "shown in 1 of the 1 differing) |") in text
     assert text.index("Qwen served") < text.index("**The main job**") < text.index("| product | 1.250 |")
