@@ -6,11 +6,12 @@ layout, and the most that speculation could gain with drafts that are always acc
 
 The named target's installed GGUF (Q4_K_M) is timed as it is; each of --types is converted once from its dequantised
 copy (cached, as the served table's --export-types). Each file is timed by llama-bench (`-n 0 -p N -d DEPTH`: one
-pass over N tokens after a DEPTH-token context; the median of --repetitions) with llama.cpp's repacked weight layout and without it. A verify step
-over k drafts is a pass over k + 1 tokens, so with every draft accepted it yields k + 1 tokens for the pass's cost:
-'ceiling' is the best (k + 1) / cost(k + 1) over the measured sizes, against the file's own 1-token step and against
-the fastest 1-token step measured here (the baseline a served speedup is counted against). llama-bench computes
-the logits of a pass's last token only, a verify step those of every position: the ceilings are upper bounds.
+pass over N tokens after a DEPTH-token context; the median of --repetitions) with llama.cpp's repacked weight layout
+and without it. A verify step over k drafts is a pass over k + 1 tokens, so with every draft accepted it yields
+k + 1 tokens for the pass's cost: 'ceiling' is the best (k + 1) / cost(k + 1) over the measured sizes, against the
+file's own 1-token step and against the fastest 1-token step measured here (the baseline a served speedup is counted
+against). llama-bench computes the logits of a pass's last token only, a verify step those of every position: the
+ceilings are upper bounds.
 Writes benchmarks/results/pass_curve.json.
 """
 
