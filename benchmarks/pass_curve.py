@@ -22,7 +22,7 @@ from pathlib import Path
 
 from benchmarks.common import command_line, write_result
 from drafter_train.engines.llamacpp_cost import bench_curve
-from drafter_train.llamacpp import llamacpp_dir
+from drafter_train.llamacpp import llamacpp_dir, target_folder
 from drafter_train.named_targets import installed_gguf, named_target
 from drafter_train.targets import cache_root
 
@@ -38,7 +38,6 @@ def curve_row(label: str, repack: bool, ms: dict[int, float], fastest_ms_1: floa
 def target_files(target_name: str, types: list[str]) -> dict[str, Path]:
     """Label -> GGUF: the installed file, then each type converted from the dequantised copy (cached)."""
     from drafter_train.engines.export import cached_target_gguf
-    from drafter_train.llamacpp import target_folder
 
     target = named_target(target_name)
     files = {"q4_k_m": installed_gguf(target, cache_root())}
