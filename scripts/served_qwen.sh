@@ -30,9 +30,10 @@
 #   table     the served table on the test split (PER_CATEGORY prompts of each of its 14 categories, ROUNDS
 #             interleaved rounds): plain at Q4_K_M (the baseline), Q8_0 and F16; the free n-gram mode chosen on
 #             dev; the stock 0.5B draft model; each drafter trained here; the product with EAGLE-3 and without it
-#             (lookups) -> benchmarks/results/served_qwen1.5b.json;
+#             (lookups) -> benchmarks/results/served_qwen1.5b-KIND.json, KIND this machine's (amd-epyc-avx2:
+#             drafter_train.machine.kind_slug), so a table made on one kind of CPU never replaces another's;
 #             each output that differs from plain decoding is replayed on the plain server (--near-ties: a near tie?);
-#             a stopped table resumes decoder by decoder (OUT/table/served_qwen1.5b.journal), on the same CPU only
+#             a stopped table resumes decoder by decoder (OUT/table/served_qwen1.5b-KIND.journal), on the same CPU only
 # choose and table are timings: what another CPU measured (choice.json's machine, the table journal's) is moved to
 # OUT/other-machines/ and measured again here
 #   results   docs/results.md regenerated (python -m benchmarks.make_results)
@@ -229,7 +230,9 @@ print(out if out.is_file() else reexport_as_llama(f, out))' $TARGET)
   took agreement
 fi
 if stage table; then
-  if [[ -d $OUT/table/served_qwen1.5b.journal ]] && ! here "$OUT/table/served_qwen1.5b.journal"; then
+  TABLE=served_qwen1.5b-$(python3 -c 'from drafter_train.machine import cpu_features, cpu_model, kind_slug
+print(kind_slug({"cpu": cpu_model(), "cpu_features": cpu_features()}))')
+  if [[ -d $OUT/table/$TABLE.journal ]] && ! here "$OUT/table/$TABLE.journal"; then
     set_aside other-machines "measured on another machine" "$OUT/table"
   fi
   if ! here "$OUT/choice.json"; then
@@ -261,7 +264,7 @@ print(value)' "$OUT/choice.json" "$1"
     --draft-gguf "ar=$AR" --draft-len-of ar=$(chosen draft_len.ar) \
     --draft-gguf "dflash=$DF" --draft-len-of dflash=$(chosen draft_len.df) \
     --product eagle3 "${lookups[@]}" --product-ngram "$(chosen product_ngram)" --near-ties "${ours[@]}" \
-    --output "$OUT/table" --result --result-name served_qwen1.5b
+    --output "$OUT/table" --result --result-name "$TABLE"
   took table
 fi
 if stage results; then

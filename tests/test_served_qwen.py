@@ -59,8 +59,12 @@ def test_timings_from_another_cpu_are_set_aside_and_the_table_waits_for_this_mac
     from drafter_train.engines.journal import machine_identity
 
     there = dict(machine_identity(), cpu="Some Other CPU")
+    from drafter_train.machine import cpu_features, cpu_model, kind_slug
+
     out = tmp_path / "out"
-    journal = out / "table" / "served_qwen1.5b.journal"
+    # the table's result (and journal) is named by this machine's kind, so another kind's table is never replaced
+    table = f"served_qwen1.5b-{kind_slug({'cpu': cpu_model(), 'cpu_features': cpu_features()})}"
+    journal = out / "table" / f"{table}.journal"
     journal.mkdir(parents=True)
     (journal / "run.json").write_text(json.dumps({"config": {}, "machine": there}))
     (out / "choice.json").write_text(json.dumps({"ngram_mode": "ngram-simple", "machine": there}))
@@ -70,7 +74,7 @@ def test_timings_from_another_cpu_are_set_aside_and_the_table_waits_for_this_mac
                                                    "this machine: run STAGES=choose first")
     assert not (out / "table").exists()
     [aside] = (out / "other-machines").iterdir()
-    assert (aside / "table" / "served_qwen1.5b.journal" / "run.json").is_file()
+    assert (aside / "table" / f"{table}.journal" / "run.json").is_file()
     assert (out / "choice.json").is_file()  # the choose stage (not run here) sets it aside when it runs
 
 

@@ -193,9 +193,18 @@ def test_make_results_renders_a_served_table_from_its_result_file(tmp_path):
 
 def test_the_readme_block_shows_the_served_table_above_the_main_job(tmp_path):
     results, readme = tmp_path / "results", tmp_path / "README.md"
-    write_result("served_qwen1.5b", title="Qwen served by llama.cpp", question="Which pays?", command="x",
-                 split="test split, 2 prompts", baseline="the fastest plain row", columns=["engine"], rows=[["unused"]],
-                 machine={"cpu": "Test CPU", "cpu_features": ["avx2"]}, results_dir=results,
+    write_result("served_qwen1.5b-test-cpu-avx2", title="Qwen served by llama.cpp", question="Which pays?",
+                 command="x", split="test split, 2 prompts", baseline="the fastest plain row", columns=["engine"],
+                 rows=[["unused"]], machine={"cpu": "Test CPU", "cpu_features": ["avx2"]}, results_dir=results,
+                 data={"engine_rows": SERVED_ROWS, "cost_curves": [], "served": True})
+    # a second kind of CPU's table shows too; a served result of another name (the free rows) does not
+    write_result("served_qwen1.5b-test-cpu-avx512", title="Qwen served by llama.cpp", question="Which pays?",
+                 command="x", split="test split, 4 prompts", baseline="the fastest plain row", columns=["engine"],
+                 rows=[["unused"]], machine={"cpu": "Test CPU", "cpu_features": ["avx2", "avx512f"]},
+                 results_dir=results, data={"engine_rows": SERVED_ROWS[:1], "cost_curves": [], "served": True})
+    write_result("served_qwen1.5b_free", title="Free rows", question="Which pays?", command="z",
+                 split="test split, 1 prompt", baseline="the fastest plain row", columns=["engine"],
+                 rows=[["unused"]], machine={"cpu": "Test CPU"}, results_dir=results,
                  data={"engine_rows": SERVED_ROWS, "cost_curves": [], "served": True})
     write_result("main_job", title="The main job", question="?", command="y", split="test split, first 16 prompts",
                  baseline="plain", columns=["decoder", "speedup"], rows=[["product", 1.25]], machine={"cpu": "Test CPU"},
@@ -206,6 +215,9 @@ def test_the_readme_block_shows_the_served_table_above_the_main_job(tmp_path):
     assert "**Qwen served by llama.cpp** (Test CPU, avx2; test split, 2 prompts):" in text  # the CPU's kind
     assert ("| q4_k_m | AR drafter (0.5B) | 10.8 | 0.900 | 1.050 | 0.750 | 3/4 (first differs at token 7; near-tie "
             "shown in 1 of the 1 differing) |") in text
+    assert "**Qwen served by llama.cpp** (Test CPU, avx2, avx512f; test split, 4 prompts):" in text
+    assert "Free rows" not in text
+    assert text.index("avx2; test split") < text.index("avx512f; test split") < text.index("**The main job**")
     assert text.index("Qwen served") < text.index("**The main job**") < text.index("| product | 1.250 |")
 
 
