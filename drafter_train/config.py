@@ -432,8 +432,12 @@ class VllmEngineConfig:
 class LlamaCppServerConfig:
     """`datagen.backend=llamacpp`: the llama-server that serves the target's GGUF file (data/llamacpp_backend.py)."""
 
-    # Parallel slots: prompts decoded together by the server's continuous batching.
-    parallel: int = 4
+    # Parallel slots: prompts decoded together by the server's continuous batching. None: chosen by measurement on
+    # the run's first prompts (the most tokens/s in all of 1, 2, 4 ... max_parallel requests at a time; the answers
+    # of those prompts are kept), since on a 2-core CPU one stream can beat a batch.
+    parallel: Optional[int] = None
+    # The most slots the measurement tries (the server is started with this many).
+    max_parallel: int = 8
     # CPU threads of the server (None: all of this machine's cores).
     threads: Optional[int] = None
     # The llama.cpp folder scripts/setup_llamacpp.sh built (None: $DRAFTER_TRAIN_LLAMACPP, else .llamacpp).
@@ -442,7 +446,9 @@ class LlamaCppServerConfig:
     startup_s: float = 300.0
 
     def __post_init__(self) -> None:
-        check_field(self.parallel >= 1, "datagen.llamacpp.parallel", f"must be >= 1, got {self.parallel}")
+        check_field(self.parallel is None or self.parallel >= 1, "datagen.llamacpp.parallel",
+                    f"must be >= 1 or null (chosen by measurement), got {self.parallel}")
+        check_field(self.max_parallel >= 1, "datagen.llamacpp.max_parallel", f"must be >= 1, got {self.max_parallel}")
         check_field(self.threads is None or self.threads >= 1, "datagen.llamacpp.threads", "must be >= 1")
 
 

@@ -74,6 +74,53 @@ def test_records_are_the_servers_responses_one_request_per_prompt(folders, tmp_p
     assert manifest["run"]["eos_token_ids"] == [258]
 
 
+def simulate_slots(choice, waiting: int, rate: dict) -> list[tuple[int, int]]:
+    """Drive a SlotChoice over `waiting` prompts of 10 tokens each, a count of s slots making rate[s] tokens/s:
+    the (slots, prompts) of every batch it planned."""
+    batches = []
+    while waiting:
+        slots, take = choice.plan(waiting)
+        batches.append((slots, take))
+        choice.record(slots, take, 10 * take, 10 * take / rate[slots])
+        waiting -= take
+    return batches
+
+
+def test_the_slot_count_is_chosen_by_measured_tokens_per_second():
+    """1, 2, 4 ... slots, WAVES batches' worth of prompts each, while the rate rises; the rest at the fastest. Every
+    prompt runs once, measured ones included (their answers are kept)."""
+    from drafter_train.data.llamacpp_backend import WAVES, SlotChoice
+
+    assert WAVES == 2
+    falls = SlotChoice(8)  # 4 slots are slower than 2 (a compute-bound 2-core CPU): 8 is never tried
+    assert simulate_slots(falls, 40, {1: 10.0, 2: 18.0, 4: 17.0}) == [(1, 2), (2, 4), (4, 8), (2, 26)]
+    assert falls.chosen == 2 and [t["slots"] for t in falls.tried] == [1, 2, 4]
+    assert falls.tried[1] == {"slots": 2, "prompts": 4, "tokens": 40, "seconds": pytest.approx(40 / 18, abs=1e-3),
+                              "tokens_per_s": 18.0}
+    rises = SlotChoice(6)  # rising all the way: the largest count, max_parallel itself (not a power of two)
+    assert simulate_slots(rises, 40, {1: 10.0, 2: 18.0, 4: 30.0, 6: 40.0}) == [(1, 2), (2, 4), (4, 8), (6, 12),
+                                                                               (6, 14)]
+    assert rises.chosen == 6
+    few = SlotChoice(8)  # too few prompts to measure 4 slots: the rest at the best so far, nothing chosen yet
+    assert simulate_slots(few, 9, {1: 10.0, 2: 18.0}) == [(1, 2), (2, 4), (2, 3)] and few.chosen is None
+    fixed = SlotChoice(8, 3)
+    assert simulate_slots(fixed, 10, {3: 1.0}) == [(3, 10)] and fixed.tried == []
+
+
+def test_datagen_measures_the_slot_count_on_its_first_prompts(folders, tmp_path, fake_env):
+    """datagen.llamacpp.parallel=null: the server gets max_parallel slots, every prompt is asked once (the measured
+    ones' answers are the records), and datagen.json says what was measured and chosen."""
+    out = tmp_path / "data"
+    run_datagen(job(folders, out, "datagen.llamacpp.parallel=null", "datagen.llamacpp.max_parallel=2"),
+                progress=False)
+    prompts = {row["prompt_index"]: row["prompt_ids"] for row in load_distill_dataset(str(out))}
+    assert responses(out) == {i: fake_response(p) for i, p in prompts.items()} and len(prompts) == 12
+    assert len(requested(fake_env)) == 12
+    chosen = json.loads((out / "datagen.json").read_text())["run"]["llamacpp"]
+    assert chosen["parallel_by"] == "measurement" and chosen["max_parallel"] == 2
+    assert [t["slots"] for t in chosen["slot_counts"]][:1] == [1] and chosen["parallel"] in (1, 2)
+
+
 def test_a_killed_server_resumes_per_record_and_a_cut_journal_line_is_regenerated(folders, tmp_path, fake_env,
                                                                                    monkeypatch):
     out = tmp_path / "data"

@@ -4,6 +4,11 @@ file as it is (so the drafter learns what the served, quantised model writes).
 - The server runs with ``datagen.llamacpp.parallel`` slots and continuous batching; this process sends one
   ``/completion`` request per prompt (token ids in, token ids out: ``return_tokens``), as many at a time as there are
   slots. Prompts are tokenised here exactly as backend=hf does (chat template included).
+- ``parallel=null`` (the default) chooses the slot count by measurement (SlotChoice): the server gets
+  ``max_parallel`` slots, and the first prompts run at 1, 2, 4 ... requests at a time, WAVES rounds of each, while
+  the tokens/s in all keeps rising; the rest run at the fastest count. Those prompts' answers are kept like any
+  others (greedy answers do not depend on the count beyond batch numerics, which the journal below covers). On a
+  2-core CPU a batch of 8 is compute-bound and one stream can be as fast; on a larger machine slots pay.
 - Greedy at temperature 0; otherwise sampling at ``temperature`` with ``top_k`` (0 = off) and ``top_p`` only
   (``samplers`` pinned, min_p and penalties off), each prompt seeded from ``datagen.seed`` and its index.
 - A response stops after the first EOS (kept) or ``max_new_tokens``. llama-server stops on the GGUF's own
@@ -39,6 +44,7 @@ from drafter_train.gguf_file import check_gguf, vocabulary_ids
 from drafter_train.targets import EMBEDDED_PREFIX, embedded_gguf, load_tokenizer
 
 JOURNAL = "llamacpp-records.jsonl"  # finished responses, one JSON line each (module doc)
+WAVES = 2  # each slot count tried decodes this many times its count of prompts (module doc)
 LOG_NAME = "llama-server.log"
 
 
@@ -114,6 +120,42 @@ def to_continuation(reply: dict, eos: Sequence[int], max_new_tokens: int) -> Con
     return Continuation(response)
 
 
+class SlotChoice:
+    """How many requests run at once: fixed, or chosen by measurement (module doc). plan() says how many of the
+    waiting prompts the next batch takes and at how many slots; record() takes what that batch made."""
+
+    def __init__(self, most: int, fixed: Optional[int] = None):
+        self.chosen = fixed
+        levels, n = [], 1
+        while n < most:
+            levels.append(n)
+            n *= 2
+        self.levels = levels + [most]
+        self.tried: list[dict] = []  # each measured count: slots, prompts, tokens, seconds, tokens_per_s
+
+    def best(self) -> Optional[int]:
+        return max(self.tried, key=lambda t: t["tokens_per_s"])["slots"] if self.tried else None
+
+    def plan(self, waiting: int) -> tuple[int, int]:
+        """(slots, prompts) of the next batch: a measurement while the choice is open and enough prompts wait."""
+        if self.chosen is not None:
+            return self.chosen, waiting
+        slots = self.levels[len(self.tried)]
+        if waiting < WAVES * slots:  # too few left to measure this count: the rest at the best so far
+            return self.best() or slots, waiting
+        return slots, WAVES * slots
+
+    def record(self, slots: int, prompts: int, tokens: int, seconds: float) -> None:
+        if self.chosen is not None or prompts != WAVES * slots or slots != self.levels[len(self.tried)]:
+            return  # not a measurement
+        rate = tokens / max(seconds, 1e-9)
+        better = not self.tried or rate > max(t["tokens_per_s"] for t in self.tried)
+        self.tried.append({"slots": slots, "prompts": prompts, "tokens": tokens, "seconds": round(seconds, 3),
+                           "tokens_per_s": round(rate, 2)})
+        if not better or len(self.tried) == len(self.levels):  # stopped rising, or every count tried
+            self.chosen = self.best()
+
+
 class LlamaCppBackend:
     """The backend interface of generation.HFBackend, served by llama-server."""
 
@@ -133,12 +175,16 @@ class LlamaCppBackend:
         self.journal = self.output / JOURNAL
         self.done, self.unreadable = self._read_journal()
         self.resumed = 0
+        self.slots = SlotChoice(settings.max_parallel, settings.parallel)
         self._server = None
         self._lock = threading.Lock()
 
     def run_info(self) -> dict:
         settings = self.cfg.datagen.llamacpp
-        return {"backend": "llamacpp", "llamacpp": {"gguf": self.gguf.name, "parallel": settings.parallel,
+        chosen = {"parallel": self.slots.chosen, "parallel_by": "datagen.llamacpp.parallel"}
+        if settings.parallel is None:
+            chosen.update(parallel_by="measurement", max_parallel=settings.max_parallel, slot_counts=self.slots.tried)
+        return {"backend": "llamacpp", "llamacpp": {"gguf": self.gguf.name, **chosen,
                                                      "threads": settings.threads or os.cpu_count()}}
 
     def generate(self, prompts: Sequence[TrainPrompt]) -> tuple[list[Continuation], float]:
@@ -146,10 +192,15 @@ class LlamaCppBackend:
         missing = [p for p in prompts if p.index not in self.done]
         self.resumed += len(prompts) - len(missing)
         start = time.perf_counter()
-        if missing:
+        while missing:
             url = self._url()
-            with ThreadPoolExecutor(self.cfg.datagen.llamacpp.parallel) as pool:
-                list(pool.map(lambda p: self._complete(url, p), missing))
+            slots, take = self.slots.plan(len(missing))
+            batch, missing = missing[:take], missing[take:]
+            began = time.perf_counter()
+            with ThreadPoolExecutor(slots) as pool:
+                list(pool.map(lambda p: self._complete(url, p), batch))
+            self.slots.record(slots, len(batch), sum(len(self.done[p.index]) for p in batch),
+                              time.perf_counter() - began)
         return [Continuation(list(self.done[p.index])) for p in prompts], time.perf_counter() - start
 
     def __enter__(self) -> "LlamaCppBackend":
@@ -177,9 +228,10 @@ class LlamaCppBackend:
         if self._server is None:
             dg, settings = self.cfg.datagen, self.cfg.datagen.llamacpp
             threads = str(settings.threads or os.cpu_count())
-            context = settings.parallel * (dg.max_prompt_tokens + dg.max_new_tokens + 8)
+            slots = settings.parallel or settings.max_parallel
+            context = slots * (dg.max_prompt_tokens + dg.max_new_tokens + 8)
             command = [str(self.server), "-m", str(self.gguf), "--host", "127.0.0.1", "--port", str(free_port()),
-                       "-t", threads, "-tb", threads, "-np", str(settings.parallel), "-c", str(context),
+                       "-t", threads, "-tb", threads, "-np", str(slots), "-c", str(context),
                        "--cont-batching", "--no-warmup"]
             self.output.mkdir(parents=True, exist_ok=True)
             self._server = running_server(command, self.output / LOG_NAME, settings.startup_s)

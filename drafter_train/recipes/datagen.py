@@ -90,6 +90,7 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     store.start(_manifest(cfg, settings, selection, backend), selection.eval_prompts)
     with backend:
         meter = _generate_missing_shards(selection.train, dg, store, progress, make_shard)
+    store.manifest["run"].update(backend.run_info())  # what the backend chose as it ran (llama.cpp's slot count)
     store.finish()
     if progress:
         print(_summary(store, meter), file=sys.stderr)
