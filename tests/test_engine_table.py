@@ -286,7 +286,8 @@ def test_vllm_record_from_its_per_request_steps():
     assert record["tau"] == pytest.approx(16 / 11) and record["draft_ms"] == pytest.approx(40.0)
     assert record["acceptance_per_position"] == pytest.approx([0.75, 2 / 3])
     plain = vllm_engine.vllm_record(vllm_engine.vllm_decoders(2)[0], dict(VLLM_REPLY, steps=[], draft_s=None))
-    assert set(plain) == {"tokens_per_s", "row"} and plain["tokens_per_s"] == pytest.approx(20.0)
+    assert set(plain) == {"tokens_per_s", "row", "outputs"} and plain["tokens_per_s"] == pytest.approx(20.0)
+    assert plain["outputs"] == record["outputs"] == VLLM_REPLY["tokens"]  # compared with vLLM's plain output
 
 
 def test_vllm_rows_get_predictions_from_vllms_curve_and_a_dash_for_the_product():

@@ -282,6 +282,114 @@ def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
                      "--draft-len-of", "other=2"])
 
 
+def test_our_decoders_join_the_served_table_on_its_prompts_with_their_categories(tiny_data, tmp_path, monkeypatch):
+    """--engines llama.cpp,ours with --per-category: our decoder runs the served table's prompts (the same ids as
+    llama.cpp's), only the decoders --ours-decoders names (plain always), no HF row with --no-hf; its rows get the
+    per-category figures and are compared token by token with our plain decoding (lossless: identical)."""
+    from benchmarks import engines as driver
+    from drafter_train.engines import llamacpp_cost
+    from tests.conftest import tiny_llama
+    from tests.stubs import VOCAB
+    from tests.test_eagle3 import random_eagle3
+
+    llcpp = tmp_path / "llcpp"
+    (llcpp / "build" / "bin").mkdir(parents=True)
+    (llcpp / "build" / "bin" / "llama-server").symlink_to(FAKE / "llama-server")
+    (llcpp / "build" / "bin" / "llama-bench").write_text("")
+    random_eagle3(tiny_llama(vocab_size=VOCAB, num_layers=3), layers=(0, 1, 2)).save_pretrained(tmp_path / "e3")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in [
+        ("the cat sat on the", "coding"), ("a big dog ran", "chat"), ("the red sun and the", "coding"),
+        ("happy day", "chat"), ("small blue house", "coding")]))
+    monkeypatch.setattr(driver, "bench_curve", lambda *a: {1: 10.0, 2: 12.0})
+    monkeypatch.setattr(llamacpp_cost, "server_curves", lambda *a: {"ms_1": 10.0, "kinds": {}})
+    monkeypatch.setattr(driver.llamacpp_cost, "calibration_prompts", lambda *a, **k: [[5, 6, 7]])
+    results = tmp_path / "results"
+    monkeypatch.setattr(driver, "write_result", functools.partial(write_result, results_dir=results))
+    common = ["--engines", "llama.cpp,ours", "--llamacpp", str(llcpp), "--target", str(tiny_data / "target"),
+              "--target-gguf", f"q4={drafter_gguf(tmp_path / 'target.gguf', 'llama')}", "--drafter",
+              str(tmp_path / "e3"), "--corpus", str(tiny_data / "data"), "--no-hf", "--no-vllm", "--prompts",
+              str(prompts), "--per-category", "2", "--rounds", "1", "--max-new-tokens", "8", "--sizes", "1,2",
+              "--depth", "8", "--calibration-rounds", "1", "--output", str(tmp_path / "out")]
+    assert driver.main([*common, "--ours-decoders", "EAGLE-3", "--result", "--result-name", "served_ours"]) == 0
+    result = json.loads((results / "served_ours.json").read_text())
+    rows = {(r["engine"], r["decoder"]): r for r in result["data"]["engine_rows"]}
+    assert set(rows) == {("llama.cpp", "plain"), ("llama.cpp", "free n-gram"), ("ours", "plain"), ("ours", "EAGLE-3")}
+    assert result["data"]["prompt_categories"] == ["coding", "chat", "coding", "chat"]
+    record = json.loads((tmp_path / "out" / "served_ours.json").read_text())
+    assert len(record["outputs"]["ours EAGLE-3"][0]) == len(record["prompt_ids"]) == 4  # the served prompts
+    ours = rows[("ours", "EAGLE-3")]
+    assert ours["same_output_as_plain"] == {"prompts": 4, "identical": 4, "differences": []}
+    assert ours["by_group"]["code"]["prompts"] == ours["by_group"]["rest"]["prompts"] == 2
+    assert sum(g["tokens"] for name, g in ours["by_group"].items() if name in ("code", "rest")) == ours["tokens"]
+    assert ours["tau"] >= 1 and ours["by_group"]["code"]["speedup_over_fastest"] > 0
+    monkeypatch.setattr(driver.llamacpp_cost, "prompt_set", lambda *a: pytest.fail("refused before any loading"))
+    with pytest.raises(SystemExit, match=r"^engines: --ours-decoders: no EAGLE3 \(there are plain, free n-gram, "):
+        driver.main([*common, "--ours-decoders", "EAGLE3"])
+
+
+def test_vllm_rows_join_the_served_table_without_our_decoder(tiny_data, tmp_path, monkeypatch):
+    """--engines llama.cpp,vllm: vLLM's rows get the served table's prompts and the target's EOS ids read from its
+    configs (no torch model is loaded here: our decoder never starts); their rows sit beside llama.cpp's. vLLM itself
+    is a stand-in (its real engine: tests/test_vllm_backend.py, opt-in)."""
+    from benchmarks import engines as driver
+    from drafter_train.engines import llamacpp_cost, vllm_cpu
+    from drafter_train.engines import ours as ours_module
+
+    llcpp = tmp_path / "llcpp"
+    (llcpp / "build" / "bin").mkdir(parents=True)
+    (llcpp / "build" / "bin" / "llama-server").symlink_to(FAKE / "llama-server")
+    (llcpp / "build" / "bin" / "llama-bench").write_text("")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "category": c}) + "\n" for p, c in [
+        ("the cat sat on the", "coding"), ("a big dog ran", "chat"), ("the red sun", "coding")]))
+    started = {}
+
+    class Rows:
+        info = {"startup_s": {}}
+
+        def __init__(self, args, prompt_ids, eos):
+            started.update(prompts=prompt_ids, eos=list(eos), only=args.vllm_decoders)
+
+        def run_round(self, label):
+            reply = {"tokens": [[5, 6]] * len(started["prompts"]), "seconds": [0.1] * len(started["prompts"]),
+                     "draft_s": None, "steps": []}
+            return {f"{vllm_cpu.ENGINE} plain": vllm_cpu.vllm_record(vllm_cpu.vllm_decoders(2)[0], reply)}
+
+        def curve(self, sizes, depth, repeats):
+            return {n: 10.0 * n for n in sizes}
+
+        def close(self):
+            started["closed"] = True
+
+    monkeypatch.setattr(driver, "start_vllm_rows", Rows)
+    monkeypatch.setattr(ours_module, "Ours", lambda *a, **k: pytest.fail("our decoder must not start"))
+    monkeypatch.setattr(driver, "bench_curve", lambda *a: {1: 10.0, 2: 12.0})
+    monkeypatch.setattr(llamacpp_cost, "server_curves", lambda *a: {"ms_1": 10.0, "kinds": {}})
+    monkeypatch.setattr(driver.llamacpp_cost, "calibration_prompts", lambda *a, **k: [[5, 6, 7]])
+    python = tmp_path / "python"
+    python.write_text("")
+    assert driver.main(["--engines", "llama.cpp,vllm", "--vllm-python", str(python), "--vllm-decoders", "plain",
+                        "--llamacpp", str(llcpp), "--target", str(tiny_data / "target"), "--target-gguf",
+                        f"q4={drafter_gguf(tmp_path / 'target.gguf', 'llama')}", "--ngram-modes", "ngram-simple",
+                        "--prompts", str(prompts), "--per-category", "1", "--rounds", "1", "--max-new-tokens", "4",
+                        "--sizes", "1,2", "--depth", "8", "--output", str(tmp_path / "out")]) == 0
+    from drafter_train.config import TargetConfig
+    from drafter_train.targets import eos_token_ids, load_target
+
+    # the same EOS ids as the loaded target gives our decoder
+    assert started["eos"] == eos_token_ids(*load_target(TargetConfig(path=str(tiny_data / "target"))))
+    assert len(started["prompts"]) == 2 and started["closed"]
+    record = json.loads((tmp_path / "out" / "engines.json").read_text())
+    assert {(r["engine"], r["decoder"]) for r in record["rows"]} == {
+        ("llama.cpp", "plain"), ("llama.cpp", "free n-gram"), ("vLLM-cpu", "plain")}
+    assert record["prompt_ids"] == started["prompts"]
+    with pytest.raises(SystemExit, match="--engines vllm: no vLLM interpreter at /no/python"):
+        driver.main(["--engines", "llama.cpp,vllm", "--vllm-python", "/no/python", "--llamacpp", str(llcpp),
+                     "--target-gguf", f"q4={tmp_path / 'target.gguf'}", "--target", str(tiny_data / "target"),
+                     "--prompts", str(prompts), "--per-category", "1"])
+
+
 def _word_prompts(real):
     """prompt_set with a stand-in tokenizer: each prompt's characters' codes (no model folder needed)."""
     def prompt_set(target, prompts, num_prompts, categories=None, per_category=None):

@@ -12,6 +12,7 @@ import time
 from typing import Optional
 
 from drafter_train.engines.base import Served
+from drafter_train.errors import ConfigError
 
 
 class OurDecoder:
@@ -45,10 +46,7 @@ class OurDecoder:
                     result = generate_autoregressive(self.target, prompt, max_new_tokens, eos_token_ids=self.eos)
                 seconds += time.perf_counter() - began
                 tokens.append(list(result.tokens))
-        steps = []
-        if speculative:
-            size = round(stats.proposed / max(stats.proposals, 1))
-            steps = [(a, size) for a, count in enumerate(stats.accepted_hist) for _ in range(count)]
+        steps = _steps(stats) if speculative else []
         return Served(tokens=tokens, tokens_per_s=sum(map(len, tokens)) / max(seconds, 1e-9), steps=steps,
                       draft_ms=1000 * stats.drafter_call_seconds)
 
@@ -56,12 +54,18 @@ class OurDecoder:
         """Nothing runs outside this process."""
 
 
+OUR_DECODERS = ("plain", "free n-gram", "EAGLE-3", "AR drafter", "product")  # Ours' rows, by name
+
+
 class Ours:
     """The target (auto kernels), its prompts, and every decoder of ours, ready to time one prompt set each."""
 
     def __init__(self, target: str, drafter: str, corpus: Optional[str], prompts: Optional[str], num_prompts: int,
                  draft_len: int, max_new_tokens: int, threads: int, ar_drafter: Optional[str] = None,
-                 categories: Optional[list[str]] = None):
+                 categories: Optional[list[str]] = None, prompt_set: Optional[list[list[int]]] = None,
+                 only: Optional[list[str]] = None):
+        """prompt_set: these prompts' token ids (the served table's, kept by category) instead of the first
+        `num_prompts` of `prompts`; only: the decoders to run (plain always runs: every row divides by it)."""
         import torch
 
         from drafter_train.config import CorpusLookupConfig, DrafterConfig, EvalConfig, LookupConfig, TargetConfig, \
@@ -77,7 +81,8 @@ class Ours:
         target_cfg = TargetConfig(path=target)
         self.target, self.tokenizer = load_target(target_cfg)
         self.eos = eos_token_ids(self.target, self.tokenizer)
-        self.prompts, _ = prompt_ids(self.tokenizer, target_cfg, prompts, num_prompts, categories)
+        self.prompts = [list(p) for p in prompt_set] if prompt_set is not None else \
+            prompt_ids(self.tokenizer, target_cfg, prompts, num_prompts, categories)[0]
         self.states = kernel_states(self.target, "auto", ("auto", "default"))
         k = draft_len
         siblings = TreeConfig(top_k=k, depth=1, total_tokens=k)
@@ -100,11 +105,18 @@ class Ours:
         self.settings = {"plain": "target.cpu_kernels=auto", "free n-gram": "prompt lookup, min_ngram 2",
                          "EAGLE-3": f"top-{k} siblings", "AR drafter": f"chain of {k}",
                          "product": f"prompt lookup, corpus lookup, top-{k} siblings"}
+        unknown = set(only or ()) - set(self.decoders)
+        if unknown:  # a name of OUR_DECODERS this run has no drafter for (the AR drafter without --ar-drafter)
+            raise ConfigError(f"our decoders: no {', '.join(sorted(unknown))} here (there are "
+                              f"{', '.join(self.decoders)})")
+        self.decoders = {name: d for name, d in self.decoders.items() if not only or name == "plain" or name in only}
         self.settings = {name: self.settings[name] for name in self.decoders}
         self.max_new_tokens = max_new_tokens
 
     def run(self, name: str) -> dict:
-        """One decoder over every prompt: tokens/s (decode time only), and for speculation the steps it made."""
+        """One decoder over every prompt: tokens/s (decode time only), and for speculation the steps it made; per
+        prompt its tokens, ms and verify steps (accepted, drafted) (the served table's per-category figures, as
+        llama-server's requests give them) and its output tokens (compared with plain's)."""
         import torch
 
         from drafter_train.cpu_kernels import apply_kernel_state
@@ -124,16 +136,20 @@ class Ours:
             def decode(prompt):
                 return run(prompt, 0)
         decode(self.prompts[0])  # warm-up, not counted
-        tokens, seconds = 0, 0.0
+        tokens, seconds, per_prompt, outputs = 0, 0.0, [], []
         with torch.inference_mode():
             for prompt in self.prompts:
                 start = time.perf_counter()
                 result = decode(prompt)
-                seconds += time.perf_counter() - start
+                took = time.perf_counter() - start
+                seconds += took
                 tokens += len(result.tokens)
+                outputs.append(list(result.tokens))
+                per_prompt.append({"tokens": len(result.tokens), "gen_ms": 1000 * took,
+                                   "steps": [] if stats is None else _steps(result.stats)})
                 if stats is not None:
                     stats.merge(result.stats)
-        out = {"tokens_per_s": tokens / seconds, "tokens": tokens}
+        out = {"tokens_per_s": tokens / seconds, "tokens": tokens, "per_prompt": per_prompt, "outputs": outputs}
         if stats is not None:
             out.update(stats=stats, tree=self.decoders[name][1].tree.enabled)
         return out
@@ -169,3 +185,10 @@ class Ours:
         apply_kernel_state(self.target, self.states["auto"])
         prefix = (list(self.prompts[0]) * (depth // max(len(self.prompts[0]), 1) + 1))[:depth]
         return verify_cost_curve(self.target, prefix, sizes, tree_sizes, repeats)
+
+
+def _steps(stats) -> list[tuple[int, int]]:
+    """A decode's verify steps as (accepted, drafted) pairs, each at the proposals' mean size (DecodeStats keeps a
+    histogram of accepted drafts, not each step's size), as OurDecoder reports them."""
+    size = round(stats.proposed / max(stats.proposals, 1))
+    return [(a, size) for a, count in enumerate(stats.accepted_hist) for _ in range(count)]

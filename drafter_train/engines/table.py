@@ -364,6 +364,7 @@ def steps_record(row: dict, served: dict, speculative: bool) -> dict:
 def ours_record(name: str, setting: str, ran: dict) -> dict:
     record = {"tokens_per_s": ran["tokens_per_s"],
               "row": {"engine": "ours", "precision": "f32", "decoder": name, "setting": setting}}
+    record.update({field: ran[field] for field in ("per_prompt", "outputs") if field in ran})
     if "stats" in ran:
         stats = ran["stats"]
         plain_passes, drafted, seconds = ours_steps(stats)

@@ -136,12 +136,14 @@ def acceptance_from_vllm(metrics: dict) -> dict:
 # Live engines, one per decoder (the engine table's rows)
 
 
-def vllm_decoders(draft_len: int, eagle3: Optional[Path] = None, ar: Optional[Path] = None) -> list[dict]:
+def vllm_decoders(draft_len: int, eagle3: Optional[Path] = None, ar: Optional[Path] = None,
+                  ngram: bool = True) -> list[dict]:
     """Every vLLM decoder to run: its row name, method, drafter folder and setting."""
-    out = [{"decoder": "plain", "method": None, "setting": "plain (float32, enforce_eager)"},
-           {"decoder": "free n-gram", "method": "ngram", "spec_options": dict(NGRAM_OPTIONS),
-            "setting": f"method ngram, prompt_lookup_min {NGRAM_OPTIONS['prompt_lookup_min']}, prompt_lookup_max "
-                       f"{NGRAM_OPTIONS['prompt_lookup_max']}, k {draft_len}"}]
+    out = [{"decoder": "plain", "method": None, "setting": "plain (float32, enforce_eager)"}]
+    if ngram:
+        out.append({"decoder": "free n-gram", "method": "ngram", "spec_options": dict(NGRAM_OPTIONS),
+                    "setting": f"method ngram, prompt_lookup_min {NGRAM_OPTIONS['prompt_lookup_min']}, "
+                               f"prompt_lookup_max {NGRAM_OPTIONS['prompt_lookup_max']}, k {draft_len}"})
     if eagle3 is not None:
         out.append({"decoder": "EAGLE-3", "method": "eagle3", "drafter": str(eagle3),
                     "setting": f"method eagle3 (speculators export), k {draft_len}"})
@@ -209,6 +211,7 @@ def vllm_record(decoder: dict, reply: dict) -> dict:
               "steps": [tuple(s) for s in reply["steps"]], "draft_ms": 1000 * (reply["draft_s"] or 0.0)}
     row = {"engine": ENGINE, "precision": PRECISION, "decoder": decoder["decoder"], "setting": decoder["setting"]}
     record = steps_record(row, served, decoder["method"] is not None)
+    record["outputs"] = [list(t) for t in reply["tokens"]]  # compared with the plain engine's (table.summarize)
     if decoder["method"] is not None:
         record["acceptance_per_position"] = acceptance_from_steps(served["steps"], decoder["draft_len"])[
             "per_position_acceptance"]
@@ -220,9 +223,9 @@ class VllmRows:
 
     def __init__(self, vllm_python: str, target: str, prompts: list[list[int]], eos: list[int], max_new_tokens: int,
                  draft_len: int, threads: int, output: Path, eagle3: Optional[Path] = None,
-                 ar: Optional[Path] = None):
+                 ar: Optional[Path] = None, ngram: bool = True):
         self.prompts, self.eos, self.max_new_tokens = prompts, sorted(eos), max_new_tokens
-        self.decoders = vllm_decoders(draft_len, eagle3, ar)
+        self.decoders = vllm_decoders(draft_len, eagle3, ar, ngram)
         longest = max(len(p) for p in prompts) + max_new_tokens + draft_len + 1
         self.workers, self.info = {}, {"startup_s": {}, "timers": None}
         try:
