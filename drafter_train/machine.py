@@ -66,10 +66,11 @@ def probe_cpu() -> dict:
 def kind_slug(machine: dict) -> str:
     """A file-name-safe name for a machine's kind: its CPU model and the widest vector extension it lists, e.g.
     'amd-epyc-avx512' (result files measured on two kinds of CPU keep apart by it)."""
-    features = set(machine.get("cpu_features", []))
+    record = {"cpu": "", "cpu_features": [], **machine}
+    features = set(record["cpu_features"])
     widest = next((name for name, flag in (("amx", "amx_tile"), ("avx512", "avx512f"), ("avx2", "avx2"))
-                   if flag in features), "x86-64" if features else "cpu")
-    model = re.sub(r"\(r\)|\(tm\)|\bcpu\b|@.*|\d+-core processor", "", machine.get("cpu", "").lower())
+                   if flag in features), "generic")
+    model = re.sub(r"\(r\)|\(tm\)|\bcpu\b|@.*|\d+-core processor", "", record["cpu"].lower())
     words = re.findall(r"[a-z0-9]+", model)[:3] or ["unknown"]
     return "-".join([*words, widest])
 

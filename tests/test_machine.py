@@ -76,7 +76,7 @@ def test_this_machine_is_probed_once_and_recorded(fresh_probe):
     ("AMD EPYC", ["avx2", "avx512f", "avx512_bf16"], "amd-epyc-avx512"),
     ("AMD EPYC 7B13 64-Core Processor", ["avx2"], "amd-epyc-7b13-avx2"),
     ("Intel(R) Xeon(R) CPU @ 2.10GHz", ["avx2", "avx512f", "amx_bf16", "amx_tile"], "intel-xeon-amx"),
-    ("", [], "unknown-cpu"),
+    ("", [], "unknown-generic"),
 ])
 def test_the_kind_slug_names_the_cpu_and_its_widest_extension(cpu, features, slug):
     """Result files measured on two kinds of CPU are named apart by it (scripts/served_qwen.sh's table)."""
