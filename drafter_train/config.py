@@ -434,7 +434,7 @@ class LlamaCppServerConfig:
 
     # Parallel slots: prompts decoded together by the server's continuous batching. None: chosen by measurement on
     # the run's first prompts (the most tokens/s in all of 1, 2, 4 ... max_parallel requests at a time; the answers
-    # of those prompts are kept), since on a 2-core CPU one stream can beat a batch.
+    # of those prompts are kept): what pays depends on the machine.
     parallel: Optional[int] = None
     # The most slots the measurement tries (the server is started with this many).
     max_parallel: int = 8
