@@ -248,12 +248,16 @@ def start_vllm_rows(args, prompts: list[list[int]], eos):
         return None
     out = args.output.absolute() / "vllm"
     only = [d for d in getattr(args, "vllm_decoders", "").split(",") if d]
-    eagle3 = None if only and "EAGLE-3" not in only else args.vllm_eagle3.absolute() if args.vllm_eagle3 else \
+
+    def wanted(decoder: str) -> bool:  # a drafter another decoder's row does not need is not exported
+        return not only or decoder in only
+
+    eagle3 = None if not wanted("EAGLE-3") else args.vllm_eagle3.absolute() if args.vllm_eagle3 else \
         export_vllm(Path(args.drafter), out / "eagle3", "--drafter").drafter if args.drafter else None
     ar = export_vllm(Path(args.ar_drafter), out / "ar", "--ar-drafter").drafter \
-        if getattr(args, "ar_drafter", None) and (not only or "AR drafter" in only) else None
+        if getattr(args, "ar_drafter", None) and wanted("AR drafter") else None
     rows = VllmRows(args.vllm_python, local_target(args.target), prompts, list(eos), args.max_new_tokens,
                     args.draft_len, args.threads, args.output.absolute(), eagle3, ar,
-                    ngram=not only or "free n-gram" in only, one_at_a_time=getattr(args, "vllm_one_at_a_time", False))
+                    only=only, one_at_a_time=getattr(args, "vllm_one_at_a_time", False))
     rows.info["version"] = vllm_version(args.vllm_python)
     return rows

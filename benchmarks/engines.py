@@ -174,7 +174,8 @@ def main(argv=None) -> int:
     categories = args.categories.split(",") if args.categories else None
     if set(engines) - {"llama.cpp", "ours", "vllm"} or set(args.precisions.split(",")) - set(PRECISIONS):
         parser.error(f"--engines takes llama.cpp,ours,vllm and --precisions {','.join(PRECISIONS)}")
-    unknown = set(d for d in args.ours_decoders.split(",") if d) - set(OUR_DECODERS)
+    ours_decoders = [d for d in args.ours_decoders.split(",") if d]
+    unknown = set(ours_decoders) - set(OUR_DECODERS)
     if unknown:  # before the target loads (a minute for a 1.5B)
         sys.exit(f"engines: --ours-decoders: no {', '.join(sorted(unknown))} (there are {', '.join(OUR_DECODERS)})")
     if "vllm" in engines and args.no_vllm:
@@ -203,7 +204,7 @@ def main(argv=None) -> int:
         sys.exit(f"engines: --engines vllm: no vLLM interpreter at {args.vllm_python} (scripts/setup_vllm.sh)")
     ours = Ours(args.target, args.drafter, args.corpus, args.prompts, args.num_prompts, args.draft_len,
                 args.max_new_tokens, args.threads, args.ar_drafter, categories, prompts,
-                [d for d in args.ours_decoders.split(",") if d]) if "ours" in engines else None
+                ours_decoders) if "ours" in engines else None
     if prompts is None:
         prompts = ours.prompts
     calibration = llamacpp_cost.calibration_prompts(args.target, args.calibration_prompts,

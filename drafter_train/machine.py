@@ -63,10 +63,10 @@ def probe_cpu() -> dict:
     return {"torch_capability": capability, "amx": amx, "bf16_matmul": bf16}
 
 
-def kind_slug(machine: dict) -> str:
-    """A file-name-safe name for a machine's kind: its CPU model and the widest vector extension it lists, e.g.
-    'amd-epyc-avx512' (result files measured on two kinds of CPU keep apart by it)."""
-    record = {"cpu": "", "cpu_features": [], **machine}
+def kind_slug(machine: Optional[dict] = None) -> str:
+    """A file-name-safe name for a machine's kind (default: this one's): its CPU model and the widest vector extension
+    it lists, e.g. 'amd-epyc-avx512' (result files measured on two kinds of CPU keep apart by it)."""
+    record = {"cpu": "", "cpu_features": [], **(machine or {"cpu": cpu_model(), "cpu_features": cpu_features()})}
     features = set(record["cpu_features"])
     widest = next((name for name, flag in (("amx", "amx_tile"), ("avx512", "avx512f"), ("avx2", "avx2"))
                    if flag in features), "generic")

@@ -68,8 +68,7 @@ for s in $STAGES; do
 done
 stage() { [[ $STAGES == *" $1 "* ]]; }
 # this machine's kind (amd-epyc-avx2, ...): the timed results' names, so one kind's never replaces another's
-KIND=$(python3 -c 'from drafter_train.machine import cpu_features, cpu_model, kind_slug
-print(kind_slug({"cpu": cpu_model(), "cpu_features": cpu_features()}))')
+KIND=$(python3 -c 'from drafter_train.machine import kind_slug; print(kind_slug())')
 # each stage's wall time, appended to OUT/stages.jsonl when it ends (with the machine's CPU): the budget, measured
 LAST=$SECONDS
 took() {

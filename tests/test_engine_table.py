@@ -318,7 +318,7 @@ def test_vllm_engines_one_at_a_time_never_hold_two_targets(tmp_path, monkeypatch
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
     monkeypatch.setattr(vllm_engine, "Worker", FakeWorker)
     rows = vllm_engine.VllmRows("python", str(tmp_path), [[1, 2]], [2], 8, 2, 2, tmp_path, eagle3=Path("e3"),
-                                ngram=False, one_at_a_time=True)
+                                only=["EAGLE-3"], one_at_a_time=True)
     assert events == []  # nothing starts before the first round
     for r in range(2):
         found = rows.run_round(f"round {r + 1}")

@@ -45,7 +45,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from drafter_train.engines.base import Served, acceptance_from_steps, implied_acceptance_length
 from drafter_train.errors import ConfigError
@@ -137,19 +137,20 @@ def acceptance_from_vllm(metrics: dict) -> dict:
 
 
 def vllm_decoders(draft_len: int, eagle3: Optional[Path] = None, ar: Optional[Path] = None,
-                  ngram: bool = True) -> list[dict]:
-    """Every vLLM decoder to run: its row name, method, drafter folder and setting."""
-    out = [{"decoder": "plain", "method": None, "setting": "plain (float32, enforce_eager)"}]
-    if ngram:
-        out.append({"decoder": "free n-gram", "method": "ngram", "spec_options": dict(NGRAM_OPTIONS),
-                    "setting": f"method ngram, prompt_lookup_min {NGRAM_OPTIONS['prompt_lookup_min']}, "
-                               f"prompt_lookup_max {NGRAM_OPTIONS['prompt_lookup_max']}, k {draft_len}"})
+                  only: Sequence[str] = ()) -> list[dict]:
+    """Every vLLM decoder to run: its row name, method, drafter folder and setting (only: just these row names,
+    plain always)."""
+    out = [{"decoder": "plain", "method": None, "setting": "plain (float32, enforce_eager)"},
+           {"decoder": "free n-gram", "method": "ngram", "spec_options": dict(NGRAM_OPTIONS),
+            "setting": f"method ngram, prompt_lookup_min {NGRAM_OPTIONS['prompt_lookup_min']}, prompt_lookup_max "
+                       f"{NGRAM_OPTIONS['prompt_lookup_max']}, k {draft_len}"}]
     if eagle3 is not None:
         out.append({"decoder": "EAGLE-3", "method": "eagle3", "drafter": str(eagle3),
                     "setting": f"method eagle3 (speculators export), k {draft_len}"})
     if ar is not None:
         out.append({"decoder": "AR drafter", "method": "draft_model", "drafter": str(ar),
                     "setting": f"method draft_model, k {draft_len}"})
+    out = [d for d in out if not only or d["method"] is None or d["decoder"] in only]
     for d in out:
         d["draft_len"] = draft_len
     return out
@@ -223,11 +224,11 @@ class VllmRows:
 
     def __init__(self, vllm_python: str, target: str, prompts: list[list[int]], eos: list[int], max_new_tokens: int,
                  draft_len: int, threads: int, output: Path, eagle3: Optional[Path] = None,
-                 ar: Optional[Path] = None, ngram: bool = True, one_at_a_time: bool = False):
+                 ar: Optional[Path] = None, only: Sequence[str] = (), one_at_a_time: bool = False):
         """one_at_a_time: one engine alive at a time (each holds the float32 target: two of a 1.5B do not fit in 24 GB),
         started again each round, plain last so that curve() finds it alive."""
         self.prompts, self.eos, self.max_new_tokens = prompts, sorted(eos), max_new_tokens
-        self.decoders = vllm_decoders(draft_len, eagle3, ar, ngram)
+        self.decoders = vllm_decoders(draft_len, eagle3, ar, only)
         longest = max(len(p) for p in prompts) + max_new_tokens + draft_len + 1
         self.start_args = (vllm_python, target, draft_len, model_len(target, longest), output, threads)
         self.workers, self.info = {}, {"startup_s": {}, "timers": None, "one_at_a_time": one_at_a_time}
