@@ -65,6 +65,14 @@ class LlamaCppError(DrafterTrainError):
     """A llama.cpp tool failed on a file this project wrote (its last line of output says why)."""
 
 
+class LlamaCppCrash(LlamaCppError):
+    """A tool of the smoke run died of a signal: built for instructions this CPU does not execute (setup falls back)."""
+
+    def __init__(self, line: str, signal_name: str, what: str):
+        super().__init__(line)
+        self.signal_name, self.what = signal_name, what
+
+
 def llamacpp_dir(given: Optional[str] = None) -> Path:
     if given:
         return Path(given).expanduser().absolute()
@@ -188,17 +196,22 @@ SMOKE_TYPE = "Q4_K_M"
 SMOKE_FILE = "smoke-smollm2-135m.q4_k_m.gguf"  # cached in the llama.cpp folder, quantised once
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def _crash_line(root: Path, build: Path, what: str, signum: int) -> str:
     """The one line a crashed tool gives: the signal, where, and the fix for how this build was configured."""
-    try:
-        name = signal.Signals(signum).name
-    except ValueError:
-        name = f"signal {signum}"
+    name = _signal_name(signum)
     cache = build / "CMakeCache.txt"
     native = cache.is_file() and "GGML_NATIVE:BOOL=ON" in cache.read_text(errors="replace")
-    fix = (f"rebuild with `bash {SETUP} {root}` without LLAMACPP_NATIVE=1 (it probes which instruction groups run here)"
-           if native else f"rebuild with `bash {SETUP} {root}` (it probes which instruction groups run here), "
-           "without a LLAMACPP_CMAKE_FLAGS that turns on more")
+    fix = (f"rebuild with `bash {SETUP} {root}` without LLAMACPP_NATIVE=1 (it probes which instruction groups run here, "
+           "and leaves out the likeliest culprits when a build still crashes)"
+           if native else f"rebuild with `bash {SETUP} {root}` (it probes which instruction groups run here, and leaves "
+           "out the likeliest culprits when a build still crashes), without a LLAMACPP_CMAKE_FLAGS that turns on more")
     return f"llama.cpp tools crash on this CPU ({name} in {what}, {build}): {fix}"
 
 
@@ -208,7 +221,7 @@ def _smoke_run(root: Path, build: Path, command: list[str], what: str) -> None:
     except subprocess.TimeoutExpired:
         raise LlamaCppError(f"llama.cpp smoke run: {what} took over 300 s ({build})") from None
     if done.returncode < 0:
-        raise LlamaCppError(_crash_line(root, build, what, -done.returncode))
+        raise LlamaCppCrash(_crash_line(root, build, what, -done.returncode), _signal_name(-done.returncode), what)
     if done.returncode != 0:
         lines = [line for line in (done.stderr + done.stdout).strip().splitlines() if line.strip()]
         raise LlamaCppError(f"llama.cpp smoke run: {what} failed (exit {done.returncode}): "

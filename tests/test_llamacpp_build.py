@@ -5,6 +5,7 @@ themselves with the signal a build for the wrong CPU dies with."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -110,3 +111,85 @@ def test_a_crash_while_quantising_and_a_failing_tool_are_one_line_too(fake_build
     with pytest.raises(LlamaCppError, match=r"^llama.cpp smoke run: a 4-token pass of llama-bench failed \(exit 3\): "
                                             "error: failed to load model$"):
         smoke_check(fake_build)
+
+
+# scripts/setup_llamacpp.sh end to end with a fake toolchain: `cc` whose probes all run (the Xeon VM's case: the CPU
+# lists AMX and a probe of the instructions passes), `cmake` that records its -D flags in CMakeCache.txt and a log,
+# `ninja` that "builds" tools reading that cache: llama-bench dies with SIGILL while the groups in $CRASH_ON are on.
+FAKE_CC = 'out=; while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done; echo probe >> "$LOG/probes"\n' \
+          'printf "#!/bin/sh\\nexit 0\\n" > "$out"; chmod +x "$out"'
+FAKE_CMAKE = 'build=; for a; do case $prev in -B) build=$a;; esac; prev=$a; done; mkdir -p "$build"\n' \
+             'echo "CMAKE_MAKE_PROGRAM:FILEPATH=$(dirname "$0")/ninja" > "$build/CMakeCache.txt"\n' \
+             'for a; do case $a in -D*=*) k=${a#-D}; echo "${k%%=*}:BOOL=${a#*=}" >> "$build/CMakeCache.txt";; esac; done\n' \
+             'echo "$*" >> "$LOG/cmake"'
+FAKE_BENCH = ('for g in $CRASH_ON; do grep -q "^GGML_$g:BOOL=ON" "$(dirname "$0")/../CMakeCache.txt" '
+              '&& kill -ILL $$; done; exit 0')
+FAKE_NINJA = ('build=$2; [ "$3" = -t ] && { printf "llama-bench: phony\\nllama-quantize: phony\\n'
+              'llama-speculative-simple: phony\\n"; exit 0; }\nmkdir -p "$build/bin"; echo "$*" >> "$LOG/ninja"\n'
+              f"cat > \"$build/bin/llama-bench\" <<'X'\n#!/bin/sh\n{FAKE_BENCH}\nX\n"
+              "printf '#!/bin/sh\\nln -sf \"$2\" \"$3\"\\n' > \"$build/bin/llama-quantize\"\n"
+              "printf '#!/bin/sh\\necho --spec-type\\n' > \"$build/bin/llama-speculative-simple\"\n"
+              'chmod +x "$build"/bin/*')
+
+
+@pytest.fixture
+def fake_toolchain(tmp_path):
+    """A llama.cpp folder with its source and venv in place (nothing to download), and the fake tools on PATH."""
+    root, tools, log = tmp_path / "llcpp", tmp_path / "tools", tmp_path / "log"
+    (root / "llama.cpp").mkdir(parents=True)
+    (root / "llama.cpp" / "convert_hf_to_gguf.py").write_text("")
+    (root / "SOURCE").write_text("llama-cpp-python==test\n")
+    (root / "venv" / "bin").mkdir(parents=True)
+    (root / "venv" / "bin" / "python").symlink_to(shutil.which("python3"))
+    for name, body in (("cc", FAKE_CC), ("cmake", FAKE_CMAKE), ("ninja", FAKE_NINJA)):
+        tools.mkdir(exist_ok=True)
+        fake_tool(tools, name, body)
+    log.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("LLAMACPP_CMAKE_FLAGS", "LLAMACPP_NATIVE", "CC")}
+    env.update(PATH=f"{tools}:{env['PATH']}", LOG=str(log), CC=str(tools / "cc"), PYTHONPATH=str(REPO), JOBS="1")
+    return root, log, env
+
+
+def setup(root: Path, env: dict, crash_on: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "scripts" / "setup_llamacpp.sh"), str(root)], capture_output=True,
+                          text=True, env=dict(env, CRASH_ON=crash_on), timeout=120)
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86-64 instruction groups")
+def test_setup_falls_back_from_a_crashing_build_records_what_passed_and_reuses_it(fake_toolchain):
+    root, log, env = fake_toolchain
+    done = setup(root, env, crash_on="AMX_TILE AMX_INT8 AMX_BF16")
+    assert done.returncode == 0, done.stderr
+    configured = (log / "cmake").read_text().splitlines()
+    assert len(configured) == 2 and "-DGGML_AMX_TILE=ON" in configured[0] and "-DGGML_AMX_TILE=OFF" in configured[1]
+    assert "-DGGML_AVX512_BF16=ON" in configured[1]  # only the AMX groups were left out
+    said = [line for line in done.stdout.splitlines() if line.startswith("setup_llamacpp: left out")]
+    assert said == [f"setup_llamacpp: left out AMX_TILE AMX_INT8 AMX_BF16 (SIGILL in a 4-token pass of llama-bench "
+                    f"with them on); the smoke run passes without them, recorded in {root}/build/setup-flags.json"]
+    record = json.loads((root / "build" / "setup-flags.json").read_text())
+    assert record["left_out"] == ["AMX_TILE", "AMX_INT8", "AMX_BF16"] and "-DGGML_AMX_INT8=OFF" in record["flags"]
+
+    probes = (log / "probes").read_text().count("probe")
+    again = setup(root, env, crash_on="AMX_TILE AMX_INT8 AMX_BF16")  # a rerun: the recorded flags, no probe
+    assert again.returncode == 0, again.stderr
+    assert (log / "probes").read_text().count("probe") == probes
+    assert (log / "cmake").read_text().splitlines()[2] == configured[1]
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86-64 instruction groups")
+def test_setup_steps_down_group_by_group_and_ends_in_one_line_when_nothing_passes(fake_toolchain):
+    root, log, env = fake_toolchain
+    done = setup(root, env, crash_on="AVX512_VNNI")  # survives leaving AMX out; the second step fixes it
+    assert done.returncode == 0, done.stderr
+    assert "left out AMX_TILE AMX_INT8 AMX_BF16 AVX512_BF16 AVX512_VNNI AVX512_VBMI (SIGILL" in done.stdout
+    (root / "build" / "setup-flags.json").unlink()
+    for f in ("cmake", "probes"):
+        (log / f).unlink()
+    failed = setup(root, env, crash_on="AVX2")  # nothing the fallbacks leave out helps
+    assert failed.returncode == 2 and len(configured := (log / "cmake").read_text().splitlines()) == 4
+    assert "-DGGML_AVX512=OFF" in configured[-1]
+    last = failed.stderr.strip().splitlines()[-1]
+    assert last.startswith("setup_llamacpp: error: llama.cpp tools crash on this CPU (SIGILL in a 4-token pass")
+    assert last.endswith("(already left out: AMX_TILE AMX_INT8 AMX_BF16 AVX512_BF16 AVX512_VNNI AVX512_VBMI AVX512 "
+                         "AVX_VNNI)")
+    assert not (root / "build" / "setup-flags.json").exists()
