@@ -120,10 +120,12 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
 
 def write_result(name: str, *, title: str, question: str, command: str, split: str, baseline: str,
                  columns: Sequence[str], rows: Sequence[Sequence[Any]], notes: Optional[str] = None,
-                 machine: Optional[dict] = None, results_dir: Path = RESULTS_DIR, data: Optional[dict] = None) -> Path:
+                 machine: Optional[dict] = None, results_dir: Path = RESULTS_DIR, data: Optional[dict] = None,
+                 top: Optional[dict] = None) -> Path:
     """Write benchmarks/results/<name>.json (atomically: docs generation never reads half a file); returns its path.
     `machine`: where it was measured when that is not this process (e.g. an evaluation's own record); `data`: the
-    figures behind the table, for what make_results builds across result files (the engine table)."""
+    figures behind the table, for what make_results builds across result files (the engine table); `top`: headline
+    figures a reader (or a test) finds at the record's top level."""
     bad = [row for row in rows if len(row) != len(columns)]
     if bad:
         raise ValueError(f"result {name}: rows of {len(bad[0])} cells for {len(columns)} columns: {bad[0]}")
@@ -134,6 +136,7 @@ def write_result(name: str, *, title: str, question: str, command: str, split: s
         record["notes"] = notes
     if data:
         record["data"] = data
+    record.update(top or {})
     path = Path(results_dir) / f"{name}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, json.dumps(record, indent=2, ensure_ascii=False) + "\n")

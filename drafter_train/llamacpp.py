@@ -10,6 +10,7 @@ renames) stay llama.cpp's business, and a newer llama.cpp is a new pin, not new 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -147,6 +148,51 @@ def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[
 def quantize(root: Path, src: Path, out_file: Path, gguf_type: str) -> Path:
     _run([str(tool(root, "llama-quantize")), str(src), str(out_file), gguf_type.upper()], f"llama-quantize {src.name}")
     return out_file
+
+
+# Target files made for verification (issue 55), label -> (llama-quantize's file type, its output matrix's type,
+# whether every other tensor keeps the type it has). On x86 ggml repacks Q4_0 and Q4_K weights into interleaved rows
+# (ggml-cpu/repack.cpp), not the Q6_K that Q4_K_M gives the 151k-row output matrix, which a verify step computes at
+# every position; and Q4_0's repacked gemm runs 4 rows for about the cost of 3. Each is requantised from the
+# installed file (--allow-requantize): a tensor that keeps its type is copied unchanged, the rest come from the
+# installed file's dequantised values, as an f16 file made from the same GGUF would give them.
+VERIFY_FILES = {"q4_k_m-out_q4_k": ("Q4_K_M", "q4_k", True), "q4_0": ("Q4_0", None, False),
+                "q4_0-out_q4_0": ("Q4_0", "q4_0", False)}
+
+
+def verify_file(root: Path, src: Path, label: str) -> Path:
+    """`src` (a target GGUF) requantised as VERIFY_FILES[label], once, next to it: NAME.LABEL.gguf (NAME.llama.LABEL.gguf
+    for a llama re-export, which EAGLE-3 and DFlash are served on); written under a temporary name."""
+    if label not in VERIFY_FILES:
+        raise ConfigError(f"verify file {label!r}: not one of {', '.join(VERIFY_FILES)}")
+    out = src.with_name(f"{src.stem}.{label}.gguf")
+    if out.is_file():
+        return out
+    file_type, output_type, keep = VERIFY_FILES[label]
+    partial = out.with_name(f".{out.name}.{os.getpid()}")
+    types = out.with_name(f".{out.name}.{os.getpid()}.types")
+    command = [str(tool(root, "llama-quantize", f"verify file {label}")), "--allow-requantize"]
+    if output_type:
+        command += ["--output-tensor-type", output_type]
+    if keep:  # llama-quantize's own mixture would move Q6_K between layers: pin each tensor to the type it has
+        types.write_text("".join(f"^{re.escape(name)}$={kind}\n" for name, kind in _tensor_types(src).items()
+                                 if name != "output.weight"))
+        command += ["--tensor-type-file", str(types)]
+    try:
+        _run([*command, str(src), str(partial), file_type], f"llama-quantize {src.name} to {label}")
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+        types.unlink(missing_ok=True)
+    return out
+
+
+def _tensor_types(gguf_path: Path) -> dict[str, str]:
+    """The quantised tensors of a GGUF file and their types (q4_k, q6_k ...), by name."""
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name.lower() for t in GGUFReader(gguf_path).tensors
+            if t.tensor_type.name not in ("F32", "F16", "BF16")}
 
 
 def convert_typed(root: Path, model_dir: Path, out_file: Path, gguf_type: str, target_dir: Optional[Path] = None,

@@ -157,17 +157,19 @@ def server_curves(bin_dir: Path, target: Path, drafters: dict, prompts: list[lis
     for key in sorted(drafts, key=lambda k: (KINDS.index(_kind(k)), k)):
         if _kind(key) != "ngram" and drafters.get(key) is None:
             raise ValueError(f"llamacpp_cost: no drafter file for the {key} calibration")
-        ms, steps = {1: plain}, {}
+        ms, steps, drafting = {1: plain}, {}, {}
         for d in drafts[key]:
             prompt_set = [repeating_prompt(p) for p in prompts[:NGRAM_PROMPTS]] if key == "ngram" else prompts
             # room for full drafts: a draft is cut to the tokens still to make
             try:
-                ms[d + 1], steps[d + 1] = step_cost(served(key, d, prompt_set, max(max_new_tokens, 2 * d + 8)),
-                                                    plain, d)
+                run = served(key, d, prompt_set, max(max_new_tokens, 2 * d + 8))
+                ms[d + 1], steps[d + 1] = step_cost(run, plain, d)
+                drafting[d + 1] = run["draft_ms"] / steps[d + 1]  # the drafter's own passes, per drafting step
             except RuntimeError as error:  # the kind's rows fall back to llama-bench's curve
                 print(f"{error} ({key}, {d} drafts)", file=sys.stderr)
         if len(ms) > 1:
-            out["kinds"][key] = {"ms": ms, "relative": {n: v / plain for n, v in ms.items()}, "steps": steps}
+            out["kinds"][key] = {"ms": ms, "relative": {n: v / plain for n, v in ms.items()}, "steps": steps,
+                                 "draft_ms": drafting}
     return out
 
 
