@@ -132,3 +132,24 @@ def test_a_mode_or_drafter_that_had_no_draft_accepted_is_not_chosen_for_a_noisy_
     e3_plain = [dict(r, tau=1.0) if r.get("label", "").startswith("e3") else r for r in rows]
     chosen = choose(dict(RECORD, rows=e3_plain), ["e3"])
     assert chosen["draft_len"] == {"e3": 2} and chosen["product"] == "lookups"  # 12.5 > 12.0 by noise alone
+
+
+def split_record(files: dict) -> dict:
+    """A verify_split record: per file its plain step and EAGLE-3's step and drafting ms at 2 and 4 tokens (JSON keys)."""
+    return {"data": {"figures": {label: {"plain_ms": plain, "kinds": {"eagle3": {
+        "ms": {"2": e3[0], "4": e3[1]}, "draft_ms": {"2": e3[2], "4": e3[3]}}} if e3 else {}}
+        for label, (plain, e3) in files.items()}}}
+
+
+def test_verify_file_choice_predicts_each_files_eagle3_against_the_fastest_plain_file():
+    from drafter_train.engines.choose import verify_file_choice
+
+    split = split_record({"q4_k_m": (70.0, None), "stock": (60.0, (90.0, 130.0, 10.0, 30.0)),
+                          "cheap": (50.0, (80.0, 100.0, 10.0, 30.0))})
+    got = verify_file_choice(split, [0.5, 0.5, 0.5], 1)
+    # tau at one draft: 1.5; stock: (90 + 10) / 50 = 2.0 plain steps of the fastest file -> 0.75
+    assert got == {"file": "cheap", "predicted": {"stock": 0.75, "cheap": round(1.5 / 1.8, 4)}}
+    # three drafts (interpolated at 4 tokens measured): tau 1 + .5 + .25 + .125
+    assert verify_file_choice(split, [0.5, 0.5, 0.5], 3)["predicted"]["stock"] == round(1.875 / (160 / 50), 4)
+    with pytest.raises(ConfigError, match="no file with EAGLE-3 costs"):
+        verify_file_choice(split_record({"q4_k_m": (70.0, None)}), [0.5], 1)

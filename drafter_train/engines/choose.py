@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from drafter_train.engines.base import implied_acceptance_length
 from drafter_train.engines.table import LOOKUPS_ONLY
 from drafter_train.errors import ConfigError
 
@@ -100,6 +101,33 @@ def choose(record: dict, prefixes: Sequence[str], corpus_record: dict | None = N
     return out
 
 
+def verify_file_choice(split: dict, acceptance: Sequence[float], draft_len: int) -> dict:
+    """The target file EAGLE-3 is served on, from a verify-split record measured on this machine
+    (benchmarks/verify_split.py, dev prompts) and EAGLE-3's per-position acceptance on dev: per file with EAGLE-3
+    costs, the predicted speedup over the fastest plain file of a chain of draft_len, tau / (its verify step over
+    draft_len + 1 tokens + its drafting), both in plain steps of the fastest file (tau from the conditional
+    per-position acceptance, engines.base). Returns {"file", "predicted": {file: speedup}}."""
+    from drafter_train.calibrate import cost_at
+
+    figures = split["data"]["figures"]
+    fastest = min(f["plain_ms"] for f in figures.values())
+    tau = implied_acceptance_length(list(acceptance)[:draft_len])
+    predicted = {}
+    for label, f in figures.items():
+        eagle3 = f["kinds"].get("eagle3")
+        if not eagle3:
+            continue
+        step = {int(n): ms for n, ms in eagle3["ms"].items()}
+        drafting = {int(n): ms for n, ms in eagle3["draft_ms"].items() if ms is not None}
+        if not drafting:
+            continue
+        cost = (cost_at(step, draft_len + 1) + cost_at(drafting, draft_len + 1)) / fastest
+        predicted[label] = round(tau / cost, 4)
+    if not predicted:
+        raise ConfigError("choose --verify-split: the record has no file with EAGLE-3 costs (run it with --eagle3)")
+    return {"file": max(predicted, key=predicted.get), "predicted": predicted}
+
+
 def _read(path: Path) -> dict:
     if not path.is_file():
         sys.exit(f"choose: no such file {path}")
@@ -112,11 +140,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("prefixes", nargs="+", help="each drafter's label prefix (PREFIX-<draft length> rows)")
     parser.add_argument("--corpus", type=Path, default=None,
                         help="a dev record of the kept mode alone and with the corpus cache (the lookups product)")
+    parser.add_argument("--verify-split", type=Path, default=None,
+                        help="benchmarks/verify_split.py's record for this machine: also choose the target file EAGLE-3 "
+                             "(the first prefix) is served on, at its chosen length and dev acceptance")
     args = parser.parse_args(argv)
     record = _read(args.record)
     corpus = _read(args.corpus) if args.corpus else None
     try:
-        print(json.dumps(choose(record, args.prefixes, corpus), indent=2))
+        out = choose(record, args.prefixes, corpus)
+        if args.verify_split:
+            e3 = f"{args.prefixes[0]}-{out['draft_len'][args.prefixes[0]]}"
+            row = next(r for r in record["rows"] if r.get("label") == e3)
+            out["verify_file"] = verify_file_choice(_read(args.verify_split), row.get("acceptance_per_position") or [],
+                                                    out["draft_len"][args.prefixes[0]])
+        print(json.dumps(out, indent=2))
     except ConfigError as err:
         sys.exit(str(err))
     return 0
