@@ -109,6 +109,8 @@ def cell(value: Any) -> str:
         return "–"
     if isinstance(value, float):
         return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+    if isinstance(value, list) and all(isinstance(v, float) for v in value):  # e.g. per-position acceptance
+        return " ".join(cell(v) for v in value)
     return str(value)
 
 

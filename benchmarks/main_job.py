@@ -22,11 +22,14 @@ from benchmarks.common import (OUR_BASELINE, RESULTS_DIR, dev_note, evaluation_s
                                median, write_result)
 
 PRODUCT = "lookups, then EAGLE-3 (the product)"
-# the quickstart's evaluations after training: file name -> label
+# the quickstart's evaluations after training: file name -> label. drafter-chain: the drafter's top-1 tokens as a
+# chain of draft_len, the only row whose per-position acceptance is the drafter's at positions 1, 2, ... (the other
+# drafter rows verify draft_len siblings at depth 1); runs from before it have no such file and no such row.
 BASELINES = (("drafter-alone", "EAGLE-3 alone (best checkpoint)"),
+             ("drafter-chain", "EAGLE-3 alone, chain (top-1)"),
              ("prompt-lookup", "prompt lookup alone (no training)"),
              ("corpus-lookup", "prompt + corpus lookup (no drafter)"))
-SUMMARY_COLUMNS = ["decoder", "step", "tau", "acceptance", "speedup"]
+SUMMARY_COLUMNS = ["decoder", "step", "tau", "acceptance", "speedup", "per_position_acceptance"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -34,26 +37,30 @@ SUMMARY_COLUMNS = ["decoder", "step", "tau", "acceptance", "speedup"]
 
 
 def summary_rows(run: Path) -> list[list]:
-    """[decoder, step, tau, acceptance, speedup]: the product at the `best` checkpoint, then the evaluations that
-    take it apart (no step)."""
+    """[decoder, step, tau, acceptance, speedup, per_position_acceptance]: the product at the `best` checkpoint,
+    then the evaluations that take it apart (no step)."""
     product = json.loads((run / "product.json").read_text())
     best = int((run / "best").resolve().name.removeprefix("step-"))
-    rows = [[PRODUCT, best, product["tau"], product["acceptance_rate"], product["speedup"]]]
+    rows = [[PRODUCT, best, *_figures(product)]]
     for name, label in BASELINES:
-        m = json.loads((run / f"{name}.json").read_text())
-        rows.append([label, None, m["tau"], m["acceptance_rate"], m["speedup"]])
+        if name == "drafter-chain" and not (run / f"{name}.json").is_file():
+            continue
+        rows.append([label, None, *_figures(json.loads((run / f"{name}.json").read_text()))])
     return rows
+
+
+def _figures(m: dict) -> list:
+    return [m["tau"], m["acceptance_rate"], m["speedup"], m.get("per_position_acceptance")]
 
 
 def summary_text(rows: list[list], draft_len: int, split: str) -> str:
     """The table the quickstart prints at its end (its columns and spacing are what users have seen since)."""
-    lines = [f"\n{split}, greedy, {draft_len} drafts per pass (the drafter's as siblings)",
-             "                                         step   tau    acceptance  speedup"]
-    for label, step, tau, acceptance, speedup in rows:
-        if step is not None:
-            lines.append(f"{label:<41}{step:>4}  {tau:.3f}  {acceptance:.3f}       {speedup:.3f}")
-        else:
-            lines.append(f"{label:<40}        {tau:.3f}  {acceptance:.3f}       {speedup:.3f}")
+    lines = [f"\n{split}, greedy, {draft_len} drafts per pass (the drafter's as siblings, except in the chain's row)",
+             "                                         step   tau    acceptance  speedup  per position"]
+    for label, step, tau, acceptance, speedup, per_position in rows:
+        where = f"{label:<41}{step:>4}" if step is not None else f"{label:<40}      "
+        positions = " ".join(f"{a:.3f}" for a in per_position or [])
+        lines.append(f"{where}  {tau:.3f}  {acceptance:.3f}       {speedup:.3f}    {positions}".rstrip())
     return "\n".join(lines)
 
 
@@ -71,8 +78,10 @@ def summarize(args) -> None:
         question="How much faster than plain decoding does the quickstart's product decode, and where does the gain "
                  "come from?", split=split, machine=last.get("machine"),
         baseline=OUR_BASELINE.format(kernels=config.get("target", {}).get("cpu_kernels", "auto")),
-        notes=f"Greedy, {args.draft_len} drafts per verify pass (the drafter's as siblings), {new_tokens} new tokens "
-              "per prompt; one evaluation each, not repeated; `best` was picked on the dev split." + dev_note(split))
+        notes=f"Greedy, {args.draft_len} drafts per verify pass (the drafter's as siblings, except the chain's: its "
+              "top-1 tokens, so its per-position acceptance is the drafter's at positions 1, 2, ...; in the sibling "
+              f"rows it is per depth), {new_tokens} new tokens per prompt; one evaluation each, not repeated; `best` "
+              "was picked on the dev split." + dev_note(split))
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -611,6 +611,9 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     # no | bf16 (autocast through accelerate, over fp32 master weights whatever target.dtype: docs/gpu.md).
     mixed_precision: str = "no"
+    # Train on the first N records of train.data_dir only (0 = all): points of a learning curve share one data
+    # folder and one feature cache (benchmarks/learning_curve.py).
+    max_records: int = 0
     # Sequences (prompt + response) longer than this lose prompt tokens from the left.
     max_seq_len: int = 512
     # Checkpoint (and evaluate) every N optimizer steps, and at the end.
@@ -637,6 +640,7 @@ class TrainConfig:
         for name in ("max_steps", "batch_size", "grad_accum", "save_every", "keep_last", "max_seq_len", "log_every"):
             check_field(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
         check_field(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
+        check_field(self.max_records >= 0, "train.max_records", f"must be >= 0, got {self.max_records}")
         check_field(self.mixed_precision in ("no", "bf16"), "train.mixed_precision", "must be no or bf16")
         check_field(self.resume in ("auto", "never"), "train.resume", f"must be auto or never, got {self.resume!r}")
         check_field(self.eval_engine in ("ours", "llamacpp"), "train.eval_engine",

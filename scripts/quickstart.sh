@@ -5,7 +5,8 @@
 #   2. train: an EAGLE-3 drafter on the target's distribution over those answers, its features cached once,
 #   3. evaluate: each checkpoint decodes the dev split's prompts with prompt lookup, then corpus lookup, then the
 #      drafter's top DRAFT_LEN tokens as siblings (the product), which picks `best`; then, on the test split (never
-#      used for choosing), the product at `best`, the drafter alone and the lookups alone,
+#      used for choosing), the product at `best`, the drafter alone (as siblings, and as a top-1 chain: its
+#      per-position acceptance) and the lookups alone,
 #   4. summarize: one table of tau, acceptance and speedup over plain decoding, also written to
 #      benchmarks/results/main_job.json.
 # Why these settings: benchmarks/README.md ("The main job's settings"). Rerunning continues where it stopped.
@@ -37,6 +38,8 @@ drafter-eval drafter=path drafter.path="checkpoints/$RUN/best/drafter" "${TEST[@
   eval.output="checkpoints/$RUN/product.json" > "checkpoints/$RUN/product.log" 2>&1
 drafter-eval drafter=path drafter.path="checkpoints/$RUN/best/drafter" "${TEST[@]}" "${TREE[@]}" \
   eval.output="checkpoints/$RUN/drafter-alone.json" > "checkpoints/$RUN/drafter-alone.log" 2>&1
+drafter-eval drafter=path drafter.path="checkpoints/$RUN/best/drafter" "${TEST[@]}" \
+  eval.output="checkpoints/$RUN/drafter-chain.json" > "checkpoints/$RUN/drafter-chain.log" 2>&1  # top-1 chain
 drafter-eval drafter=ngram drafter.min_ngram=2 "${TEST[@]}" eval.output="checkpoints/$RUN/prompt-lookup.json" \
   > "checkpoints/$RUN/prompt-lookup.log" 2>&1
 drafter-eval drafter=ngram drafter.min_ngram=2 drafter.corpus.path="$DATA" "${TEST[@]}" \

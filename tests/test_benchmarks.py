@@ -26,8 +26,10 @@ def fake_run(root):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     config = {"eval": {"prompts": "test", "num_prompts": 16, "max_new_tokens": 48},
               "target": {"cpu_kernels": "auto"}}
-    for name, tau in (("product", 1.4), ("drafter-alone", 1.1), ("prompt-lookup", 1.2), ("corpus-lookup", 1.3)):
+    for name, tau in (("product", 1.4), ("drafter-alone", 1.1), ("prompt-lookup", 1.2), ("corpus-lookup", 1.3),
+                      ("drafter-chain", 1.15)):
         (run / f"{name}.json").write_text(json.dumps({"tau": tau, "acceptance_rate": tau - 1, "speedup": tau - 0.05,
+                                                      "per_position_acceptance": [0.25] if name == "product" else [0.25, 0.5],
                                                       "machine": MACHINE, "config": config}))
     return run
 
@@ -36,23 +38,31 @@ def test_main_job_summary_prints_the_quickstart_table_and_writes_its_result_file
     run = fake_run(tmp_path)
     main_job.main(["summarize", "--run", str(run), "--draft-len", "2", "--results-dir", str(tmp_path / "results")])
     assert capsys.readouterr().out == (
-        "\ntest split, first 16 prompts, greedy, 2 drafts per pass (the drafter's as siblings)\n"
-        "                                         step   tau    acceptance  speedup\n"
-        "lookups, then EAGLE-3 (the product)       300  1.400  0.400       1.350\n"
-        "EAGLE-3 alone (best checkpoint)                 1.100  0.100       1.050\n"
-        "prompt lookup alone (no training)               1.200  0.200       1.150\n"
-        "prompt + corpus lookup (no drafter)             1.300  0.300       1.250\n")
+        "\ntest split, first 16 prompts, greedy, 2 drafts per pass (the drafter's as siblings, except in the chain's "
+        "row)\n"
+        "                                         step   tau    acceptance  speedup  per position\n"
+        "lookups, then EAGLE-3 (the product)       300  1.400  0.400       1.350    0.250\n"
+        "EAGLE-3 alone (best checkpoint)                 1.100  0.100       1.050    0.250 0.500\n"
+        "EAGLE-3 alone, chain (top-1)                    1.150  0.150       1.100    0.250 0.500\n"
+        "prompt lookup alone (no training)               1.200  0.200       1.150    0.250 0.500\n"
+        "prompt + corpus lookup (no drafter)             1.300  0.300       1.250    0.250 0.500\n")
     result = json.loads((tmp_path / "results" / "main_job.json").read_text())
-    assert result["columns"] == ["decoder", "step", "tau", "acceptance", "speedup"]
+    assert result["columns"] == ["decoder", "step", "tau", "acceptance", "speedup", "per_position_acceptance"]
     assert result["rows"][0] == ["lookups, then EAGLE-3 (the product)", 300, 1.4, pytest.approx(0.4),
-                                 pytest.approx(1.35)]
-    assert result["rows"][1] == ["EAGLE-3 alone (best checkpoint)", None, 1.1, pytest.approx(0.1), pytest.approx(1.05)]
-    assert len(result["rows"]) == 4
+                                 pytest.approx(1.35), [0.25]]
+    assert result["rows"][1] == ["EAGLE-3 alone (best checkpoint)", None, 1.1, pytest.approx(0.1), pytest.approx(1.05),
+                                 [0.25, 0.5]]
+    assert result["rows"][2] == ["EAGLE-3 alone, chain (top-1)", None, 1.15, pytest.approx(0.15),
+                                 pytest.approx(1.1), [0.25, 0.5]]
+    assert len(result["rows"]) == 5
     assert result["split"] == "test split, first 16 prompts"
     assert "plain decoding" in result["baseline"] and "cpu_kernels=auto" in result["baseline"]
     assert "picked on the dev split" in result["notes"] and "choose" not in result["notes"]  # test: no dev caveat
     assert result["command"] == "bash scripts/quickstart.sh" and result["machine"] == MACHINE
     assert result["title"] and result["question"] and result["date"]
+    (run / "drafter-chain.json").unlink()  # a run from before the chain's evaluation: the table without its row
+    main_job.main(["summarize", "--run", str(run), "--results-dir", str(tmp_path / "results")])
+    assert "chain (top-1)" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("prompts, split", [("test", "test split, first 16 prompts"),

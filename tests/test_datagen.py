@@ -134,6 +134,33 @@ def test_rerun_skips_finished_shards_and_refuses_other_settings(folders, greedy_
         run_datagen(job(folders, greedy_run, "datagen.max_new_tokens=8"), progress=False)
 
 
+def test_rerun_with_more_prompts_grows_the_folder(folders, greedy_run, tmp_path, monkeypatch):
+    out = tmp_path / "grown"
+    run_datagen(job(folders, out, "datagen.num_prompts=6"), progress=False)  # shards of 4 and 2 prompts
+    kept = (out / "shards" / "shard-00000").stat().st_ino
+    redone = []
+    real = datagen.generate_shard
+    monkeypatch.setattr(datagen, "generate_shard", lambda b, p, *a: redone.append(p[0].index) or real(b, p, *a))
+    run_datagen(job(folders, out), progress=False)  # num_prompts=10: the short last shard is redone, whole
+    assert redone == [4, 8] and (out / "shards" / "shard-00000").stat().st_ino == kept
+    assert load_distill_dataset(out).to_list() == load_distill_dataset(greedy_run).to_list()
+    grown, straight = (json.loads((d / "datagen.json").read_text()) for d in (out, greedy_run))
+    for key in ("prompts", "counts", "shards", "complete"):
+        assert grown[key] == straight[key]
+    with pytest.raises(ConfigError, match=r"other settings \(prompts.num_prompts: 10 -> 8\)"):
+        run_datagen(job(folders, out, "datagen.num_prompts=8"), progress=False)  # shrinking is refused
+
+
+def test_growing_refuses_a_changed_prefix(folders, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    run_datagen(job(folders, tmp_path / "out", f"datagen.prompts={prompts}", "datagen.num_prompts=4"), progress=False)
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in ROWS[:6] + ROWS[:5:-1]))  # other training prompts
+    with pytest.raises(ConfigError, match=r"other settings \(prompts.sha256: '[0-9a-f]+' -> '[0-9a-f]+'\)"):
+        run_datagen(job(folders, tmp_path / "out", f"datagen.prompts={prompts}", "datagen.num_prompts=8"),
+                    progress=False)
+
+
 def test_rerun_refuses_a_changed_prompt_file(folders, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(row) + "\n" for row in ROWS))

@@ -51,9 +51,10 @@ class TrainConversation:
 class ConversationSelection(Selection):
     """The split, plus why records were dropped (reported in datagen.json); `train` holds TrainConversations."""
 
-    def fingerprint(self) -> str:
-        """sha256 of the selected conversations: a resumed run must be continuing the same ones."""
-        data = {"eval": self.eval_prompts, "train": [list(c.messages) for c in self.train]}
+    def fingerprint(self, num_train: Optional[int] = None) -> str:
+        """sha256 of the selected conversations (the first ``num_train`` training ones when given): a resumed run
+        must be continuing the same ones."""
+        data = {"eval": self.eval_prompts, "train": [list(c.messages) for c in self.train[:num_train]]}
         return hashlib.sha256(json.dumps(data).encode()).hexdigest()
 
 

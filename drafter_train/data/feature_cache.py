@@ -111,7 +111,7 @@ def build_cache(
     (root / "shards").mkdir(parents=True, exist_ok=True)
     check_manifest(root, spec)
     num_shards = -(-len(data) // spec.shard_size)
-    mine = [s for s in range(num_shards) if s % world_size == rank and not (root / "shards" / _shard_name(s)).is_dir()]
+    mine = [s for s in range(num_shards) if s % world_size == rank and not _complete(root, s, spec, len(data))]
     todo = sum(min(spec.shard_size, len(data) - s * spec.shard_size) for s in mine)
     bar = tqdm(total=todo, desc="target features", unit="record", disable=not progress or not todo)
     tokens, seconds = 0, 0.0
@@ -138,6 +138,24 @@ def build_cache(
     bar.close()
 
 
+def _complete(root: Path, shard: int, spec: CacheSpec, num_records: int) -> bool:
+    """Whether the shard exists with all its records; a short last shard of a smaller dataset (the data grew, or
+    train.max_records rose) is deleted, to be extracted again whole."""
+    path = root / "shards" / _shard_name(shard)
+    if not path.is_dir():
+        return False
+    if datasets.load_from_disk(str(path)).num_rows == min(spec.shard_size, num_records - shard * spec.shard_size):
+        return True
+    shutil.rmtree(path)
+    return False
+
+
+def needs_building(root: Path, num_records: int) -> bool:
+    """No finished cache yet, or one over fewer records than the data now has (a cache over more serves a prefix)."""
+    path = root / MANIFEST
+    return not path.is_file() or json.loads(path.read_text())["records"] < num_records
+
+
 def _write_shard(root: Path, shard: int, rows: list[dict]) -> None:
     tmp = root / "shards" / f".{_shard_name(shard)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -150,24 +168,25 @@ def finish_cache(root: Path, spec: CacheSpec, num_records: int) -> dict:
     """Main process, after every rank wrote its shards: check completeness, write features.json, return it."""
     shards = sorted(p for p in (root / "shards").glob("shard-*") if p.is_dir())
     expected = -(-num_records // spec.shard_size)
-    if len(shards) != expected:
+    if len(shards) < expected:
         raise ConfigError(f"drafter.features=offline: {root} has {len(shards)} of {expected} feature shards")
     for stale in (root / "shards").glob(".shard-*.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-    manifest = dict(spec.as_dict(), records=num_records, shards=len(shards), bytes=size)
+    records = sum(datasets.load_from_disk(str(p)).num_rows for p in shards)  # a prefix of it may be all this run uses
+    manifest = dict(spec.as_dict(), records=records, shards=len(shards), bytes=size)
     write_atomic(root / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return manifest
 
 
 def load_cache(root: Path, spec: CacheSpec, num_records: int) -> datasets.Dataset:
-    """The cache's records, aligned index by index with the distillation dataset."""
+    """The cache's first ``num_records`` records, aligned index by index with the distillation dataset."""
     check_manifest(root, spec)
     shards = sorted(p for p in (root / "shards").glob("shard-*") if p.is_dir())
     cached = datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in shards])
-    if len(cached) != num_records:
+    if len(cached) < num_records:
         raise ConfigError(f"drafter.features=offline: {root} holds {len(cached)} records, the data has {num_records}")
-    return cached
+    return cached.select(range(num_records)) if len(cached) > num_records else cached
 
 
 def attach_features(batch: Batch, records: Sequence[dict], dtype: torch.dtype) -> Batch:

@@ -45,9 +45,10 @@ class Selection:
     train: list[TrainPrompt] = field(default_factory=list)
     skipped: dict = field(default_factory=lambda: {"empty": 0, "duplicate": 0, "too_long": 0})
 
-    def fingerprint(self) -> str:
-        """sha256 of the selected texts: a resumed run must be continuing the same prompts."""
-        texts = {"eval": self.eval_prompts, "train": [p.text for p in self.train]}
+    def fingerprint(self, num_train: Optional[int] = None) -> str:
+        """sha256 of the selected texts (of the first ``num_train`` training prompts when given): a resumed run must
+        be continuing the same prompts, and a grown one must start with them."""
+        texts = {"eval": self.eval_prompts, "train": [p.text for p in self.train[:num_train]]}
         return hashlib.sha256(json.dumps(texts).encode()).hexdigest()
 
 

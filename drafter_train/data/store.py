@@ -35,6 +35,9 @@ FORMAT = "drafter-datagen/1"
 COMPARED = ("format", "target", "generation", "prompts")
 # Compared settings added after FORMAT was first written, with the value that older folders were made with.
 IMPLIED = {("generation", "backend"): "hf", ("generation", "generate"): True}
+# Compared settings a rerun may raise: more training prompts grow the folder (the selection walks the source in
+# order, so the old prompts are a prefix of the new ones; run_datagen checks that through the prefix's sha256).
+GROWABLE = {("prompts", "num_prompts")}
 _SHARD_NAME = re.compile(r"^shard-\d{5}$")
 
 
@@ -97,6 +100,22 @@ class DatagenStore:
                 f"datagen.output_dir: {self.root} was written with other settings ({'; '.join(changes)}); "
                 "rerun with the same settings to resume, or use a new output_dir"
             )
+
+    def grown_from(self, num_prompts: int) -> Optional[int]:
+        """The folder's training prompt count when a rerun asks for more (``num_prompts``), else None."""
+        old = (self.manifest or {}).get("prompts", {}).get("num_prompts")
+        return old if old is not None and old < num_prompts else None
+
+    def redo_short_shards(self, num_train: int, shard_size: int) -> list[str]:
+        """Delete finished shards that hold fewer prompts than the selection now puts in them (a grown folder's old
+        last shard); they are generated again, whole. Returns their names."""
+        redo = []
+        for path in self._shard_paths():
+            index = int(path.name.removeprefix("shard-"))
+            if datasets.load_from_disk(str(path)).num_rows != min(shard_size, num_train - index * shard_size):
+                shutil.rmtree(path)
+                redo.append(path.name)
+        return redo
 
     def start(self, manifest: dict, eval_prompts: Sequence[str]) -> None:
         """Write the eval prompts and datagen.json; forget temporary folders of a killed run."""
@@ -222,6 +241,7 @@ def _differences(old: dict, new: dict) -> list[str]:
             f"{section}.{key}: {before.get(key, IMPLIED.get((section, key)))!r} -> {value!r}"
             for key, value in new[section].items()
             if before.get(key, IMPLIED.get((section, key))) != value
+            and not ((section, key) in GROWABLE and isinstance(value, int) and before.get(key, value) < value)
         ]
     return changes
 

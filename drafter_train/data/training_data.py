@@ -19,6 +19,8 @@ def load_training_data(cfg: TrainJobConfig, tokenizer):
     """The distillation dataset, checked against what the config asks of it and the target's tokenizer."""
     check_tokenizer(cfg.train.data_dir, tokenizer, "train.data_dir")
     data = load_distill_dataset(cfg.train.data_dir)
+    if 0 < cfg.train.max_records < len(data):
+        data = data.select(range(cfg.train.max_records))  # a prefix: a grown folder keeps its first records
     column = "response_ids" if cfg.train.response == "target" else "reference_ids"
     if column == "reference_ids":
         data = data.filter(lambda r: len(r["reference_ids"]) > 0)

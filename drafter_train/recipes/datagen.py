@@ -85,8 +85,12 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     else:
         selection = select_prompts(source, backend.tokenizer, dg, cfg.target.chat_template, exclude)
         make_shard = functools.partial(_prompt_shard, backend, dg)
-    settings["prompts"]["sha256"] = selection.fingerprint()
+    grown_from = store.grown_from(dg.num_prompts)  # a rerun with more prompts: the old ones must come first
+    settings["prompts"]["sha256"] = selection.fingerprint(grown_from)
     store.check_settings(settings)  # same source name, different content: refuse too
+    settings["prompts"]["sha256"] = selection.fingerprint()
+    if grown_from is not None:
+        store.redo_short_shards(len(selection.train), dg.shard_size)
     store.start(_manifest(cfg, settings, selection, backend), selection.eval_prompts)
     with backend:
         meter = _generate_missing_shards(selection.train, dg, store, progress, make_shard)

@@ -217,7 +217,7 @@ def data_preparer(layers_for: LayersFor) -> Callable:
         spec = feature_spec(cfg, target, response_key, layers_for(cfg.drafter, target))
         root = feature_root(cfg, spec)
         feature_cache.check_manifest(root, spec)
-        if not (root / feature_cache.MANIFEST).is_file():
+        if feature_cache.needs_building(root, len(data)):
             def extract(batch: Batch) -> tuple[Tensor, Tensor]:
                 return target_signals(target, batch.to(accelerator.device), spec.layers)
 

@@ -1,0 +1,206 @@
+"""Learning curve: EAGLE-3's acceptance against the training data's size (issue 54), and recipe ablations.
+
+    python -m benchmarks.learning_curve --data /work/data/smollm2-lc --points 25000 100000 400000 1600000
+    python -m benchmarks.learning_curve --data /work/data/smollm2-lc --points 100000 --result-name ablations \
+        --variant main-job= --variant ttt3="drafter.ttt_steps=3"
+
+For each variant (default: the main job's recipe, scripts/quickstart.sh's drafter-train options) and each point (a
+number of training response tokens), an EAGLE-3 is trained on the first records of `--data` (train.max_records: the
+fewest that hold that many response tokens, so every point shares one datagen folder and one feature cache, which
+grows with the points) for `--epochs` passes over them, then decoded by our speculative decoder as a
+chain of its top-1 tokens (`--draft-len`) on the dev split (for choosing) and on the test split (for reporting),
+greedy. Points beyond the data are reported as not reached. Each finished point's figures are kept in
+<out>/<run>/point.json, so a rerun skips it (grow the data with drafter-datagen and rerun for more points).
+
+With two points or more, the first-position acceptance is fitted as a + b * log10(tokens) (least squares) and the
+fit says how many response tokens 0.6 and 0.7 would take: an extrapolation of a straight line in log tokens, which
+flattens in truth as acceptance nears its ceiling, so a floor on what is needed, not a promise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from benchmarks.common import command_line, write_result
+from drafter_train.data.store import load_distill_dataset
+from drafter_train.recipes.cli import compose_config
+from drafter_train.recipes.evaluate import run_eval_job
+from drafter_train.recipes.train import train
+
+# scripts/quickstart.sh's drafter-train recipe (its data, run and evaluation options aside)
+MAIN_JOB = ["drafter=eagle3", "drafter.features=offline", "drafter.draft_vocab_size=4096", "drafter.ttt_steps=1",
+            "loss=fkl", "train.batch_size=8", "train.lr=2e-3", "train.warmup_steps=20"]
+AIMS = (0.6, 0.7)
+COLUMNS = ["variant", "response tokens", "records", "steps", "train s", "dev acceptance 1", "test acceptance 1",
+           "test acceptance 2", "test acceptance 3", "test tau"]
+
+
+def records_for(lengths: Sequence[int], tokens: int) -> Optional[int]:
+    """The fewest records whose responses hold `tokens` tokens; None when the data is short."""
+    total = 0
+    for count, length in enumerate(lengths, 1):
+        total += length
+        if total >= tokens:
+            return count
+    return None
+
+
+def fit_log_tokens(points: Sequence[tuple[float, float]]) -> Optional[tuple[float, float]]:
+    """Least-squares (a, b) of acceptance = a + b * log10(tokens) over (tokens, acceptance) points."""
+    xs, ys = [math.log10(t) for t, _ in points], [a for _, a in points]
+    if len(set(xs)) < 2:
+        return None
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def tokens_for(fit: tuple[float, float], acceptance: float) -> Optional[float]:
+    a, b = fit
+    return 10 ** ((acceptance - a) / b) if b > 0 else None
+
+
+def evaluate(drafter: Path, split: str, args, output: Path) -> dict:
+    """Our decoder, the drafter's top-1 chain, greedy: the same call for every point, variant and split."""
+    if output.is_file():
+        return json.loads(output.read_text())
+    return run_eval_job(compose_config("eval", [
+        "drafter=path", f"drafter.path={drafter}", f"eval.prompts={split}", f"eval.num_prompts={args.num_prompts}",
+        f"eval.max_new_tokens={args.max_new_tokens}", f"eval.draft_len={args.draft_len}", f"eval.output={output}"]))
+
+
+def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
+    """Train (resuming) and evaluate one point; its figures are kept in point.json."""
+    run = f"{variant}-r{records}"
+    run_dir = Path(args.out) / run
+    saved = run_dir / "point.json"
+    if saved.is_file():
+        return json.loads(saved.read_text())
+    steps = max(-(-args.epochs * records // 8), 1)
+    began = time.perf_counter()
+    train(compose_config("train", [
+        *MAIN_JOB, f"train.data_dir={args.data}", f"train.max_records={records}", f"train.output_root={args.out}",
+        f"train.run_name={run}", f"train.max_steps={steps}", f"train.save_every={steps}", "train.keep_last=1",
+        "train.eval_at_start=false", "eval.prompts=dev", "eval.num_prompts=1", "eval.max_new_tokens=8",
+        *overrides]))
+    seconds = time.perf_counter() - began
+    drafter = run_dir / f"step-{steps}" / "drafter"
+    dev = evaluate(drafter, "dev", args, run_dir / "dev-chain.json")
+    test = evaluate(drafter, "test", args, run_dir / "test-chain.json")
+    point = {"variant": variant, "overrides": overrides, "records": records, "steps": steps, "train_s": seconds,
+             "response_tokens": args.tokens_in(records), "dev": _figures(dev), "test": _figures(test),
+             "machine": test["machine"]}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(point, indent=2) + "\n")
+    return point
+
+
+def _figures(metrics: dict) -> dict:
+    return {k: metrics[k] for k in ("tau", "acceptance_rate", "per_position_acceptance", "speedup")}
+
+
+def row(point: dict) -> list:
+    test = point["test"]["per_position_acceptance"] + [None] * 3
+    return [point["variant"], point["response_tokens"], point["records"], point["steps"], round(point["train_s"]),
+            point["dev"]["per_position_acceptance"][0], *test[:3], point["test"]["tau"]]
+
+
+def fit_notes(points: list[dict]) -> str:
+    """Per variant with two points or more: the fit and the tokens each aim would take."""
+    notes = []
+    for variant in dict.fromkeys(p["variant"] for p in points):
+        mine = [(p["response_tokens"], p["test"]["per_position_acceptance"][0]) for p in points
+                if p["variant"] == variant]
+        fit = fit_log_tokens(mine)
+        if fit is None:
+            continue
+        needs = ", ".join(f"{aim} at ~{_tokens(tokens_for(fit, aim))} response tokens" for aim in AIMS)
+        notes.append(f"{variant}: first-position acceptance (test) = {fit[0]:.3f} + {fit[1]:.3f} * log10(tokens) over "
+                     f"{len(mine)} points ({_tokens(min(t for t, _ in mine))}-{_tokens(max(t for t, _ in mine))}): "
+                     f"{needs}")
+    return "; ".join(notes)
+
+
+def _tokens(value: Optional[float]) -> str:
+    if value is None:
+        return "never (no gain with data)"
+    return f"{value / 1e6:.1f}M" if value >= 1e6 else f"{value / 1e3:.0f}k"
+
+
+def parse_variants(specs: Sequence[str]) -> dict[str, list[str]]:
+    variants = {}
+    for spec in specs or ["main-job="]:
+        name, _, overrides = spec.partition("=")
+        variants[name] = shlex.split(overrides)
+    return variants
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--data", required=True, help="a drafter-datagen folder (the target's own answers)")
+    parser.add_argument("--points", type=int, nargs="+", default=[25_000, 100_000, 400_000, 1_600_000],
+                        help="training response tokens per point")
+    parser.add_argument("--variant", action="append", help="NAME=OVERRIDES (drafter-train options added to the main "
+                        "job's recipe, space-separated); repeatable; default: main-job= (the recipe as it is)")
+    parser.add_argument("--epochs", type=float, default=6, help="passes over each point's records (the main job: "
+                        "600 steps of 8 over 800 records = 6)")
+    parser.add_argument("--draft-len", type=int, default=3)
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--out", default="checkpoints/learning-curve")
+    parser.add_argument("--result-name", default="learning_curve")
+    parser.add_argument("--results-dir", default=None)
+    args = parser.parse_args(argv)
+    lengths = [len(r) for r in load_distill_dataset(args.data)["response_ids"]]
+    args.tokens_in = lambda records: sum(lengths[:records])
+    points, missing = [], []
+    for variant, overrides in parse_variants(args.variant).items():
+        for tokens in args.points:
+            records = records_for(lengths, tokens)
+            if records is None:
+                missing.append(tokens)
+                continue
+            points.append(run_point(variant, overrides, records, args))
+            print(json.dumps(row(points[-1])), flush=True)
+    write(points, sorted(set(missing)), lengths, args, command_line("learning_curve", argv))
+
+
+def write(points: list[dict], missing: list[int], lengths: list[int], args, command: str) -> None:
+    notes = [f"Our decoder, greedy, the drafter's top-1 tokens as a chain of {args.draft_len}, {args.max_new_tokens} new "
+             f"tokens per prompt; acceptance i = P(draft i accepted | drafts before it accepted). Training: the main "
+             f"job's recipe plus each variant's options, {args.epochs:g} epochs of each point's records; data: "
+             f"{args.data} ({sum(lengths)} response tokens in {len(lengths)} records). Variants are compared on the dev "
+             "split; the test split reports."]
+    variants = list(dict.fromkeys(p["variant"] for p in points))
+    if len(variants) > 1:
+        for tokens in sorted({p["response_tokens"] for p in points}):
+            at = [p for p in points if p["response_tokens"] == tokens]
+            best = max(at, key=lambda p: p["dev"]["per_position_acceptance"][0])
+            notes.append(f"At {_tokens(tokens)} response tokens the dev split's best first-position acceptance is "
+                         f"{best['variant']}'s ({best['dev']['per_position_acceptance'][0]:.3f}).")
+    if missing:
+        notes.append(f"Not reached (the data is too small): {', '.join(_tokens(t) for t in missing)} response tokens.")
+    if fit_notes(points):
+        notes.append(f"Fit, a straight line in log tokens (it flattens near the ceiling: a floor on the data needed): "
+                     f"{fit_notes(points)}.")
+    extra = {"results_dir": Path(args.results_dir)} if args.results_dir else {}
+    curve = len(variants) <= 1
+    write_result(args.result_name, title="EAGLE-3's acceptance against training data on SmolLM2-135M" if curve else
+                 "EAGLE-3 recipe ablations on SmolLM2-135M (chosen on dev, reported on test)",
+                 question="How does the first-position acceptance of the main job's EAGLE-3 grow with the target's "
+                          "own answers as training data, and how much data would 0.6 and 0.7 take?" if curve else
+                          "Which change to the main job's EAGLE-3 recipe raises its acceptance at equal data?",
+                 command=command, split=f"test split, first {args.num_prompts} prompts (dev split beside it)",
+                 baseline="none (acceptance, not speed)", columns=COLUMNS, rows=[row(p) for p in points],
+                 notes=" ".join(notes), machine=points[0]["machine"] if points else None, data={"points": points},
+                 **extra)
+
+
+if __name__ == "__main__":
+    main()

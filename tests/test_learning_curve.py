@@ -1,0 +1,60 @@
+"""benchmarks/learning_curve.py: points aligned with the feature cache, the log-tokens fit, resuming, and its result
+file, with training and evaluation stubbed (made-up figures, no model)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import learning_curve as lc
+
+MACHINE = {"cpu": "Test CPU", "torch_threads": 2}
+
+
+def test_points_take_the_fewest_records_that_hold_their_tokens_and_stop_at_the_data():
+    lengths = [100] * 1000  # 100k tokens
+    assert lc.records_for(lengths, 25_000) == 250 and lc.records_for(lengths, 25_001) == 251
+    assert lc.records_for(lengths, 100_000) == 1000 and lc.records_for(lengths, 100_001) is None
+
+
+def test_the_fit_is_a_line_in_log_tokens():
+    fit = lc.fit_log_tokens([(1e4, 0.2), (1e5, 0.3), (1e6, 0.4)])
+    assert fit == pytest.approx((-0.2, 0.1))
+    assert lc.tokens_for(fit, 0.6) == pytest.approx(1e8)
+    assert lc.tokens_for((0.3, 0.0), 0.6) is None and lc.fit_log_tokens([(1e4, 0.2)]) is None
+
+
+def test_each_point_trains_once_and_the_result_file_says_where_the_curve_goes(tmp_path, monkeypatch):
+    monkeypatch.setattr(lc, "load_distill_dataset", lambda data: {"response_ids": [[0] * 100] * 1100})  # 110k
+    trained = []
+
+    def fake_train(cfg):
+        trained.append((cfg.train.max_records, cfg.train.max_steps, cfg.drafter.ttt_steps))
+
+    def fake_eval(cfg):
+        records = int(cfg.drafter.path.split("/")[-3].split("-r")[-1])
+        first = 0.1 * (records // 250) + (0.05 if "ttt3" in cfg.drafter.path else 0)
+        metrics = {"tau": 1 + first, "acceptance_rate": first, "per_position_acceptance": [first, first / 2],
+                   "speedup": 1.0, "machine": MACHINE}
+        return metrics
+
+    monkeypatch.setattr(lc, "train", fake_train)
+    monkeypatch.setattr(lc, "run_eval_job", fake_eval)
+    argv = ["--data", "d", "--points", "25000", "50000", "400000", "--out", str(tmp_path / "runs"),
+            "--results-dir", str(tmp_path / "results")]
+    lc.main(argv)
+    assert trained == [(250, 188, 1), (500, 375, 1)]  # 6 epochs of 8-sequence steps; 400k is beyond the data
+    result = json.loads((tmp_path / "results" / "learning_curve.json").read_text())
+    assert result["columns"][1:3] == ["response tokens", "records"] and result["machine"] == MACHINE
+    assert result["rows"][0] == ["main-job", 25000, 250, 188, 0, 0.1, 0.1, 0.05, None, 1.1]
+    assert "Not reached (the data is too small): 400k" in result["notes"]
+    assert "0.6 at ~" in result["notes"] and "test split" in result["split"]
+    lc.main(argv)  # finished points are not trained again
+    assert len(trained) == 2
+    lc.main([*argv[:5], *argv[6:], "--result-name", "ablations", "--variant", "main-job=",
+             "--variant", "ttt3=drafter.ttt_steps=3"])
+    assert trained[2:] == [(250, 188, 3), (500, 375, 3)]
+    ablations = json.loads((tmp_path / "results" / "ablations.json").read_text())
+    assert "ablations" in ablations["title"] and "dev split's best first-position acceptance is ttt3's" in \
+        ablations["notes"]
