@@ -415,6 +415,32 @@ def test_vllm_export_is_the_speculators_format_with_engine_layer_ids(eagle3_run,
     assert "vllm" in (out / "README.md").read_text() and str(tmp_path) not in (out / "README.md").read_text()
 
 
+def test_full_vocabulary_vllm_export_has_no_d2t_but_gguf_staging_keeps_it(tiny_data, tmp_path):
+    """drafter.draft_vocab_size=0: vLLM builds no draft_id_to_target_id for a full-vocabulary head and refuses a
+    folder that holds d2t/t2d, so the vllm export leaves them out (the all-zero offsets carry nothing)."""
+    from drafter_train.drafters.eagle3 import export as eagle3_export
+    from drafter_train.recipes.export import ExportConfig, export
+
+    cfg = eagle3_cfg(tiny_data, tmp_path / "runs", "train.max_steps=1", "train.save_every=1",
+                     "drafter.draft_vocab_size=0", "drafter.fc_norm=false", "drafter.norm_before_fc=true")
+    train(cfg)
+    run = tmp_path / "runs" / cfg.train.run_name
+    out = tmp_path / "vllm"
+    export(ExportConfig(run_dir=str(run), which="latest", output_dir=str(out), format="vllm"))
+    config = json.loads((out / "config.json").read_text())
+    exported = load_file(out / "model.safetensors")
+    trained = load_file(run / "latest" / "drafter" / "model.safetensors")
+    assert config["draft_vocab_size"] == VOCAB and exported["lm_head.weight"].shape[0] == VOCAB
+    assert "d2t" not in exported and "t2d" not in exported
+    assert not trained["d2t"].any() and set(trained) - set(exported) == {"d2t", "t2d", "embed_tokens.weight"}
+    staged = tmp_path / "staged"  # what llama.cpp's converter reads: unchanged
+    eagle3_export._speculators_folder(json.loads((run / "latest" / "drafter" / "config.json").read_text()),
+                                      run / "latest" / "drafter", staged, 4, "t", False)
+    assert {"d2t", "t2d"} <= set(load_file(staged / "model.safetensors"))
+    # a reduced vocabulary keeps its mapping
+    assert eagle3_export.without_identity_mapping(trained, {"draft_vocab_size": 16, "vocab_size": VOCAB}) is trained
+
+
 def test_sglang_export_renames_the_layer_and_refuses_what_sglang_would_ignore(eagle3_run, tiny_data, tmp_path):
     from drafter_train.recipes.export import ExportConfig, export
 
