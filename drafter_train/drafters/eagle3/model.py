@@ -39,8 +39,9 @@ from drafter_train.decoding.tree import TreePool, attention_mask
 from drafter_train.drafters.common.backbone import plain_layer_config
 from drafter_train.drafters.common.distill import apply_loss
 from drafter_train.drafters.common import conditioned
-from drafter_train.drafters.eagle3 import export as eagle3_export
+from drafter_train.drafters.eagle3 import export as eagle3_export, outside
 from drafter_train.drafters.registry import BuildContext, DrafterKind, register
+from drafter_train.errors import ConfigError
 from drafter_train.features import check_layers, default_layers, num_layers
 from drafter_train.losses import LossOutput
 
@@ -344,11 +345,27 @@ def feature_layers(cfg: DrafterConfig, target: PreTrainedModel) -> list[int]:
 
 def build(cfg: DrafterConfig, ctx: BuildContext) -> Eagle3Model:
     conditioned.check_new_or_saved(cfg, "EAGLE-3")
+    if cfg.path != "new" and outside.layout(outside.read_config(cfg.path) or {}):
+        return _outside(cfg.path, ctx)
     if cfg.path != "new":
         return conditioned.check_target(load(cfg.path, ctx.dtype).to(ctx.target.device), ctx.target, "EAGLE-3")
     layer_ids = feature_layers(cfg, ctx.target)
     draft_ids = conditioned.choose_draft_ids(cfg, ctx, "EAGLE-3")
     return Eagle3Model.from_target(ctx.target, layer_ids, draft_ids, cfg.fc_norm, cfg.draft_len, cfg.norm_before_fc)
+
+
+def _outside(path: str, ctx: BuildContext) -> Eagle3Model:
+    """A speculators- or ModelOpt-format folder (outside.py), with the target's embeddings when it holds none."""
+    from drafter_train.drafters.eagle3 import outside_load  # imports this module: loaded on use
+
+    model, has_embeddings = outside_load.load(path, ctx.dtype)
+    if not has_embeddings:
+        shared = ctx.target.get_input_embeddings().weight
+        if shared.shape != model.embed_tokens.weight.shape:
+            raise ConfigError(f"drafter.path: {path} has no token embeddings and the target's are "
+                              f"{tuple(shared.shape)}, not {tuple(model.embed_tokens.weight.shape)}: another target's")
+        model.embed_tokens.weight.data.copy_(shared.data)
+    return conditioned.check_target(model.to(ctx.target.device), ctx.target, "EAGLE-3")
 
 
 def load(path: str, dtype: str) -> Eagle3Model:
@@ -368,6 +385,8 @@ KIND = register(DrafterKind(
     prepare_batch=conditioned.attach_cached_features,
     export_formats=eagle3_export.FORMATS,
     export_checks={"gguf": eagle3_export.check_gguf},
+    outside_folder=lambda config: outside.layout(config) is not None,
+    check_folder=outside.check_folder,
     engine_methods={"vllm": "eagle3", "sglang": "EAGLE3", "gguf": "draft-eagle3"},
     summary="An EAGLE-3 draft head: one decoder layer reading the target's own hidden states, with a reduced draft "
             "vocabulary.",
