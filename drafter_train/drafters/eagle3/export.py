@@ -107,7 +107,7 @@ def _speculators_folder(config: dict, drafter_dir: Path, out: Path, draft_len: i
         "norm_before_residual": False,
         "norm_before_fc": bool(config.get("norm_before_fc", False)),
         "fc_norm": bool(config["fc_norm"]),
-        "norm_output": False,
+        "norm_output": bool(config.get("norm_output", False)),
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -131,6 +131,9 @@ def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, ke
     if config.get("norm_before_fc"):
         raise ConfigError("export.format=sglang: SGLang's LlamaForCausalLMEagle3 has no norm_before_fc; export "
                           "export.format=gguf for llama.cpp")
+    if config.get("norm_output"):
+        raise ConfigError("export.format=sglang: SGLang's LlamaForCausalLMEagle3 has no norm_output; export "
+                          "export.format=vllm")
     if config["fc_norm"]:
         raise ConfigError("export.format=sglang: SGLang's LlamaForCausalLMEagle3 has no fc_norm (it would ignore "
                           "those weights and draft garbage); train with drafter.fc_norm=false, or export "
@@ -153,6 +156,9 @@ def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, ke
 
 def check_gguf(config: dict) -> None:
     """Refuse, in one line, an EAGLE-3 drafter llama.cpp would run differently from how it was trained."""
+    if config.get("norm_output"):
+        raise ConfigError("export.format=gguf: llama.cpp's EAGLE-3 has no norm_output (each step would read its "
+                          "output unnormed); train with drafter.norm_output=false, or export export.format=vllm")
     if config.get("fc_norm"):
         raise ConfigError("export.format=gguf: llama.cpp's EAGLE-3 has no per-layer fc_norm (only norm_before_fc, one "
                           "norm over all fused layers); train with drafter.fc_norm=false drafter.norm_before_fc=true")

@@ -3,7 +3,7 @@
 Two layouts, told apart by config.json:
 - `speculators` (speculators' trainer, vLLM's own format; also what export.format=vllm writes):
   `speculators_model_type: eagle3`, the layer's architecture in `transformer_layer_config`, `draft_vocab_size`,
-  `target_hidden_size`, `fc_norm` / `norm_before_fc`, layer ids `eagle_aux_hidden_state_layer_ids`; weights `fc`,
+  `target_hidden_size`, `fc_norm` / `norm_before_fc` / `norm_output`, layer ids `eagle_aux_hidden_state_layer_ids`; weights `fc`,
   `fc_norm.i`, `input_norm`, `layers.0.*`, `norm`, `lm_head`, `d2t`, `t2d` (both absent for a full vocabulary) and
   `embed_tokens` only when it was trained (else the target's are used, as the engines do).
 - `modelopt` (nvidia-modelopt's EagleExporter; the original EAGLE-3 release's `LlamaForCausalLMEagle3` layout with
@@ -73,9 +73,8 @@ def _check_speculators(path: str, config: dict) -> None:
         _refuse(path, f"its transformer_layer_config is {layer.get('model_type')!r}; only llama layers map")
     if layer.get("num_hidden_layers", 1) != 1:
         _refuse(path, f"{layer['num_hidden_layers']} drafter layers; this project's EAGLE-3 has one")
-    for flag, meaning in (("norm_before_residual", "a normed residual"), ("norm_output", "post-norm TTT inputs")):
-        if config.get(flag):
-            _refuse(path, f"{flag}=true ({meaning}) has no counterpart in this project's EAGLE-3")
+    if config.get("norm_before_residual"):
+        _refuse(path, "norm_before_residual=true (a normed residual) has no counterpart in this project's EAGLE-3")
     ids = config.get("eagle_aux_hidden_state_layer_ids")
     if not ids:
         _refuse(path, "no eagle_aux_hidden_state_layer_ids (speculators resolves them from the verifier's hub "

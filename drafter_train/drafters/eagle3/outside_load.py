@@ -21,7 +21,8 @@ def eagle3_config(config: dict, which: str) -> Eagle3Config:
         # speculators serialises the layer config as a diff against its class's defaults: fill them in
         layer = AutoConfig.for_model(**config["transformer_layer_config"]).to_dict()
         ids = [i - 1 for i in config["eagle_aux_hidden_state_layer_ids"]]  # input of layer i -> output of i - 1
-        flags = dict(fc_norm=bool(config.get("fc_norm")), norm_before_fc=bool(config.get("norm_before_fc")))
+        flags = dict(fc_norm=bool(config.get("fc_norm")), norm_before_fc=bool(config.get("norm_before_fc")),
+                     norm_output=bool(config.get("norm_output")))
         target_hidden = config.get("target_hidden_size") or layer["hidden_size"]
         methods = (config.get("speculators_config") or {}).get("proposal_methods") or [{}]
         draft_len = methods[0].get("speculative_tokens") or 3
