@@ -13,7 +13,7 @@ import random
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from benchmarks.peers import peer_python, train_speculators, write_rows
 from drafter_train.config import DrafterConfig
@@ -21,6 +21,7 @@ from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.features import FeatureTap
 from tests.stubs import VOCAB, save_tiny
 from tests.test_vllm_backend import needs_vllm, vllm_python
+from tests.test_vllm_check import vllm_target
 
 needs_speculators = pytest.mark.skipif(not peer_python("speculators").exists(),
                                        reason="no speculators environment (scripts/setup_peers.sh)")
@@ -30,11 +31,7 @@ LAYERS = [0, 1, 2]  # ours (outputs); speculators gets 1, 2, 3 (inputs)
 @pytest.fixture(scope="module")
 def speculators_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("peers")
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, initializer_range=0.1,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
+    target = vllm_target()
     save_tiny(target, root / "target")
     rng = random.Random(0)
     records = [{"prompt_ids": [rng.randrange(3, VOCAB) for _ in range(6)],
