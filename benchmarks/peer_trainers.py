@@ -22,7 +22,7 @@ from typing import Optional
 
 from benchmarks.common import RESULTS_DIR, add_prompt_args, command_line, describe_machine
 from drafter_train.io import write_atomic
-from benchmarks.peers import peer_python, train_speculators, write_rows
+from benchmarks.peers import train_modelopt, train_speculators, write_rows
 
 # Each trainer's own recommended settings, and the matched ones (ours' recipe, expressed in each trainer's terms).
 SETTINGS = {
@@ -32,6 +32,12 @@ SETTINGS = {
                                   "norm_output": True, "loss_fn": "kl_div", "ttt_decay": 1.0},
     ("speculators", "matched"): {"optimizer": "adamw", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
                                  "norm_output": True, "loss_fn": "kl_div", "ttt_decay": 0.8, "scheduler": "cosine"},
+    # ModelOpt: EAGLE3_DEFAULT_CFG (an 8B-sized draft layer, YaRN injected at export) and its example's lr 1e-4;
+    # matched: the draft layer shaped like the target's, lr 1e-3, batch 8, the rope it trained with
+    ("modelopt", "defaults"): {"lr": 1e-4, "batch_size": 1, "ttt_steps": 3, "ttt_decay": 0.8, "match_target": False,
+                               "inject_yarn": True},
+    ("modelopt", "matched"): {"lr": 1e-3, "batch_size": 8, "ttt_steps": 3, "ttt_decay": 0.8, "match_target": True,
+                              "inject_yarn": False},
 }
 
 
@@ -82,8 +88,9 @@ def evaluate(folder: Path, target_dir: str, target, eos, prompts, args, out: Pat
     from drafter_train.engines.vllm_cpu import VllmEngine
 
     served = folder
-    if (folder / "config.json").is_file() and "speculators_model_type" not in json.loads(
-            (folder / "config.json").read_text()):  # ours: its speculators-format export
+    if (folder.parent / "drafter-vllm").is_dir():  # ModelOpt's export with its layer ids shifted for vLLM
+        served = folder.parent / "drafter-vllm"
+    elif "speculators_model_type" not in json.loads((folder / "config.json").read_text()):  # ours: export it
         served = export_vllm(folder, out / "vllm-drafter", "peer_trainers", {"path": args.target},
                              args.draft_len).drafter
     engines = [("vLLM-cpu", lambda: VllmEngine(args.vllm_python, target_dir, served, "eagle3", args.draft_len,
@@ -114,7 +121,11 @@ def train_peer(trainer: str, args, target_dir: str, rows: Path, subset: Path, re
         peer = dict(settings, draft_vocab_size=args.draft_vocab_size, total_seq_len=args.max_seq_len)
         info = train_speculators(Path(target_dir), rows, args.layers, out / "speculators", peer)
         return out / "speculators" / "drafter", info
-    raise SystemExit(f"peer_trainers: no adapter for {trainer!r} (ours, speculators)")
+    if trainer == "modelopt":
+        peer = dict(settings, draft_vocab_size=args.draft_vocab_size, seq_len=args.max_seq_len)
+        info = train_modelopt(Path(target_dir), rows, args.layers, out / "modelopt", peer)
+        return out / "modelopt" / "drafter", info
+    raise SystemExit(f"peer_trainers: no adapter for {trainer!r} (ours, speculators, modelopt)")
 
 
 def parse(argv=None):
@@ -129,7 +140,7 @@ def parse(argv=None):
     p.add_argument("--draft-vocab-size", type=int, default=0, help="0: the full vocabulary")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8, help="ours: rows per optimizer step")
-    p.add_argument("--trainers", default="ours,speculators")
+    p.add_argument("--trainers", default="ours,speculators,modelopt")
     p.add_argument("--settings", default="defaults,matched")
     p.add_argument("--draft-len", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
@@ -173,7 +184,7 @@ def main(argv=None) -> int:
                                         train_wall_s=info.get("train_wall_s")))
                 print(json.dumps(result_rows[-1]))
     machine = describe_machine()
-    record = {"title": "Our EAGLE-3 trainer against speculators on the same data and budget",
+    record = {"title": "Our EAGLE-3 trainer against speculators and ModelOpt on the same data and budget",
               "question": "At equal rows, layers, draft vocabulary, sequence length and response tokens seen, "
                           "whose drafter is accepted more, in vLLM-cpu and in our decoder?",
               "command": command_line("peer_trainers", argv), "split": f"{args.prompts} split, first "

@@ -49,8 +49,20 @@ def engine_layer_ids(ours: list[int]) -> list[int]:
 def train_speculators(target: Path, rows: Path, layers: list[int], out: Path, settings: dict,
                       timeout: Optional[float] = None) -> dict:
     """speculators' trainer (benchmarks/peers/speculators_train.py) on `rows`: OUT/drafter, and its train_info."""
-    args = [str(peer_python("speculators")), "-P", str(HERE / "speculators_train.py"), "--target", str(target),
-            "--data", str(rows), "--layer-ids", ",".join(map(str, engine_layer_ids(layers))), "--out", str(out)]
+    return _run("speculators", target, rows, engine_layer_ids(layers), out, settings, timeout)
+
+
+def train_modelopt(target: Path, rows: Path, layers: list[int], out: Path, settings: dict,
+                   timeout: Optional[float] = None) -> dict:
+    """ModelOpt's EAGLE-3 training (benchmarks/peers/modelopt_train.py) on `rows`, its layer ids ours (it hooks
+    outputs): OUT/drafter (its export, for our evaluator), OUT/drafter-vllm (ids + 1, for vLLM), its train_info."""
+    return _run("modelopt", target, rows, layers, out, settings, timeout)
+
+
+def _run(peer: str, target: Path, rows: Path, layer_ids: list[int], out: Path, settings: dict,
+         timeout: Optional[float]) -> dict:
+    args = [str(peer_python(peer)), "-P", str(HERE / f"{peer}_train.py"), "--target", str(target),
+            "--data", str(rows), "--layer-ids", ",".join(map(str, layer_ids)), "--out", str(out)]
     for key, value in settings.items():
         args += [f"--{key.replace('_', '-')}", str(int(value) if isinstance(value, bool) else value)]
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
