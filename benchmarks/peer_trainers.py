@@ -137,7 +137,9 @@ def parse(argv=None):
     p.add_argument("--response-tokens", type=int, default=25000, help="response tokens every trainer sees")
     p.add_argument("--target", default=EMBEDDED_TARGET)
     p.add_argument("--layers", default=None, help="ours (outputs of layers), e.g. 2,14,26; default EAGLE-3's")
-    p.add_argument("--draft-vocab-size", type=int, default=0, help="0: the full vocabulary")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="0: the full vocabulary, the same for all; a reduced one is each trainer's own pick of the "
+                        "most frequent response tokens (the same counts, tie-breaking and EOS handling may differ)")
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8, help="ours: rows per optimizer step")
     p.add_argument("--trainers", default="ours,speculators,modelopt")
