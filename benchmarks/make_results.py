@@ -66,6 +66,8 @@ def section(name: str, result: dict) -> str:
         lines = engine_section(name, result)
     elif (result.get("data") or {}).get("gpu_check"):  # benchmarks/gpu_check.py: its stages, built from its data
         lines = gpu_section(name, result)
+    elif (result.get("data") or {}).get("peer_trainers"):  # benchmarks/peer_trainers.py: one row per drafter/engine
+        lines = [f"## {result['title']}", "", result["question"], "", peer_table(result["rows"]), ""]
     else:
         lines = [f"## {result['title']}", "", result["question"], "", markdown_table(result["columns"],
                                                                                      result["rows"]), ""]
@@ -348,6 +350,19 @@ def _speed_cell(group: Optional[dict]) -> Optional[str]:
 
 def _acceptance_cell(values: Optional[Sequence[float]]) -> Optional[str]:
     return " / ".join(f"{v:.2f}" for v in values) if values else None
+
+
+def peer_table(rows: list[dict]) -> str:
+    """benchmarks/peer_trainers.py's rows: each trainer at each of its settings, in each engine."""
+    def settings(row: dict) -> str:
+        values = row["settings"]
+        return f"{values.get('name', '')}: " + ", ".join(f"{k} {v}" for k, v in values.items() if k != "name")
+    return markdown_table(
+        ["trainer", "settings", "optimizer steps", "response tokens seen", "train wall (s)", "engine",
+         "acceptance length", "per-position acceptance", "output identical to plain"],
+        [[r["trainer"], settings(r), r.get("optimizer_steps"), r["tokens_seen"], round(r["train_wall_s"]),
+          r["engine"], round(r["acceptance_length"], 3), _acceptance_cell(r["per_position_acceptance"]),
+          r.get("output_identical_to_plain")] for r in rows])
 
 
 def _decoder_name(row: dict) -> str:

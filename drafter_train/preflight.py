@@ -34,6 +34,7 @@ def check_inputs(cfg) -> None:
     if drafter is not None and is_saved_drafter(drafter.path):
         _named("drafter.path", lambda: check_model_path(drafter.path))
         check_model_files(drafter.path, "drafter.path")
+        check_outside_drafter(drafter.path)
     if getattr(drafter, "cut_from", "target") != "target":  # the AR kind's other model to cut (drafters/ar)
         check_cut_from(drafter.cut_from)
     for option, folder in _data_folders(cfg):
@@ -45,6 +46,15 @@ def check_inputs(cfg) -> None:
                             ("datagen", getattr(getattr(cfg, "datagen", None), "prompts", None))):
         if prompts and (Path(prompts).suffix or Path(prompts).expanduser().is_absolute()):  # a file, not a hub id
             check_prompt_file(prompts, option)
+
+
+def check_outside_drafter(path: str) -> None:
+    """A drafter folder another tool wrote (speculators, ModelOpt): what its kind cannot map, in one line."""
+    from drafter_train.drafters.registry import folder_kind  # discovers the kinds: only for a saved folder
+
+    kind = folder_kind(path) if Path(path).is_dir() else None
+    if kind is not None and kind.check_folder is not None:
+        kind.check_folder(path)
 
 
 def check_has_target_answers(data_dir: str, response: str) -> None:

@@ -325,3 +325,22 @@ def test_results_that_share_a_title_are_headed_apart_by_their_machine(tmp_path):
     # two of them on the same kind of CPU (the free rows and the trained ones): their file names too
     assert "## Served (Test CPU, avx2; served_a)\n" in page and "## Served (Test CPU, avx2; served_c)\n" in page
     assert "## Kernels\n" in page and "## Served\n" not in page
+
+
+def test_make_results_renders_the_peer_trainer_rows_with_their_command(tmp_path):
+    """benchmarks/peer_trainers.py's file: rows of dicts (trainer, settings, tokens, wall, engine, acceptance)."""
+    results, docs, readme = tmp_path / "results", tmp_path / "results.md", tmp_path / "README.md"
+    fake_result(results, "main_job", "The main job", [["product", 1.125]])
+    row = {"trainer": "speculators", "settings": {"name": "defaults", "optimizer": "muon"}, "tokens_seen": 25000,
+           "optimizer_steps": 50, "train_wall_s": 612.4, "engine": "vLLM-cpu", "acceptance_length": 1.16,
+           "per_position_acceptance": [0.138, 0.019, 0.003], "output_identical_to_plain": True}
+    record = {"title": "Peers", "question": "Whose drafter?", "command": "python -m benchmarks.peer_trainers --x 1",
+              "split": "test split, first 24 prompts", "baseline": "plain", "machine": MACHINE, "kind": "test",
+              "date": "2026-11-29", "data": {"peer_trainers": True}, "rows": [row]}
+    (results / "peer_trainers.json").write_text(json.dumps(record))
+    readme.write_text("<!-- results:start -->\n<!-- results:end -->\n")
+    assert make_results.main(["--results-dir", str(results), "--docs", str(docs), "--readme", str(readme)]) == 0
+    page = docs.read_text()
+    assert ("| speculators | defaults: optimizer muon | 50 | 25000 | 612 | vLLM-cpu | 1.160 | 0.14 / 0.02 / 0.00 | "
+            "True |") in page
+    assert "`python -m benchmarks.peer_trainers --x 1`" in page and "peer_trainers.json" in page

@@ -428,6 +428,56 @@ def test_vllm_export_is_the_speculators_format_with_engine_layer_ids(eagle3_run,
     assert "vllm" in (out / "README.md").read_text() and str(tmp_path) not in (out / "README.md").read_text()
 
 
+def test_full_vocabulary_vllm_export_has_no_d2t_but_gguf_staging_keeps_it(tiny_data, tmp_path):
+    """drafter.draft_vocab_size=0: vLLM builds no draft_id_to_target_id for a full-vocabulary head and refuses a
+    folder that holds d2t/t2d, so the vllm export leaves them out (the all-zero offsets carry nothing)."""
+    from drafter_train.drafters.eagle3 import export as eagle3_export
+    from drafter_train.recipes.export import ExportConfig, export
+
+    cfg = eagle3_cfg(tiny_data, tmp_path / "runs", "train.max_steps=1", "train.save_every=1",
+                     "drafter.draft_vocab_size=0", "drafter.fc_norm=false", "drafter.norm_before_fc=true")
+    train(cfg)
+    run = tmp_path / "runs" / cfg.train.run_name
+    out = tmp_path / "vllm"
+    export(ExportConfig(run_dir=str(run), which="latest", output_dir=str(out), format="vllm"))
+    config = json.loads((out / "config.json").read_text())
+    exported = load_file(out / "model.safetensors")
+    trained = load_file(run / "latest" / "drafter" / "model.safetensors")
+    assert config["draft_vocab_size"] == VOCAB and exported["lm_head.weight"].shape[0] == VOCAB
+    assert "d2t" not in exported and "t2d" not in exported
+    assert not trained["d2t"].any() and set(trained) - set(exported) == {"d2t", "t2d", "embed_tokens.weight"}
+    staged = tmp_path / "staged"  # what llama.cpp's converter reads: unchanged
+    eagle3_export._speculators_folder(json.loads((run / "latest" / "drafter" / "config.json").read_text()),
+                                      run / "latest" / "drafter", staged, 4, "t", False)
+    assert {"d2t", "t2d"} <= set(load_file(staged / "model.safetensors"))
+    # a reduced vocabulary keeps its mapping
+    assert eagle3_export.without_identity_mapping(trained, {"draft_vocab_size": 16, "vocab_size": VOCAB}) is trained
+
+
+def test_norm_output_trains_exports_for_vllm_and_is_refused_where_engines_lack_it(tiny_data, tmp_path):
+    """drafter.norm_output (EAGLE 3.1, speculators' default): every step reads the previous one's normed output."""
+    from drafter_train.drafters.eagle3 import export as eagle3_export
+    from drafter_train.recipes.export import ExportConfig, export
+
+    cfg = eagle3_cfg(tiny_data, tmp_path / "runs", "train.max_steps=1", "train.save_every=1",
+                     "drafter.norm_output=true", "drafter.fc_norm=false", "drafter.norm_before_fc=true")
+    train(cfg)
+    run = tmp_path / "runs" / cfg.train.run_name
+    export(ExportConfig(run_dir=str(run), which="latest", output_dir=str(tmp_path / "vllm"), format="vllm"))
+    assert json.loads((tmp_path / "vllm" / "config.json").read_text())["norm_output"] is True
+    saved = json.loads((run / "latest" / "drafter" / "config.json").read_text())
+    with pytest.raises(ConfigError, match="no norm_output"):
+        eagle3_export.check_gguf(saved)
+    model = Eagle3Model.from_pretrained(run / "latest" / "drafter").eval()
+    hidden, tokens, positions = torch.randn(1, 3, 64), torch.tensor([[3, 4, 5]]), torch.arange(3)[None]
+    with torch.no_grad():
+        out = model.step(tokens, hidden, positions, None, model.new_cache())
+        model.config.norm_output = False
+        raw = model.step(tokens, hidden, positions, None, model.new_cache())
+        torch.testing.assert_close(out, model.norm(raw))  # the next step's input: the normed output
+        torch.testing.assert_close(model.lm_head(out), model.draft_logits(raw))  # the same drafts
+
+
 def test_sglang_export_renames_the_layer_and_refuses_what_sglang_would_ignore(eagle3_run, tiny_data, tmp_path):
     from drafter_train.recipes.export import ExportConfig, export
 

@@ -33,12 +33,16 @@ pytestmark = [pytest.mark.slow, needs_vllm]
 def e3_run(tmp_path_factory):
     """A target vLLM's CPU kernels accept (head_dim 32), its drafter-datagen data, and an EAGLE-3 run on it."""
     root = tmp_path_factory.mktemp("vllm")
+    return root, trained_eagle3(vllm_target(), root)
+
+
+def vllm_target() -> LlamaForCausalLM:
+    """A tiny Llama vLLM's CPU kernels accept: 2 heads of 32."""
     torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
         num_key_value_heads=1, head_dim=32, max_position_embeddings=512, initializer_range=0.1,
         bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
-    return root, trained_eagle3(target, root)
 
 
 def trained_eagle3(target, root: Path, *extra: str, tokenizer=None) -> Path:
@@ -118,12 +122,7 @@ def test_vllm_serves_a_norm_before_fc_export_with_our_acceptance_and_needs_its_i
     drops input_norm.weight and feeds fc the raw features) is caught by the speculators check: on this tiny target
     vLLM's acceptance did not move (measured: equal per position), as one norm over the whole concatenation is
     mostly a per-token scale that the layer's own hidden_norm takes out again."""
-    torch.manual_seed(0)
-    target = LlamaForCausalLM(LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, max_position_embeddings=512, initializer_range=0.1,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)).eval()
-    run = trained_eagle3(target, tmp_path, "drafter.fc_norm=false", "drafter.norm_before_fc=true")
+    run = trained_eagle3(vllm_target(), tmp_path, "drafter.fc_norm=false", "drafter.norm_before_fc=true")
     status, result = check(tmp_path, run, tmp_path / "ok")
     assert result["speculators"]["ok"], result["speculators"]
     assert result["ours"]["mean_acceptance_length"] > 1 + 4 * result["comparison"]["tolerance"], result["ours"]
@@ -136,6 +135,16 @@ def test_vllm_serves_a_norm_before_fc_export_with_our_acceptance_and_needs_its_i
     (dropped / "config.json").write_text(json.dumps(config))
     status, result = check(tmp_path, run, tmp_path / "out-dropped", "--exported", str(dropped))
     assert status == 1 and result["speculators"]["tensors_not_loaded_as_written"] == ["input_norm.weight"], result
+
+
+def test_vllm_serves_a_full_vocabulary_export_with_our_acceptance(tmp_path):
+    """drafter.draft_vocab_size=0: the export leaves out d2t/t2d (vLLM has no draft_id_to_target_id for a
+    full-vocabulary head and refused the folder while they were written) and vLLM agrees with our evaluator."""
+    run = trained_eagle3(vllm_target(), tmp_path, "drafter.draft_vocab_size=0")
+    status, result = check(tmp_path, run, tmp_path / "ok")
+    assert "d2t" not in load_file(tmp_path / "ok" / "drafter" / "model.safetensors")
+    assert result["ours"]["mean_acceptance_length"] > 1 + 4 * result["comparison"]["tolerance"], result["ours"]
+    assert status == 0 and result["comparison"]["agree"], result["comparison"]
 
 
 def test_vllm_engine_rows_drive_live_engines_per_round(e3_run, tmp_path):

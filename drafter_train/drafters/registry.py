@@ -97,6 +97,11 @@ class DrafterKind:
     card_tags: tuple[str, ...] = ()
     # Whether its saved folders hold weights (prompt lookup and layer skipping save settings only).
     has_weights: bool = True
+    # (config.json as a dict) -> whether another tool wrote the folder as this kind (EAGLE-3: speculators' and
+    # ModelOpt's layouts); `build` then loads it, and check_folder(path) refuses in one line what cannot map, before
+    # the target loads (preflight).
+    outside_folder: Optional[Callable[[dict], bool]] = None
+    check_folder: Optional[Callable[[str], None]] = None
     # (job config) -> the last metrics: a kind whose "training" is not gradient descent (layerskip's search) runs its
     # own recipe under drafter-train; None: train.py's loop with `loss`.
     fit: Optional[Callable[["TrainJobConfig"], dict]] = None
@@ -184,10 +189,12 @@ def folder_kind(path: str) -> Optional[DrafterKind]:
     """The kind a local drafter folder holds (from config.json's model_type); None for a hub id or no config."""
     config_file = Path(path) / "config.json"
     try:
-        model_type = json.loads(config_file.read_text()).get("model_type")
+        config = json.loads(config_file.read_text())
     except (OSError, json.JSONDecodeError):
         return None  # a hub id, or a folder the loaders will explain
+    model_type = config.get("model_type")
     special = [kind for kind in all_kinds() if kind.model_type is not None and kind.model_type == model_type]
+    special += [kind for kind in all_kinds() if kind.outside_folder is not None and kind.outside_folder(config)]
     return special[0] if special else get_kind("ar")
 
 

@@ -23,6 +23,9 @@ class Eagle3DrafterConfig(TargetFeaturesDrafterConfig):
     # the layout llama.cpp's EAGLE-3 runs (`norm_before_fc`; export.format=gguf refuses per-layer fc_norm). Set it
     # with drafter.fc_norm=false.
     norm_before_fc: bool = False
+    # EAGLE 3.1 (speculators' default for eagle3): each drafting step hands the next its output after the final norm
+    # (vLLM reads `norm_output` from the speculators config; llama.cpp's eagle3 has no such switch).
+    norm_output: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

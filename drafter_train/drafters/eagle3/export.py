@@ -56,7 +56,20 @@ def _layer_config(config: dict) -> dict:
 def write_speculators(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep_embeddings: bool) -> None:
     """vLLM's speculators-format folder (config.json + model.safetensors) for the saved drafter in `drafter_dir`."""
     config = json.loads((drafter_dir / "config.json").read_text())
-    _speculators_folder(config, drafter_dir, out, draft_len, verifier, keep_embeddings)
+    _speculators_folder(config, drafter_dir, out, draft_len, verifier, keep_embeddings, vllm=True)
+
+
+def full_vocabulary(config: dict) -> bool:
+    """A drafter whose LM head covers the target's whole vocabulary (drafter.draft_vocab_size=0): d2t is all zeros."""
+    return config["draft_vocab_size"] in (0, config["vocab_size"])
+
+
+def without_identity_mapping(weights: dict, config: dict) -> dict:
+    """The weights vLLM loads: a full-vocabulary drafter's vLLM model has no draft_id_to_target_id parameter, and
+    vLLM refuses a folder holding d2t/t2d for it ("no module or parameter named 'draft_id_to_target_id'")."""
+    if not full_vocabulary(config):
+        return weights
+    return {name: tensor for name, tensor in weights.items() if name not in ("d2t", "t2d")}
 
 
 def verifier_architectures(verifier: str, config: dict) -> list:
@@ -82,19 +95,19 @@ def full_attention_in_vllm(config: dict, layer: dict) -> dict:
 
 
 def _speculators_folder(config: dict, drafter_dir: Path, out: Path, draft_len: int, verifier: str,
-                        keep_embeddings: bool) -> None:
+                        keep_embeddings: bool, vllm: bool = False) -> None:
     layer = _layer_config(config)
     spec = {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
         "transformer_layer_config": dict(layer, **full_attention_in_vllm(config, layer)),
-        "draft_vocab_size": config["draft_vocab_size"],
+        "draft_vocab_size": config["draft_vocab_size"] or config["vocab_size"],
         "target_hidden_size": config["target_hidden_size"],
         "eagle_aux_hidden_state_layer_ids": engine_layer_ids(config["target_layers"]),
         "norm_before_residual": False,
         "norm_before_fc": bool(config.get("norm_before_fc", False)),
         "fc_norm": bool(config["fc_norm"]),
-        "norm_output": False,
+        "norm_output": bool(config.get("norm_output", False)),
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -106,7 +119,10 @@ def _speculators_folder(config: dict, drafter_dir: Path, out: Path, draft_len: i
     }
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(spec, indent=2) + "\n")
-    save_file(drafter_weights(drafter_dir, keep_embeddings), str(out / "model.safetensors"), metadata={"format": "pt"})
+    weights = drafter_weights(drafter_dir, keep_embeddings)
+    if vllm:  # llama.cpp's converter (gguf, staged through this folder) keeps reading d2t as before
+        weights = without_identity_mapping(weights, config)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
 def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, keep_embeddings: bool) -> None:
@@ -115,6 +131,9 @@ def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, ke
     if config.get("norm_before_fc"):
         raise ConfigError("export.format=sglang: SGLang's LlamaForCausalLMEagle3 has no norm_before_fc; export "
                           "export.format=gguf for llama.cpp")
+    if config.get("norm_output"):
+        raise ConfigError("export.format=sglang: SGLang's LlamaForCausalLMEagle3 has no norm_output; export "
+                          "export.format=vllm")
     if config["fc_norm"]:
         raise ConfigError("export.format=sglang: SGLang's LlamaForCausalLMEagle3 has no fc_norm (it would ignore "
                           "those weights and draft garbage); train with drafter.fc_norm=false, or export "
@@ -137,6 +156,9 @@ def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, ke
 
 def check_gguf(config: dict) -> None:
     """Refuse, in one line, an EAGLE-3 drafter llama.cpp would run differently from how it was trained."""
+    if config.get("norm_output"):
+        raise ConfigError("export.format=gguf: llama.cpp's EAGLE-3 has no norm_output (each step would read its "
+                          "output unnormed); train with drafter.norm_output=false, or export export.format=vllm")
     if config.get("fc_norm"):
         raise ConfigError("export.format=gguf: llama.cpp's EAGLE-3 has no per-layer fc_norm (only norm_before_fc, one "
                           "norm over all fused layers); train with drafter.fc_norm=false drafter.norm_before_fc=true")

@@ -39,8 +39,9 @@ from drafter_train.decoding.tree import TreePool, attention_mask
 from drafter_train.drafters.common.backbone import plain_layer_config
 from drafter_train.drafters.common.distill import apply_loss
 from drafter_train.drafters.common import conditioned
-from drafter_train.drafters.eagle3 import export as eagle3_export
+from drafter_train.drafters.eagle3 import export as eagle3_export, outside
 from drafter_train.drafters.registry import BuildContext, DrafterKind, register
+from drafter_train.errors import ConfigError
 from drafter_train.features import check_layers, default_layers, num_layers
 from drafter_train.losses import LossOutput
 
@@ -56,12 +57,14 @@ class Eagle3Config(PretrainedConfig):
     def __init__(self, backbone: Optional[dict] = None, target_layers: Sequence[int] = (), target_num_layers: int = 0,
                  target_hidden_size: int = 0, draft_vocab_size: int = 0, fc_norm: bool = True, draft_len: int = 4,
                  draft_vocab_fingerprint: Optional[str] = None, norm_before_fc: bool = False,
-                 target_sliding_window: Optional[int] = None, **kwargs):
+                 target_sliding_window: Optional[int] = None, norm_output: bool = False, **kwargs):
         self.backbone = backbone or {}
         self.target_layers, self.target_num_layers = list(target_layers), target_num_layers
         self.target_hidden_size, self.draft_vocab_size = target_hidden_size, draft_vocab_size
         self.fc_norm, self.draft_len = fc_norm, draft_len
         self.norm_before_fc = norm_before_fc  # one RMSNorm over the concatenated features (llama.cpp's layout)
+        # EAGLE 3.1 (speculators' default): each step hands the next its output after the final norm
+        self.norm_output = norm_output
         self.draft_vocab_fingerprint = draft_vocab_fingerprint  # draft_vocab.fingerprint of d2t, checked at load
         # the target's model-wide window (export.py: vLLM would apply it to the drafter's layer too)
         self.target_sliding_window = target_sliding_window
@@ -161,11 +164,12 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
         attn_out, _ = layer.self_attn(hidden_states=attn_in, position_embeddings=self.rotary_emb(hidden, position_ids),
                                       attention_mask=mask, past_key_values=cache)
         hidden = hidden + attn_out
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        out = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        return self.norm(out) if self.config.norm_output else out  # norm_output: the next step reads it normed
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
-        """[..., H] step outputs -> [..., Vd] logits over the draft vocabulary."""
-        return self.lm_head(self.norm(hidden))
+        """[..., H] step outputs -> [..., Vd] logits over the draft vocabulary (norm_output: already normed)."""
+        return self.lm_head(hidden if self.config.norm_output else self.norm(hidden))
 
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config.layer_config())
@@ -199,10 +203,11 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, layer_ids: Sequence[int], draft_ids: Tensor, fc_norm: bool,
-                    draft_len: int, norm_before_fc: bool = False) -> "Eagle3Model":
+                    draft_len: int, norm_before_fc: bool = False, norm_output: bool = False) -> "Eagle3Model":
         """A new drafter for `target`: frozen copy of its embeddings, LM head rows and final norm of the draft
         vocabulary; fc and the layer freshly initialised."""
         config = new_config(target, layer_ids, draft_ids.numel(), fc_norm, draft_len, norm_before_fc)
+        config.norm_output = norm_output
         drafter = cls(config).to(target.dtype)
         drafter.copy_from_target(target, draft_ids)
         return drafter.to(target.device)
@@ -344,11 +349,28 @@ def feature_layers(cfg: DrafterConfig, target: PreTrainedModel) -> list[int]:
 
 def build(cfg: DrafterConfig, ctx: BuildContext) -> Eagle3Model:
     conditioned.check_new_or_saved(cfg, "EAGLE-3")
+    if cfg.path != "new" and outside.layout(outside.read_config(cfg.path) or {}):
+        return _outside(cfg.path, ctx)
     if cfg.path != "new":
         return conditioned.check_target(load(cfg.path, ctx.dtype).to(ctx.target.device), ctx.target, "EAGLE-3")
     layer_ids = feature_layers(cfg, ctx.target)
     draft_ids = conditioned.choose_draft_ids(cfg, ctx, "EAGLE-3")
-    return Eagle3Model.from_target(ctx.target, layer_ids, draft_ids, cfg.fc_norm, cfg.draft_len, cfg.norm_before_fc)
+    return Eagle3Model.from_target(ctx.target, layer_ids, draft_ids, cfg.fc_norm, cfg.draft_len, cfg.norm_before_fc,
+                                   cfg.norm_output)
+
+
+def _outside(path: str, ctx: BuildContext) -> Eagle3Model:
+    """A speculators- or ModelOpt-format folder (outside.py), with the target's embeddings when it holds none."""
+    from drafter_train.drafters.eagle3 import outside_load  # imports this module: loaded on use
+
+    model, has_embeddings = outside_load.load(path, ctx.dtype)
+    if not has_embeddings:
+        shared = ctx.target.get_input_embeddings().weight
+        if shared.shape != model.embed_tokens.weight.shape:
+            raise ConfigError(f"drafter.path: {path} has no token embeddings and the target's are "
+                              f"{tuple(shared.shape)}, not {tuple(model.embed_tokens.weight.shape)}: another target's")
+        model.embed_tokens.weight.data.copy_(shared.data)
+    return conditioned.check_target(model.to(ctx.target.device), ctx.target, "EAGLE-3")
 
 
 def load(path: str, dtype: str) -> Eagle3Model:
@@ -368,6 +390,8 @@ KIND = register(DrafterKind(
     prepare_batch=conditioned.attach_cached_features,
     export_formats=eagle3_export.FORMATS,
     export_checks={"gguf": eagle3_export.check_gguf},
+    outside_folder=lambda config: outside.layout(config) is not None,
+    check_folder=outside.check_folder,
     engine_methods={"vllm": "eagle3", "sglang": "EAGLE3", "gguf": "draft-eagle3"},
     summary="An EAGLE-3 draft head: one decoder layer reading the target's own hidden states, with a reduced draft "
             "vocabulary.",

