@@ -181,6 +181,16 @@ def write_lookup_cache(root: Path, target_gguf: Path, corpus: Path, out: Path, t
     return out
 
 
+def write_target_lookup_cache(target_gguf: str, corpus: str, out: str, target: str = "") -> Path:
+    """write_lookup_cache with llama.cpp where llamacpp_dir() finds it and the tokenizer of `target` (a target.path,
+    e.g. embedded:qwen2.5-coder-1.5b; empty: the default target), for a pipeline stage (conf/pipeline/*.yaml)."""
+    from drafter_train.config import TargetConfig
+    from drafter_train.targets import load_target_tokenizer
+
+    tokenizer = load_target_tokenizer(TargetConfig(path=target) if target else TargetConfig())
+    return write_lookup_cache(llamacpp_dir(), Path(target_gguf), Path(corpus), Path(out), tokenizer)
+
+
 # The smoke run: a multi-token pass on a quantised GGUF, which scripts/setup_llamacpp.sh ends with and the tests that
 # run the built tools check first. Tools built for instructions the CPU lists but does not execute (AMX on an Intel
 # Xeon VM) passed `--help` and single-token passes, and died with SIGILL on the first pass over 2+ tokens.

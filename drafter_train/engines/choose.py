@@ -100,6 +100,20 @@ def choose(record: dict, prefixes: Sequence[str], corpus_record: dict | None = N
     return out
 
 
+def chose_all(choice: dict, prefixes: Sequence[str]) -> bool:
+    """Whether `choice` (choice.json) chose a draft length for every one of `prefixes` (a drafter added since was
+    never timed beside the others: the choice is made again)."""
+    return set(prefixes) <= set(choice.get("draft_len", {}))
+
+
+def chosen(choice: dict, dotted: str):
+    """A field of choice.json by its dotted path ("draft_len.e3")."""
+    value = choice
+    for key in dotted.split("."):
+        value = value[key]
+    return value
+
+
 def _read(path: Path) -> dict:
     if not path.is_file():
         sys.exit(f"choose: no such file {path}")
