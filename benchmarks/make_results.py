@@ -5,8 +5,8 @@
 
 docs/results.md holds one section per result file (title, question, its table, and the command, split, baseline,
 machine and date under it). README.md's block between `<!-- results:start -->` and `<!-- results:end -->` (left alone
-when the markers are missing) gets the main job's table (result file `main_job`, else the first one) and one line
-naming its split and baseline. Nothing else in README.md changes.
+when the markers are missing) gets one short table per question: the main job's (result file `main_job`, else the
+first one), then the served speedup on each kind of CPU. Nothing else in README.md changes.
 """
 
 from __future__ import annotations
@@ -98,36 +98,57 @@ def machine_kind(machine: dict) -> str:
 
 
 def readme_block(results: dict[str, dict]) -> str:
-    """The README's results block: the headline table and its split and baseline."""
+    """The README's results block: one short table per question. The main job's table, then the served speedup on
+    each kind of CPU (served_headline); the full tables, first differences and near ties stay in docs/results.md."""
     if not results:
         return "No results yet: see [docs/results.md](docs/results.md)."
     name = HEADLINE if HEADLINE in results else next(iter(results))
     result = results[name]
-    lines = []
+    lines = [f"**{result['title']}** ({result['split']}; speedup over {result['baseline']}):", "",
+             markdown_table(result["columns"], result["rows"]), ""]
     served = [r for n, r in results.items() if (n == SERVED_HEADLINE or n.startswith(SERVED_HEADLINE + "-"))
               and (r.get("data") or {}).get("served")]
     for table in served:
-        lines += [f"**{table['title']}** ({machine_kind(table['machine'])}; {table['split']}):", "",
-                  served_summary(table["data"]["engine_rows"]), ""]
+        lines += [f"**The served speedup on {machine_kind(table['machine'])}** ({table['split']}):",
+                  "", served_headline(table["data"]["engine_rows"]), ""]
     if served:
-        lines += ["Speedup over the fastest plain decoding measured in the run on that machine (the baseline row); "
-                  "'code' is the code categories' prompts, 'rest' every other category. The full tables, with tau, "
-                  "acceptance per position and what each drafter would need: [docs/results.md](docs/results.md).", "",
-                  f"**{result['title']}**:", ""]
-    return "\n".join(lines + [markdown_table(result["columns"], result["rows"]), "",
-                              f"On {result['split']}; speedup over {result['baseline']}. Every figure, with its "
-                              "command: [docs/results.md](docs/results.md)."])
+        lines += ["x baseline: over the fastest plain decoding measured in the same run on that machine; 'code' is "
+                  "the code categories' prompts, 'rest' every other category."]
+    return "\n".join(lines + ["Every figure, with its command, tau, acceptance per position and what each drafter "
+                               "would need: [docs/results.md](docs/results.md)."])
 
 
-def served_summary(rows: list[dict]) -> str:
-    """The served table's short form for the README: each row's speedup over the baseline, all, code and rest."""
-    def ratio(group: Optional[dict]) -> Optional[float]:
-        return (group or {}).get("speedup_over_fastest")
+# The served table's label of the stock draft model (conf/pipeline/served_qwen.yaml, the table's drafts): a drafter,
+# but not one trained here
+STOCK_DRAFT_MODELS = ("0.5B",)
 
-    return markdown_table(["precision", "decoder", "tokens/s", "x baseline", "code", "rest", "identical to plain"],
-                          [[r["precision"], _decoder_name(r), r["tokens_per_s"], r["speedup_over_fastest"],
-                            ratio(r.get("by_group", {}).get("code")), ratio(r.get("by_group", {}).get("rest")),
-                            _same_cell(r.get("same_output_as_plain"))] for r in rows])
+
+def served_headline(rows: list[dict]) -> str:
+    """The served table's four answers: the fastest plain decoder, the best free n-gram mode, the best drafter
+    trained here, and the best product (lookups ahead of a drafter); tokens/s, x baseline, code, rest."""
+    def best(keep) -> Optional[dict]:
+        timed = [r for r in rows if r.get("tokens_per_s") is not None and keep(r)]  # a row that failed has none
+        return max(timed, key=lambda r: r["tokens_per_s"], default=None)
+
+    trained = best(lambda r: r["decoder"] not in ("plain", "free n-gram", "product")
+                   and r.get("label") not in STOCK_DRAFT_MODELS)
+    picked = [("fastest plain decoder", best(lambda r: r["decoder"] == "plain")),
+              ("best free mode", best(lambda r: r["decoder"] == "free n-gram")),
+              ("best trained drafter", trained), ("the product", best(lambda r: r["decoder"] == "product"))]
+    return markdown_table(["", "decoder", "tok/s", "x baseline", "code", "rest"],
+                          [[what, _headline_name(r), r["tokens_per_s"],
+                            r["speedup_over_fastest"], _group_ratio(r, "code"), _group_ratio(r, "rest")]
+                           for what, r in picked if r is not None])
+
+
+def _headline_name(row: dict) -> str:
+    """'free n-gram (ngram-simple), q4_k_m-llama': the decoder, what it ran (its label, or a free mode's), precision."""
+    mode = row["setting"].split()[1] if row["decoder"] == "free n-gram" else None
+    return f"{row['decoder']} ({mode}), {row['precision']}" if mode else f"{_decoder_name(row)}, {row['precision']}"
+
+
+def _group_ratio(row: dict, group: str) -> Optional[float]:
+    return (row.get("by_group", {}).get(group) or {}).get("speedup_over_fastest")
 
 
 def with_block(text: str, block: str) -> str:
