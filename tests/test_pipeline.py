@@ -181,3 +181,54 @@ def test_a_missing_input_is_one_line_naming_it(tmp_path):
     with pytest.raises(ConfigError, match="fake: stage a needs .*nowhere"):
         run_pipeline(pipeline(tmp_path, {"a": stage}), say=lambda m: None)
     assert runs(tmp_path, "a") == 0
+
+
+@pytest.mark.parametrize("name", ["quickstart", "served_qwen", "engine_artifacts"])
+def test_every_shipped_pipeline_composes_and_its_jobs_compose_into_valid_configs(name, tmp_path):
+    """Each drafter-<job> command of each shipped pipeline, run with Hydra's --cfg job in place of the work: a renamed
+    or misspelt option fails here, not hours into a run."""
+    from drafter_train.pipeline.runner import command_line, flat
+    from drafter_train.recipes.pipeline import compose_pipeline
+
+    cfg = compose_pipeline([f"pipeline={name}", f"pipeline.out={tmp_path}"])
+    assert set(selected(cfg)) <= set(cfg.known)
+    for stage, job in cfg.known.items():
+        argv = [str(a).replace("{part}", str(tmp_path / "part")) for a in flat(job.run)]
+        if not argv or not argv[0].startswith("drafter-"):
+            continue
+        done = subprocess.run([*command_line(argv), "--cfg", "job"], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, f"{name} {stage}: {done.stderr[-2000:]}"
+
+
+def test_the_main_job_runs_the_same_jobs_as_before():
+    """The main job's command lines (scripts/quickstart.sh before it became a pipeline), so a run made before resumes
+    and its figures stay comparable."""
+    from drafter_train.pipeline.runner import flat
+    from drafter_train.recipes.pipeline import compose_pipeline
+
+    known = compose_pipeline(["pipeline=quickstart"]).known
+    settings = "eval.num_prompts=16 eval.max_new_tokens=48 eval.draft_len=2"
+    tree = "eval.tree.top_k=2 eval.tree.depth=1 eval.tree.total_tokens=2"
+    lookups = "eval.lookup.min_ngram=2 eval.lookup.corpus.path=data/quickstart-smollm2"
+    line = {name: " ".join(map(str, flat(stage.run))) for name, stage in known.items()}
+    assert line["datagen"] == ("drafter-datagen datagen.num_prompts=800 datagen.num_eval_prompts=8 datagen.batch_size=32 "
+                               "datagen.max_new_tokens=192 datagen.max_prompt_tokens=128 "
+                               "datagen.output_dir=data/quickstart-smollm2")
+    assert line["train"] == ("drafter-train train.data_dir=data/quickstart-smollm2 train.output_root=checkpoints "
+                             "train.run_name=quickstart-smollm2 drafter=eagle3 drafter.features=offline "
+                             "drafter.draft_vocab_size=4096 drafter.ttt_steps=1 loss=fkl train.max_steps=600 "
+                             "train.save_every=300 train.log_every=10 train.batch_size=8 train.lr=2e-3 "
+                             f"train.warmup_steps=20 train.eval_at_start=false eval.prompts=dev {settings} {tree} "
+                             f"{lookups}")
+    best = "drafter.path=checkpoints/quickstart-smollm2/best/drafter"
+    out = "eval.output=checkpoints/quickstart-smollm2"
+    assert line["product"] == (f"drafter-eval drafter=path {best} eval.prompts=test {settings} {tree} {lookups} "
+                               f"{out}/product.json")
+    assert line["drafter-alone"] == (f"drafter-eval drafter=path {best} eval.prompts=test {settings} {tree} "
+                                     f"{out}/drafter-alone.json")
+    assert line["prompt-lookup"] == (f"drafter-eval drafter=ngram drafter.min_ngram=2 eval.prompts=test {settings} "
+                                     f"{out}/prompt-lookup.json")
+    assert line["corpus-lookup"] == ("drafter-eval drafter=ngram drafter.min_ngram=2 "
+                                     f"drafter.corpus.path=data/quickstart-smollm2 eval.prompts=test {settings} "
+                                     f"{out}/corpus-lookup.json")

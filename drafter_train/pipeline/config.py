@@ -107,3 +107,16 @@ class ServedQwenConfig(PipelineConfig):
     ours_per_category: int = 1  # the opt-in ours / vllm stages
     ours_tokens: int = 32
     vllm_venv: str = "${oc.env:DRAFTER_TRAIN_VLLM_VENV,.venv-vllm}"  # scripts/setup_vllm.sh's venv
+
+
+@dataclass
+class EngineArtifactsConfig(PipelineConfig):
+    """What the engine table (python -m benchmarks.engines) and the llama.cpp engine checks read, made from the main
+    job's data folder (conf/pipeline/engine_artifacts.yaml)."""
+
+    data: str = "data/quickstart-smollm2"  # a drafter-datagen folder (the main job's), with its feature cache
+    steps: int = 600  # nbf: the main job's EAGLE-3 recipe in llama.cpp's layout
+    save_every: int = 300
+    ar_steps: int = 100  # ar2: the target's first 2 layers, a draft model llama.cpp serves (not a good one)
+    eval_prompts: int = 16
+    draft_len: int = 2

@@ -17,10 +17,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from drafter_train.config import CONF_DIR
-from drafter_train.pipeline.config import PipelineConfig, QuickstartConfig, ServedQwenConfig
+from drafter_train.pipeline.config import (EngineArtifactsConfig, PipelineConfig, QuickstartConfig,
+                                           ServedQwenConfig)
 from drafter_train.recipes.cli import job_config, one_line_errors
 
-SCHEMAS = {"quickstart_schema": QuickstartConfig, "served_qwen_schema": ServedQwenConfig}
+SCHEMAS = {"quickstart_schema": QuickstartConfig, "served_qwen_schema": ServedQwenConfig,
+           "engine_artifacts_schema": EngineArtifactsConfig}
 
 
 def wrapper_command(script: str) -> str:
