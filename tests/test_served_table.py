@@ -437,7 +437,7 @@ def test_every_served_row_type_runs_in_llamacpp(stories_runs, stories_path, tmp_
     draft model (the f32 file serving the q8_0 target); each speculative row with llama.cpp's acceptance, its
     category groups and a prediction from its own calibrated step; then make_results renders the section."""
     from benchmarks import engines as driver
-    from drafter_train.llamacpp import write_lookup_cache
+    from drafter_train.engines.lookup_cache import write_lookup_cache
     from drafter_train.targets import load_tokenizer
 
     from tests.test_engine_llamacpp import STORIES_DFLASH
