@@ -1,6 +1,6 @@
 """What scripts/setup_llamacpp.sh asks of Python: the CMake flags for this CPU, and the smoke run.
 
-    python -m drafter_train.llamacpp_setup flags          -> e.g. -DGGML_NATIVE=OFF -DGGML_SSE42=ON ... -DGGML_AMX_INT8=OFF
+    python -m drafter_train.llamacpp_setup flags         -> -DGGML_NATIVE=OFF -DGGML_SSE42=ON ... -DGGML_AMX_BF16=OFF
     python -m drafter_train.llamacpp_setup smoke DIR BUILD
 
 flags: on x86-64 each instruction group ggml-cpu has an option for is ON only when a probe (scripts/cpu_probe.c,

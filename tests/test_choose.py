@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from drafter_train.engines.choose import choose, main
+from drafter_train.engines.choose import choose, chose_all, chosen, main
 from drafter_train.errors import ConfigError
 
 
@@ -132,3 +132,9 @@ def test_a_mode_or_drafter_that_had_no_draft_accepted_is_not_chosen_for_a_noisy_
     e3_plain = [dict(r, tau=1.0) if r.get("label", "").startswith("e3") else r for r in rows]
     chosen = choose(dict(RECORD, rows=e3_plain), ["e3"])
     assert chosen["draft_len"] == {"e3": 2} and chosen["product"] == "lookups"  # 12.5 > 12.0 by noise alone
+
+
+def test_a_choice_names_every_drafter_it_weighed_and_its_fields_by_path():
+    choice = choose(RECORD, ["e3", "ar"])
+    assert chose_all(choice, ["e3", "ar"]) and not chose_all(choice, ["e3", "ar", "df"])
+    assert chosen(choice, "draft_len.e3") == 2 and chosen(choice, "ngram_mode") == "ngram-mod"

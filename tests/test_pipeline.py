@@ -212,8 +212,8 @@ def test_the_main_job_runs_the_same_jobs_as_before():
     tree = "eval.tree.top_k=2 eval.tree.depth=1 eval.tree.total_tokens=2"
     lookups = "eval.lookup.min_ngram=2 eval.lookup.corpus.path=data/quickstart-smollm2"
     line = {name: " ".join(map(str, flat(stage.run))) for name, stage in known.items()}
-    assert line["datagen"] == ("drafter-datagen datagen.num_prompts=800 datagen.num_eval_prompts=8 datagen.batch_size=32 "
-                               "datagen.max_new_tokens=192 datagen.max_prompt_tokens=128 "
+    assert line["datagen"] == ("drafter-datagen datagen.num_prompts=800 datagen.num_eval_prompts=8 "
+                               "datagen.batch_size=32 datagen.max_new_tokens=192 datagen.max_prompt_tokens=128 "
                                "datagen.output_dir=data/quickstart-smollm2")
     assert line["train"] == ("drafter-train train.data_dir=data/quickstart-smollm2 train.output_root=checkpoints "
                              "train.run_name=quickstart-smollm2 drafter=eagle3 drafter.features=offline "

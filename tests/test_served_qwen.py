@@ -44,7 +44,8 @@ def test_the_training_and_export_commands_compose_into_valid_configs(tmp_path):
                               env={**os.environ, "PYTHONPATH": str(REPO)})
         assert done.returncode == 0, f"{name}: {done.stderr[-2000:]}"
         shown[name] = done.stdout
-    assert cfg.known["eagle3"].run[0] == "drafter-train" and "target=qwen2.5-coder-1.5b" in flat(cfg.known["eagle3"].run)
+    eagle3 = flat(cfg.known["eagle3"].run)
+    assert eagle3[0] == "drafter-train" and "target=qwen2.5-coder-1.5b" in eagle3
     assert "norm_before_fc: true" in shown["eagle3"] and "max_steps: 7" in shown["eagle3"]
     assert cfg.known["eagle3"].steps == 7  # its done rule follows the step count given
     assert "cut_from: qwen2.5-coder-0.5b" in shown["ar"]
@@ -109,3 +110,70 @@ def test_the_wrapper_is_one_line_of_work():
     lines = [line for line in SCRIPT.read_text().splitlines() if line and not line.startswith("#")]
     assert len(lines) == 1 and "drafter_train.recipes.pipeline pipeline=served_qwen" in lines[0]
     assert sys.executable  # the runner's commands run in this interpreter (runner.command_line)
+
+
+def _rows(mode_tps: float) -> list[dict]:
+    def row(decoder, setting, tps, label=None):
+        return {"precision": "q4_k_m-llama", "decoder": decoder, "setting": setting, "tokens_per_s": tps, "tau": 1.5,
+                **({"label": label} if label else {})}
+    lengths = [row("EAGLE-3", f"--spec-type draft-eagle3 --spec-draft-n-max {n}", 10.0 + n, f"{p}-{n}")
+               for p in ("e3", "ar", "df") for n in (1, 2, 3)]
+    return [row("plain", "plain", 11.0), row("free n-gram", "--spec-type ngram-simple", mode_tps), *lengths]
+
+
+def test_the_served_stages_choose_on_dev_then_serve_the_choice_on_test(tmp_path, monkeypatch):
+    """choose, agreement and table with benchmarks.engines / engine_check replaced by a fake that records each
+    command line and writes what the real one would: the dev passes feed choice.json, the agreement decodes ours once,
+    and the table serves each drafter at the length chosen on dev."""
+    from drafter_train.engines import export
+    from drafter_train.engines.journal import machine_identity
+    from drafter_train.engines.table import LOOKUPS_ONLY
+    from drafter_train.pipeline import served
+    from drafter_train.pipeline.runner import run_pipeline
+    from drafter_train.recipes.pipeline import compose_pipeline
+
+    out, results, calls = tmp_path / "out", tmp_path / "results", []
+
+    def fake(module, args, ok=(0,)):
+        args = [str(a) for a in args]
+        calls.append((module, args))
+        folder, name = Path(args[args.index("--output") + 1]), args[args.index("--result-name") + 1]
+        folder.mkdir(parents=True, exist_ok=True)
+        if module == "engine_check":
+            (folder / "llamacpp_check.json").write_text("{}")
+            results.mkdir(exist_ok=True)
+            (results / f"{name}.json").write_text("{}")
+            return 0
+        rows = _rows(12.0)
+        if name == "choose-corpus":
+            rows = [rows[1], {"precision": "q4_k_m-llama", "decoder": "product", "label": LOOKUPS_ONLY,
+                              "tokens_per_s": 13.0,
+                              "setting": "--spec-type ngram-simple,ngram-cache --lookup-cache-static x"}]
+        (folder / f"{name}.json").write_text(json.dumps({"prompts": "dev", "rows": rows,
+                                                         "machine": machine_identity()}))
+        return 0
+
+    monkeypatch.setattr(served, "benchmark", fake)
+    monkeypatch.setattr(export, "llama_target_gguf", lambda target, gguf_type: tmp_path / f"{gguf_type}.llama.gguf")
+    for export_dir in ("eagle3", "ar", "dflash"):
+        (out / "exports" / export_dir).mkdir(parents=True)
+    cfg = compose_pipeline(["pipeline=served_qwen", f"pipeline.out={out}", "pipeline.stages=[choose,agreement,table]",
+                            f"pipeline.known.agreement.args.results={results}",
+                            f"pipeline.known.agreement.outputs=[{results}/engine_llamacpp_qwen1_5b_f16.json]"])
+    run_pipeline(cfg, say=lambda m: None)
+
+    choice = json.loads((out / "choice.json").read_text())
+    assert choice["draft_len"] == {"e3": 3, "ar": 3, "df": 3} and choice["ngram_mode"] == "ngram-simple"
+    assert choice["corpus"]["joins"] and choice["product_ngram"] == "ngram-simple,ngram-cache"
+    (_, dev), (_, corpus), (_, f16), (_, q4), (_, table) = calls
+    assert dev[dev.index("--ngram-modes") + 1] == "all"
+    assert f"df-3={out}/exports/dflash/drafter.gguf@q4_k_m-llama" in dev and "df-3=3" in dev
+    assert corpus[corpus.index("--product-ngram") + 1] == "ngram-simple,ngram-cache" and "e3q4-1=1" in corpus
+    assert str(tmp_path / "f16.llama.gguf") in f16 and "--ours-from" not in f16
+    assert "--ours-from" in q4 and (out / "agreement-ours.json").is_file()  # our decoding, made once
+    assert "eagle3=3" in table and "0.5B=3" in table and "dflash=3" in table
+    assert table[table.index("--product") + 1] == "eagle3" and ["--product", "lookups"] == table[
+        table.index("lookups") - 1:table.index("lookups") + 1]  # the corpus cache joined: the lookups row too
+    assert f"eagle3={out}/agreement-ours.json" in table and "--near-ties" in table
+    assert [json.loads(line)["stage"] for line in (out / "stages.jsonl").read_text().splitlines()] == [
+        "choose", "agreement", "table"]

@@ -44,7 +44,8 @@ def selected(cfg: PipelineConfig) -> list[str]:
     for name in cfg.stages:
         for one in cfg.groups.get(name, [name]):
             if one not in cfg.known:
-                raise ConfigError(f"pipeline.stages: unknown stage {one} (known: {', '.join([*cfg.known, *cfg.groups])})")
+                known = ", ".join([*cfg.known, *cfg.groups])
+                raise ConfigError(f"pipeline.stages: unknown stage {one} (known: {known})")
             names.append(one)
     return names
 
