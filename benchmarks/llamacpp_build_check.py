@@ -40,10 +40,9 @@ def run(cmd: list[str], log: Path, **kwargs) -> subprocess.CompletedProcess:
 
 
 def probed_flags(log: Path) -> tuple[list[str], str]:
-    done = run([sys.executable, "-m", "drafter_train.llamacpp_setup", "flags"], log, cwd=REPO)
+    done = run(["bash", str(REPO / "scripts" / "llamacpp_flags.sh")], log)
     if done.returncode:
-        sys.exit(f"llamacpp_build_check: python -m drafter_train.llamacpp_setup flags failed ({done.returncode}); "
-                 f"see {log}")
+        sys.exit(f"llamacpp_build_check: scripts/llamacpp_flags.sh failed ({done.returncode}); see {log}")
     return done.stdout.split(), done.stderr.strip()
 
 

@@ -35,11 +35,11 @@ if [ ! -x "$DIR/venv/bin/python" ]; then
   PIP_CONSTRAINT="$PWD/constraints-cpu.txt" "$DIR/venv/bin/pip" install -q --no-deps sentencepiece
 fi
 
-# 3. The tools, CPU only, for the instruction groups this machine executes (drafter_train/llamacpp_setup.py probes
-# each one; LLAMACPP_NATIVE=1 or LLAMACPP_CMAKE_FLAGS="..." override it). No networking (LLAMA_OPENSSL=OFF), no web UI
+# 3. The tools, CPU only, for the instruction groups this machine executes (scripts/llamacpp_flags.sh probes each
+# one; LLAMACPP_NATIVE=1 or LLAMACPP_CMAKE_FLAGS="..." override it). No networking (LLAMA_OPENSSL=OFF), no web UI
 # download, no tests. LLAMACPP_BUILD: another build folder for the same source (relative to DIR; default build).
 BUILD="$(cd "$DIR" && realpath -m "${LLAMACPP_BUILD:-build}")"
-FLAGS="$(PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -m drafter_train.llamacpp_setup flags)"
+FLAGS="$(bash scripts/llamacpp_flags.sh)"
 # shellcheck disable=SC2086  # FLAGS is a list of -D options
 cmake -S "$DIR/llama.cpp" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release $FLAGS \
   -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_TESTS=OFF -DGGML_CUDA=OFF -DGGML_METAL=OFF \
@@ -59,7 +59,16 @@ done
 # 4. The smoke run, every time (an up-to-date build too): a multi-token pass on a quantised GGUF. Tools built for an
 # instruction the CPU lists but does not execute pass `--help` and die on their first real pass. On failure:
 # one line naming the fix, and a non-zero exit. Then the speculative tool's flags.
-PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -m drafter_train.llamacpp_setup smoke "$DIR" "$BUILD"
+PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" python3 -c '
+import sys
+from pathlib import Path
+from drafter_train.errors import DrafterTrainError
+from drafter_train.llamacpp import smoke_check
+try:
+    smoke_check(Path(sys.argv[1]), Path(sys.argv[2]))
+except DrafterTrainError as error:
+    sys.exit(f"setup_llamacpp: {error}")
+' "$DIR" "$BUILD"
 "$BUILD/bin/llama-speculative-simple" --help 2>&1 | grep -q -- "--spec-type" \
   || { echo "setup_llamacpp: llama-speculative-simple has no --spec-type" >&2; exit 1; }
 echo "llama.cpp ($(cat "$DIR/SOURCE")) ready in $DIR (tools in $BUILD/bin; $FLAGS; smoke run passed): ${AVAILABLE[*]}"

@@ -1,4 +1,4 @@
-"""The llama.cpp build's guards, without building it: `python -m drafter_train.llamacpp_setup flags` turns on only the instruction groups a
+"""The llama.cpp build's guards, without building it: scripts/llamacpp_flags.sh turns on only the instruction groups a
 probe executes here, and smoke_check (the end of scripts/setup_llamacpp.sh, and the opt-in llama.cpp tests' first
 step) turns a tool that dies on this CPU into one line naming the fix. The tools are fake scripts that kill
 themselves with the signal a build for the wrong CPU dies with."""
@@ -11,7 +11,6 @@ import shutil
 import signal
 import stat
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +19,7 @@ from drafter_train import targets
 from drafter_train.llamacpp import SMOKE_FILE, LlamaCppError, smoke_check
 from tests.conftest import REPO
 
+FLAGS = REPO / "scripts" / "llamacpp_flags.sh"
 GROUPS = ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI",
           "AVX512_BF16", "AMX_TILE", "AMX_INT8", "AMX_BF16")
 # /proc/cpuinfo's name for a group's first instruction set (GGML_AVX512 needs avx512f and more)
@@ -29,9 +29,8 @@ CPUINFO = {"SSE42": "sse4_2", "AVX": "avx", "F16C": "f16c", "FMA": "fma", "AVX2"
 
 
 def flags(**env: str) -> tuple[list[str], str]:
-    done = subprocess.run([sys.executable, "-m", "drafter_train.llamacpp_setup", "flags"], capture_output=True,
-                          text=True, check=True, cwd=REPO,
-                          env={k: v for k, v in dict(os.environ, PYTHONPATH=str(REPO), **env).items() if v is not None})
+    done = subprocess.run(["bash", str(FLAGS)], capture_output=True, text=True, check=True,
+                          env={k: v for k, v in dict(os.environ, **env).items() if v is not None})
     return done.stdout.split(), done.stderr
 
 
