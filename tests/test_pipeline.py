@@ -229,6 +229,8 @@ def test_the_main_job_runs_the_same_jobs_as_before():
                                f"{out}/product.json")
     assert line["drafter-alone"] == (f"drafter-eval drafter=path {best} eval.prompts=test {settings} {tree} "
                                      f"{out}/drafter-alone.json")
+    assert line["drafter-chain"] == (f"drafter-eval drafter=path {best} eval.prompts=test {settings} "
+                                     f"{out}/drafter-chain.json")  # the top-1 chain (issue 54)
     assert line["prompt-lookup"] == (f"drafter-eval drafter=ngram drafter.min_ngram=2 eval.prompts=test {settings} "
                                      f"{out}/prompt-lookup.json")
     assert line["corpus-lookup"] == ("drafter-eval drafter=ngram drafter.min_ngram=2 "
