@@ -72,7 +72,7 @@ def main(argv=None) -> int:
                         help="write the result file under this name instead (implies --result; e.g. "
                              "engine_llamacpp_ar for a second drafter kind's check beside the first)")
     parser.add_argument("--artifacts", default=None,
-                        help="the command that made --run and --exported (e.g. 'bash benchmarks/engine_artifacts.sh'): "
+                        help="the command that made --run and --exported (e.g. 'drafter-pipeline pipeline=engine_artifacts'): "
                              "the result file's command starts with it")
     args = parser.parse_args(argv)
     if args.ours_from and args.engine != "llamacpp":

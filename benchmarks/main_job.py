@@ -1,14 +1,11 @@
 """The main job's figures (scripts/quickstart.sh), as a table and as result files.
 
     python -m benchmarks.main_job summarize --run checkpoints/quickstart-smollm2 --draft-len 2
-    python -m benchmarks.main_job repeats --out checkpoints/quickstart-smollm2/bench-main-job TAG...
 
 summarize: the quickstart's final table, all on the test split: the product at the `best` checkpoint (product.json:
 lookups first, then the EAGLE-3 drafter's siblings; `best` was picked on the dev split during training) and the three
 evaluations that show where the gain comes from (drafter-alone.json, prompt-lookup.json, corpus-lookup.json);
 writes benchmarks/results/main_job.json.
-repeats: the table of benchmarks/main_job_repeats.sh (the same decoders evaluated several times, interleaved:
-medians and ranges); writes benchmarks/results/main_job_repeats.json.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from benchmarks.common import (OUR_BASELINE, RESULTS_DIR, dev_note, evaluation_split, load_average, markdown_table,
-                               median, write_result)
+from benchmarks.common import OUR_BASELINE, RESULTS_DIR, dev_note, evaluation_split, write_result
 
 PRODUCT = "lookups, then EAGLE-3 (the product)"
 # the quickstart's evaluations after training: file name -> label. drafter-chain: the drafter's top-1 tokens as a
@@ -84,51 +80,6 @@ def summarize(args) -> None:
               "was picked on the dev split." + dev_note(split))
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# repeats: benchmarks/main_job_repeats.sh's table
-
-REPEATS_COLUMNS = ["decoder", "tau", "speedup (median)", "speedup (min)", "speedup (max)", "plain tok/s",
-                   "spec tok/s", "over plain on default kernels", "proposals", "lookup's proposals"]
-
-
-def repeats_rows(out: Path, tags: Sequence[str]) -> list[list]:
-    """Per decoder tag, over its repeated evaluations <out>/<tag>-<repeat>.json: medians and ranges."""
-    runs = {tag: [json.loads(p.read_text()) for p in sorted(out.glob(f"{tag}-[0-9]*.json"))] for tag in tags}
-    # plain decoding on PyTorch's default kernels, per repeat: the baseline a user has without this project
-    stock: dict[int, list[float]] = {}
-    for tag, rs in runs.items():
-        if tag.endswith("@default"):
-            for i, m in enumerate(rs):
-                stock.setdefault(i, []).append(m["ar_tokens_per_s"])
-    rows = []
-    for tag, rs in runs.items():
-        speed = [m["speedup"] for m in rs]
-        over = [m["spec_tokens_per_s"] / median(stock[i]) for i, m in enumerate(rs) if i in stock]
-        m = rs[0]  # greedy: tau and the proposals are the same in every repeat
-        rows.append([tag, m["tau"], median(speed), min(speed), max(speed),
-                     median(r["ar_tokens_per_s"] for r in rs), median(r["spec_tokens_per_s"] for r in rs),
-                     median(over) if over else None, m["proposals"], m["lookup_proposals"]])
-    return rows
-
-
-def repeats(args) -> None:
-    out = Path(args.out)
-    rows = repeats_rows(out, args.tags)
-    print(f"load average at the end: {load_average():.2f}")
-    print(markdown_table(REPEATS_COLUMNS, rows))
-    first = json.loads(next(out.glob(f"{args.tags[0]}-[0-9]*.json")).read_text())
-    split = evaluation_split(first)
-    write_result(
-        "main_job_repeats", results_dir=Path(args.results_dir), command=args.command, split=split,
-        title="The main job's decoders, repeated",
-        question="How do the main job's drafter and lookups compare, each alone and combined, over repeated "
-                 "interleaved evaluations?",
-        baseline=OUR_BASELINE.format(kernels="of each row's setting") + "; 'over plain on default kernels': plain "
-                 "decoding on PyTorch's stock kernels (target.cpu_kernels=default)",
-        columns=REPEATS_COLUMNS, rows=rows, machine=first.get("machine"),
-        notes=f"{len(list(out.glob(f'{args.tags[0]}-[0-9]*.json')))} repeats per decoder." + dev_note(split))
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
@@ -137,14 +88,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     one.add_argument("--draft-len", type=int, default=2, help="the job's eval.draft_len (for the heading)")
     one.add_argument("--num-prompts", type=int, default=16, help="the job's eval.num_prompts, if the JSONs lack it")
     one.add_argument("--command", default="bash scripts/quickstart.sh", help="the command that made the run")
-    many = sub.add_parser("repeats", help="benchmarks/main_job_repeats.sh's table")
-    many.add_argument("--out", required=True, help="the folder of <tag>-<repeat>.json evaluations")
-    many.add_argument("--command", default="bash benchmarks/main_job_repeats.sh")
-    many.add_argument("tags", nargs="+")
-    for p in (one, many):
-        p.add_argument("--results-dir", default=str(RESULTS_DIR), help="where the result file goes")
-    args = parser.parse_args(argv)
-    (summarize if args.mode == "summarize" else repeats)(args)
+    one.add_argument("--results-dir", default=str(RESULTS_DIR), help="where the result file goes")
+    summarize(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -103,7 +103,7 @@ def _python(root: Path) -> str:
     return str(venv) if venv.is_file() else sys.executable
 
 
-def _run(command: list[str], what: str, env: Optional[dict] = None) -> None:
+def run_tool(command: list[str], what: str, env: Optional[dict] = None) -> None:
     done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         lines = [line for line in (done.stderr + done.stdout).strip().splitlines() if line.strip()]
@@ -121,7 +121,7 @@ def convert(root: Path, model_dir: Path, out_file: Path, outtype: str, target_di
                "--model-name", name]
     if target_dir is not None:
         command += ["--target-model-dir", str(target_dir)]
-    _run(command, f"convert_hf_to_gguf.py on {model_dir.name}", env)
+    run_tool(command, f"convert_hf_to_gguf.py on {model_dir.name}", env)
     return out_file
 
 
@@ -146,7 +146,7 @@ def convert_staged(job: GgufJob, out: Path, stage: str, write_folder: Callable[[
 
 
 def quantize(root: Path, src: Path, out_file: Path, gguf_type: str) -> Path:
-    _run([str(tool(root, "llama-quantize")), str(src), str(out_file), gguf_type.upper()], f"llama-quantize {src.name}")
+    run_tool([str(tool(root, "llama-quantize")), str(src), str(out_file), gguf_type.upper()], f"llama-quantize {src.name}")
     return out_file
 
 
@@ -216,23 +216,6 @@ def convert_typed(root: Path, model_dir: Path, out_file: Path, gguf_type: str, t
         return quantize(root, f16, out_file, gguf_type)
     finally:
         f16.unlink(missing_ok=True)
-
-
-def write_lookup_cache(root: Path, target_gguf: Path, corpus: Path, out: Path, tokenizer) -> Path:
-    """A drafter-datagen folder's responses (the corpus our corpus lookup reads) as llama.cpp's static n-gram cache
-    (llama-lookup-create; served with --spec-type ngram-cache --lookup-cache-static OUT). llama.cpp tokenizes text,
-    so the responses go in decoded, one per paragraph."""
-    from drafter_train.data.store import load_distill_dataset
-
-    create = tool(root, "llama-lookup-create", "--lookup-corpus")
-    data = load_distill_dataset(corpus)
-    texts = [tokenizer.decode(own or reference, skip_special_tokens=True)
-             for own, reference in zip(data["response_ids"], data["reference_ids"])]
-    text_file = out.with_suffix(".txt")
-    text_file.write_text("\n\n".join(texts))
-    _run([str(create), "-m", str(target_gguf), "-f", str(text_file), "-lcs", str(out)],
-         f"llama-lookup-create on {corpus}")
-    return out
 
 
 # The smoke run: a multi-token pass on a quantised GGUF, which scripts/setup_llamacpp.sh ends with and the tests that

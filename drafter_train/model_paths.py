@@ -2,16 +2,20 @@
 any weights load: a local HF folder, a .gguf file or a folder plus gguf_file, a hub id, or an embedded target. A
 mistyped path is one line at once, and the console scripts check it before torch loads (preflight.py); only the two
 checks that read a folder's config and tokenizer through transformers import it, once the folder is known to exist.
-targets.py loads what these checks accepted.
+targets.py loads what these checks accepted; the tokenizer loader lives here (the checks read tokenizers too), so
+the import goes one way, targets -> model_paths.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from drafter_train.errors import ConfigError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 EMBEDDED_PREFIX = "embedded:"
 # Any of these in a folder means AutoTokenizer has something to load.
@@ -94,8 +98,6 @@ def check_tokenizer_fits(path: str) -> None:
     from transformers import AutoConfig
 
     rows = getattr(AutoConfig.from_pretrained(folder).get_text_config(), "vocab_size", None)
-    from drafter_train.targets import load_tokenizer
-
     tokenizer = load_tokenizer(str(folder))
     beyond = sorted((i, t) for t, i in tokenizer.get_vocab().items() if rows and i >= rows)
     if beyond:
@@ -113,3 +115,33 @@ def _looks_local(path: str) -> bool:
         or (os.sep != "/" and os.sep in path)
         or path.endswith(".gguf")
     )
+
+
+def load_tokenizer(path: str, gguf_file: Optional[str] = None) -> PreTrainedTokenizerBase:
+    """The tokenizer stored with a model (same path rules as ``load_causal_lm``), with a pad token set."""
+    source, gguf_file = locate(path, gguf_file)
+    if not gguf_file and Path(source).is_dir() and not any(Path(source, f).is_file() for f in TOKENIZER_FILES):
+        # Without this, AutoTokenizer fails with a page about sentencepiece and slow tokenizers.
+        raise ModelNotFoundError(f"{path}: no tokenizer files in this folder ({', '.join(TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    tokenizer = from_pretrained(AutoTokenizer, source, gguf_file)
+    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
+        # Batched generation left-pads prompts; the pad id is masked out, so reusing EOS is harmless.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def from_pretrained(cls, source: str, gguf_file: Optional[str], **kwargs):
+    """cls.from_pretrained of a local folder or file, else the hub; a hub miss is one line (ModelNotFoundError)."""
+    if gguf_file:
+        kwargs["gguf_file"] = gguf_file
+    if Path(source).is_dir():
+        return cls.from_pretrained(source, **kwargs)  # local errors (corrupt weights ...) keep their own message
+    try:
+        return cls.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as err:  # offline, unknown repo, invalid repo id, no such file in the repo
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ModelNotFoundError(
+            f"{source}: not a local folder or file, and could not be loaded from the hub: {reason}"
+        ) from err

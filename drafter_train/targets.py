@@ -25,7 +25,9 @@ from drafter_train.config import TargetConfig
 from drafter_train.devices import default_device
 from drafter_train.cpu_kernels import use_grouped_attention, use_onednn_linears
 from drafter_train.errors import ConfigError, ModelNotFoundError, VocabMismatchError
-from drafter_train.model_paths import EMBEDDED_PREFIX, TOKENIZER_FILES, locate
+# model_paths owns the path rules and the loading of a tokenizer by them (its checks read tokenizers; targets reads
+# its names): the import goes one way
+from drafter_train.model_paths import EMBEDDED_PREFIX, from_pretrained as _from_pretrained, load_tokenizer, locate
 from drafter_train.named_targets import NAMED, installed_gguf
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -99,19 +101,6 @@ def load_causal_lm(
     model.eval()
     model.requires_grad_(False)
     return model
-
-
-def load_tokenizer(path: str, gguf_file: Optional[str] = None) -> PreTrainedTokenizerBase:
-    """The tokenizer stored with a model (same path rules as ``load_causal_lm``), with a pad token set."""
-    source, gguf_file = locate(path, gguf_file)
-    if not gguf_file and Path(source).is_dir() and not any(Path(source, f).is_file() for f in TOKENIZER_FILES):
-        # Without this, AutoTokenizer fails with a page about sentencepiece and slow tokenizers.
-        raise ModelNotFoundError(f"{path}: no tokenizer files in this folder ({', '.join(TOKENIZER_FILES)})")
-    tokenizer = _from_pretrained(AutoTokenizer, source, gguf_file)
-    if tokenizer.pad_token is None and tokenizer.eos_token is not None:
-        # Batched generation left-pads prompts; the pad id is masked out, so reusing EOS is harmless.
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 def check_same_vocab(
@@ -349,20 +338,6 @@ def check_full_cache(model, feature: str) -> None:
                           "attention layers; use chains (no eval.tree) or another drafter kind")
 
 
-
-
-def _from_pretrained(cls, source: str, gguf_file: Optional[str], **kwargs):
-    if gguf_file:
-        kwargs["gguf_file"] = gguf_file
-    if Path(source).is_dir():
-        return cls.from_pretrained(source, **kwargs)  # local errors (corrupt weights ...) keep their own message
-    try:
-        return cls.from_pretrained(source, **kwargs)
-    except (OSError, ValueError) as err:  # offline, unknown repo, invalid repo id, no such file in the repo
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ModelNotFoundError(
-            f"{source}: not a local folder or file, and could not be loaded from the hub: {reason}"
-        ) from err
 
 
 def _check_same_tokenizer_vocab(target_tok: PreTrainedTokenizerBase, drafter_tok: PreTrainedTokenizerBase) -> None:

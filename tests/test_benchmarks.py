@@ -154,14 +154,14 @@ def test_engine_check_names_its_result_file_and_make_results_sets_it_beside_the_
     fake_result(results, "engines", "Engines", [["llama.cpp", 1.0]])
     for kind, name in (("eagle3", None), ("ar", "engine_llamacpp_ar")):
         args = Namespace(result_name=name, prompts="test", tolerance=0.03,
-                         artifacts="bash benchmarks/engine_artifacts.sh")
+                         artifacts="drafter-pipeline pipeline=engine_artifacts")
         path = engine_check.write_llamacpp_result(fake_llamacpp_check(kind, [0.25, 0.125]), args, results)
         assert path == results / f"{name or 'engine_llamacpp'}.json"
     record = json.loads((results / "engine_llamacpp_ar.json").read_text())
     assert record["title"] == "The exported ar drafter of SmolLM2-135M-Instruct served by llama.cpp"
     assert record["rows"][1][:4] == ["llama.cpp (f32, --spec-type draft-ar)", 1.25, 1.25, "0.250 0.125"]
     assert record["split"] == "test split, first 16 prompts"
-    assert record["command"].startswith("bash benchmarks/engine_artifacts.sh && python -m benchmarks.engine_check")
+    assert record["command"].startswith("drafter-pipeline pipeline=engine_artifacts && python -m benchmarks.engine_check")
     page = make_results.results_page(make_results.load_results(results))
     eagle3, ar, engines = (page.index(f"## {title}") for title in (
         "The exported eagle3 drafter", "The exported ar drafter", "Engines"))

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from drafter_train.engines.choose import choose, main
+from drafter_train.engines.choose import choose, chose_all, chosen, main
 from drafter_train.errors import ConfigError
 
 
@@ -153,3 +153,9 @@ def test_verify_file_choice_predicts_each_files_eagle3_against_the_fastest_plain
     assert verify_file_choice(split, [0.5, 0.5, 0.5], 3)["predicted"]["stock"] == round(1.875 / (160 / 50), 4)
     with pytest.raises(ConfigError, match="no file with EAGLE-3 costs"):
         verify_file_choice(split_record({"q4_k_m": (70.0, None)}), [0.5], 1)
+
+
+def test_a_choice_names_every_drafter_it_weighed_and_its_fields_by_path():
+    choice = choose(RECORD, ["e3", "ar"])
+    assert chose_all(choice, ["e3", "ar"]) and not chose_all(choice, ["e3", "ar", "df"])
+    assert chosen(choice, "draft_len.e3") == 2 and chosen(choice, "ngram_mode") == "ngram-mod"

@@ -191,12 +191,24 @@ def test_make_results_renders_a_served_table_from_its_result_file(tmp_path):
     assert "| unused |" not in page and "- split: test split, first 4 of each category" in page
 
 
-def test_the_readme_block_shows_the_served_table_above_the_main_job(tmp_path):
+def test_the_readme_block_shows_the_main_job_then_the_served_speedup_per_kind_of_cpu(tmp_path):
+    """One short table per question: the main job's, then per CPU kind the fastest plain decoder, the best free mode,
+    the best drafter trained here (not the stock 0.5B) and the product; first differences stay in results.md."""
     results, readme = tmp_path / "results", tmp_path / "README.md"
+    rows = [*SERVED_ROWS,
+            {"engine": "llama.cpp", "precision": "q4_k_m", "decoder": "free n-gram", "setting": "--spec-type ngram-simple",
+             "tokens_per_s": 11.5, "speedup_over_fastest": 0.958, "by_group": {}},
+            {"engine": "llama.cpp", "precision": "q4_k_m", "decoder": "EAGLE-3", "label": "eagle3",
+             "setting": "--spec-type draft-eagle3", "tokens_per_s": 9.0, "speedup_over_fastest": 0.75,
+             "by_group": {"code": {"tokens_per_s": 9.6, "speedup_over_fastest": 0.8},
+                          "rest": {"tokens_per_s": 8.4, "speedup_over_fastest": 0.7}}},
+            {"engine": "llama.cpp", "precision": "q4_k_m", "decoder": "product", "label": "eagle3",
+             "setting": "--spec-type ngram-simple,draft-eagle3", "tokens_per_s": 9.6, "speedup_over_fastest": 0.8,
+             "by_group": {}}]
     write_result("served_qwen1.5b-test-cpu-avx2", title="Qwen served by llama.cpp", question="Which pays?",
                  command="x", split="test split, 2 prompts", baseline="the fastest plain row", columns=["engine"],
                  rows=[["unused"]], machine={"cpu": "Test CPU", "cpu_features": ["avx2"]}, results_dir=results,
-                 data={"engine_rows": SERVED_ROWS, "cost_curves": [], "served": True})
+                 data={"engine_rows": rows, "cost_curves": [], "served": True})
     # a second kind of CPU's table shows too; a served result of another name (the free rows) does not
     write_result("served_qwen1.5b-test-cpu-avx512", title="Qwen served by llama.cpp", question="Which pays?",
                  command="x", split="test split, 4 prompts", baseline="the fastest plain row", columns=["engine"],
@@ -212,13 +224,16 @@ def test_the_readme_block_shows_the_served_table_above_the_main_job(tmp_path):
     readme.write_text("# P\n<!-- results:start -->\nold\n<!-- results:end -->\n")
     make_results.main(["--results-dir", str(results), "--docs", str(tmp_path / "r.md"), "--readme", str(readme)])
     text = readme.read_text()
-    assert "**Qwen served by llama.cpp** (Test CPU, avx2; test split, 2 prompts):" in text  # the CPU's kind
-    assert ("| q4_k_m | AR drafter (0.5B) | 10.8 | 0.900 | 1.050 | 0.750 | 3/4 (first differs at token 7; near-tie "
-            "shown in 1 of the 1 differing) |") in text
-    assert "**Qwen served by llama.cpp** (Test CPU, avx2, avx512f; test split, 4 prompts):" in text
+    assert "**The served speedup on Test CPU, avx2** (test split, 2 prompts):" in text  # the CPU's kind
+    assert "|  | decoder | tok/s | x baseline | code | rest |" in text
+    assert "| fastest plain decoder | plain, q4_k_m | 12.0 | 1.000 |" in text
+    assert "| best free mode | free n-gram (ngram-simple), q4_k_m | 11.5 | 0.958 | – | – |" in text
+    assert "| best trained drafter | EAGLE-3 (eagle3), q4_k_m | 9.000 | 0.750 | 0.800 | 0.700 |" in text
+    assert "| the product | product (eagle3), q4_k_m | 9.600 | 0.800 |" in text
+    assert "0.5B" not in text and "first differs" not in text and "near-tie" not in text
+    assert "**The served speedup on Test CPU, avx2, avx512f** (test split, 4 prompts):" in text
     assert "Free rows" not in text
-    assert text.index("avx2; test split") < text.index("avx512f; test split") < text.index("**The main job**")
-    assert text.index("Qwen served") < text.index("**The main job**") < text.index("| product | 1.250 |")
+    assert text.index("| product | 1.250 |") < text.index("on Test CPU, avx2**") < text.index("avx2, avx512f**")
 
 
 def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
@@ -422,7 +437,7 @@ def test_every_served_row_type_runs_in_llamacpp(stories_runs, stories_path, tmp_
     draft model (the f32 file serving the q8_0 target); each speculative row with llama.cpp's acceptance, its
     category groups and a prediction from its own calibrated step; then make_results renders the section."""
     from benchmarks import engines as driver
-    from drafter_train.llamacpp import write_lookup_cache
+    from drafter_train.engines.lookup_cache import write_lookup_cache
     from drafter_train.targets import load_tokenizer
 
     from tests.test_engine_llamacpp import STORIES_DFLASH

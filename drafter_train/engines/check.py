@@ -231,7 +231,8 @@ def check_llamacpp(step_dir: Path, spec: CheckSpec) -> dict:
     from drafter_train.engines.export import export_llamacpp, engine_method
     from drafter_train.engines.llamacpp_server import LlamaServer, server_bin
     from drafter_train.gguf_file import file_type
-    from drafter_train.llamacpp import DRAFTER_FILE, TARGET_FILE, llamacpp_dir, write_lookup_cache
+    from drafter_train.engines.lookup_cache import write_lookup_cache
+    from drafter_train.llamacpp import DRAFTER_FILE, TARGET_FILE, llamacpp_dir
     from drafter_train.targets import model_name
 
     field = "engine_check --engine llamacpp"

@@ -1,4 +1,5 @@
-"""Choosing served settings by measured speed in the engine, on the dev split (scripts/served_qwen.sh's `choose`).
+"""Choosing served settings by measured speed in the engine, on the dev split (the served pipeline's `choose`
+stage: drafter_train/pipeline/served.py).
 
     python -m drafter_train.engines.choose RUN/choose.json e3 ar [--corpus RUN/choose-corpus.json]
 
@@ -68,7 +69,7 @@ def choose(record: dict, prefixes: Sequence[str], corpus_record: dict | None = N
     _dev_only(record, "choose")
     if corpus_record is not None and corpus_record.get("machine") != record.get("machine"):
         raise ConfigError("choose --corpus: the two dev records were measured on different machines")
-    # the machine the choice was measured on: a choice made on another CPU is made again (scripts/served_qwen.sh)
+    # the machine the choice was measured on: a choice made on another CPU is made again (the served pipeline)
     out = {"draft_len": {}, "tokens_per_s": {_name(r): r["tokens_per_s"] for r in rows},
            "machine": record.get("machine")}
     plain = max((r["tokens_per_s"] for r in rows if r["decoder"] == "plain"), default=None)
@@ -126,6 +127,20 @@ def verify_file_choice(split: dict, acceptance: Sequence[float], draft_len: int)
     if not predicted:
         raise ConfigError("choose --verify-split: the record has no file with EAGLE-3 costs (run it with --eagle3)")
     return {"file": max(predicted, key=predicted.get), "predicted": predicted}
+
+
+def chose_all(choice: dict, prefixes: Sequence[str]) -> bool:
+    """Whether `choice` (choice.json) chose a draft length for every one of `prefixes` (a drafter added since was
+    never timed beside the others: the choice is made again)."""
+    return set(prefixes) <= set(choice.get("draft_len", {}))
+
+
+def chosen(choice: dict, dotted: str):
+    """A field of choice.json by its dotted path ("draft_len.e3")."""
+    value = choice
+    for key in dotted.split("."):
+        value = value[key]
+    return value
 
 
 def _read(path: Path) -> dict:

@@ -106,6 +106,18 @@ def cached_target_gguf(root: Path, target_dir: Path, gguf_type: str, cache_dir: 
     return out
 
 
+def llama_target_gguf(target: str, gguf_type: str = "f16") -> Path:
+    """The named or embedded `target` (a target.path) converted by llama.cpp's converter at gguf_type from its
+    dequantised copy (cached_target_gguf), then re-exported under the llama architecture beside it (what llama.cpp's
+    EAGLE-3 reads): the agreement stage's target, where llama.cpp and our decoder do the same arithmetic."""
+    from drafter_train.llama_reexport import reexport_as_llama
+    from drafter_train.llamacpp import llamacpp_dir
+
+    gguf = cached_target_gguf(llamacpp_dir(), target_folder({"path": target}, "agreement"), gguf_type)
+    out = gguf.with_name("target.llama.gguf")
+    return out if out.is_file() else reexport_as_llama(gguf, out)
+
+
 def export_llamacpp(drafter_dir: Path, out: Path, root: Path, gguf_type: str, field: str, target: dict,
                     draft_len: int, target_gguf: Optional[Path] = None,
                     cache_dir: Optional[Path] = None) -> EngineFiles:

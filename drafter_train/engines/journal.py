@@ -87,7 +87,7 @@ def measured_here(path: Path) -> Optional[str]:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """python -m drafter_train.engines.journal PATH: exit 0 when PATH was measured on this machine, else 1 and why
-    (scripts/served_qwen.sh measures again what another CPU measured)."""
+    (the pipeline runner measures again what another CPU measured: pipeline/runner.py set_aside_elsewhere)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m drafter_train.engines.journal", description=main.__doc__)

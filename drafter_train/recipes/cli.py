@@ -130,3 +130,12 @@ def report_main() -> None:
 def seq2seq_main() -> None:
     """drafter-seq2seq (recipes/seq2seq.py): its target folder and splits checked first (seq2seq/config.py)."""
     console("drafter-seq2seq", "seq2seq", "drafter_train.recipes.seq2seq", check_paths)
+
+
+MAINS = {"train": train_main, "eval": eval_main, "datagen": datagen_main, "export": export_main,
+         "report": report_main, "seq2seq": seq2seq_main}
+
+if __name__ == "__main__":  # python -m drafter_train.recipes.cli JOB ARGS: the console script drafter-JOB
+    job = sys.argv.pop(1)
+    sys.argv[0] = f"drafter-{job}"
+    MAINS[job]()
