@@ -177,3 +177,52 @@ def test_the_served_stages_choose_on_dev_then_serve_the_choice_on_test(tmp_path,
     assert f"eagle3={out}/agreement-ours.json" in table and "--near-ties" in table
     assert [json.loads(line)["stage"] for line in (out / "stages.jsonl").read_text().splitlines()] == [
         "choose", "agreement", "table"]
+
+
+def test_choose_picks_eagle3s_target_file_from_the_verify_split_and_the_table_serves_it(tmp_path, monkeypatch):
+    """With this machine's verify split (benchmarks/verify_split.py), choose adds the target file EAGLE-3 is predicted
+    fastest on at its dev acceptance (choice.json's verify_file), and the table adds every verify file's plain row
+    and EAGLE-3 on the chosen one."""
+    from drafter_train.engines.journal import machine_identity
+    from drafter_train.engines.table import LOOKUPS_ONLY
+    from drafter_train.pipeline import served
+    from drafter_train.pipeline.runner import run_pipeline
+    from drafter_train.recipes.pipeline import compose_pipeline
+
+    out, calls = tmp_path / "out", []
+
+    def fake(module, args, ok=(0,)):
+        args = [str(a) for a in args]
+        calls.append(args)
+        folder, name = Path(args[args.index("--output") + 1]), args[args.index("--result-name") + 1]
+        folder.mkdir(parents=True, exist_ok=True)
+        rows = [dict(r, acceptance_per_position=[0.6, 0.5, 0.4]) for r in _rows(10.0)]
+        if name == "choose-corpus":
+            rows = [rows[1], {"precision": "q4_k_m-llama", "decoder": "product", "label": LOOKUPS_ONLY,
+                              "tokens_per_s": 13.0,
+                              "setting": "--spec-type ngram-simple,ngram-cache --lookup-cache-static x"}]
+        (folder / f"{name}.json").write_text(json.dumps({"prompts": "dev", "rows": rows,
+                                                         "machine": machine_identity()}))
+        return 0
+
+    monkeypatch.setattr(served, "benchmark", fake)
+    for export_dir in ("eagle3", "ar", "dflash"):
+        (out / "exports" / export_dir).mkdir(parents=True)
+    figures = {label: {"plain_ms": plain, "kinds": {"eagle3": {"ms": {"2": step, "4": step * 1.3},
+                                                               "draft_ms": {"2": 4.0, "4": 12.0}}}}
+               for label, plain, step in (("q4_k_m-llama", 65.0, 120.0), ("q4_0-out_q4_0", 62.0, 90.0))}
+    split = tmp_path / "verify_split.json"
+    split.write_text(json.dumps({"data": {"figures": figures}}))
+    cheap = tmp_path / "t.llama.q4_0-out_q4_0.gguf"
+    cheap.write_bytes(b"GGUF")
+    cfg = compose_pipeline(["pipeline=served_qwen", f"pipeline.out={out}", "pipeline.stages=[choose,table]",
+                            f"pipeline.known.choose.args.verify_split={split}",
+                            f"+pipeline.known.table.args.verify_files={{q4_0-out_q4_0: {cheap}, q4_0: {tmp_path}/none}}"])
+    run_pipeline(cfg, say=lambda m: None)
+
+    choice = json.loads((out / "choice.json").read_text())
+    assert choice["draft_len"]["e3"] == 3 and choice["verify_file"]["file"] == "q4_0-out_q4_0"
+    table = calls[-1]
+    assert f"q4_0-out_q4_0={cheap}" in table and not any(a.startswith("q4_0=") for a in table)  # made files only
+    assert f"eagle3-q4_0-out_q4_0={out}/exports/eagle3-q4_k_m/drafter.gguf@q4_0-out_q4_0" in table
+    assert "eagle3-q4_0-out_q4_0=3" in table

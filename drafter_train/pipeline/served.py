@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from drafter_train.engines.choose import CORPUS_MODE, chose_all, chosen, choose as choose_settings
+from drafter_train.engines.choose import CORPUS_MODE, chose_all, chosen, choose as choose_settings, verify_file_choice
 from drafter_train.engines.journal import measured_here
 from drafter_train.errors import ConfigError
 from drafter_train.io import write_atomic
@@ -58,10 +58,11 @@ def chose(stage: Stage) -> bool:
 
 
 def choose(out: str, served: list, dev: list, drafts_at: list, drafts: dict, corpus_dev: list,
-           quantised: dict) -> None:
+           quantised: dict, verify_split: str = "") -> None:
     """Time every drafter at each length of `drafts_at` and each free n-gram mode on dev (OUT/choose); then whether
     the corpus cache helps the kept mode, and EAGLE-3 exported quantised (`quantised`, at length 1), in a second dev
-    pass (OUT/choose-corpus); write OUT/choice.json (engines/choose.py says what it keeps)."""
+    pass (OUT/choose-corpus); write OUT/choice.json (engines/choose.py says what it keeps). With a `verify_split`
+    record of this machine, also the target file EAGLE-3 (the first of `drafts`) is served on (its verify_file)."""
     root = Path(out)
     choice_file, first, second = root / "choice.json", root / "choose" / "choose.json", root / "choose-corpus"
     if choice_file.is_file() and not chose_all(json.loads(choice_file.read_text()), list(drafts)):
@@ -80,7 +81,14 @@ def choose(out: str, served: list, dev: list, drafts_at: list, drafts: dict, cor
                                   "--product-ngram", f"{mode},{CORPUS_MODE}", *draft_args([1], quantised),
                                   "--output", second, "--result-name", "choose-corpus"])
         corpus = json.loads((second / "choose-corpus.json").read_text())
-    write_atomic(choice_file, json.dumps(choose_settings(record, list(drafts), corpus), indent=2) + "\n")
+    picked = choose_settings(record, list(drafts), corpus)
+    if verify_split and Path(verify_split).is_file():
+        e3 = list(drafts)[0]
+        length = picked["draft_len"][e3]
+        row = next(r for r in record["rows"] if r.get("label") == f"{e3}-{length}")
+        picked["verify_file"] = verify_file_choice(json.loads(Path(verify_split).read_text()),
+                                                   row.get("acceptance_per_position") or [], length)
+    write_atomic(choice_file, json.dumps(picked, indent=2) + "\n")
 
 
 def agreement(out: str, target: str, made: list, served: dict, check: list, results: str) -> None:
@@ -106,10 +114,13 @@ def agreement(out: str, target: str, made: list, served: dict, check: list, resu
             shutil.copy(root / f"agreement-{name}" / "llamacpp_check.json", ours)
 
 
-def table(out: str, served: list, test: list, choice: str, drafts: dict, near_ties: list, result_name: str) -> None:
+def table(out: str, served: list, test: list, choice: str, drafts: dict, near_ties: list, result_name: str,
+          verify_files: dict | None = None) -> None:
     """The served table on the test split: each drafter of `drafts` (label -> [GGUF@precision, draft length: a
     number, or the choice.json prefix whose length was chosen on dev]), the free mode chosen, the product with
-    EAGLE-3 and, unless the corpus cache stayed out, without a drafter (lookups)."""
+    EAGLE-3 and, unless the corpus cache stayed out, without a drafter (lookups). `verify_files` (label -> GGUF, the
+    files the verify-split stage made): each one's plain row, and where choose picked one for EAGLE-3
+    (choice.json's verify_file), EAGLE-3 on it too (row eagle3-LABEL)."""
     why = measured_here(Path(choice))
     if why:
         raise ConfigError("served_qwen: the table serves what the choose stage chose on this machine: run "
@@ -119,6 +130,15 @@ def table(out: str, served: list, test: list, choice: str, drafts: dict, near_ti
     for label, (file, length) in drafts.items():
         length = length if isinstance(length, int) else chosen(picked, f"draft_len.{length}")
         args += ["--draft-gguf", f"{label}={file}", "--draft-len-of", f"{label}={length}"]
+    for label, file in (verify_files or {}).items():
+        if Path(file).is_file():
+            args += ["--target-gguf", f"{label}={file}"]
+    on = (picked.get("verify_file") or {}).get("file")
+    if on in (verify_files or {}) and Path(verify_files[on]).is_file():
+        file, length = drafts["eagle3"]
+        length = length if isinstance(length, int) else chosen(picked, f"draft_len.{length}")
+        args += ["--draft-gguf", f"eagle3-{on}={file.rpartition('@')[0]}@{on}", "--draft-len-of",
+                 f"eagle3-{on}={length}"]
     lookups = [] if chosen(picked, "product_ngram") == chosen(picked, "ngram_mode") else ["--product", "lookups"]
     ours = Path(out) / "agreement-ours.json"
     beside = ["--ours-acceptance", f"eagle3={ours}"] if ours.is_file() else []
