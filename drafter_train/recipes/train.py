@@ -124,10 +124,10 @@ def train(cfg: TrainJobConfig) -> dict:
     may get {})."""
     # `best` (and layer-skip's search) is chosen on the evaluated prompts: never the test split
     refuse_test_split(cfg.eval.prompts, "eval.prompts", "drafter-train (picking best)")
-    check_inputs(cfg)  # every kind's: a search (fit) included
     fit = resolve_kind(cfg.drafter).fit
     if fit is not None:  # a kind trained otherwise than by gradient descent (layerskip: a search)
         return fit(cfg)
+    check_inputs(cfg)
     tcfg = cfg.train
     if tcfg.eval_engine != "ours":  # one line, before anything loads: not built, no export, a layout it cannot run
         refuse_engine_before_training(cfg)

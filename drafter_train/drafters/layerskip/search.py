@@ -50,6 +50,7 @@ from drafter_train.distributed import make_accelerator
 from drafter_train.drafters.layerskip.model import decoder_layers, new_model, skipping, target_fingerprint
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
+from drafter_train.preflight import check_inputs
 from drafter_train.evaluation import evaluate_decoding
 from drafter_train.data.prompts import split_name
 from drafter_train.data.overlap import check_eval_overlap
@@ -193,7 +194,7 @@ def search(cfg: TrainJobConfig) -> dict:
     if not isinstance(dcfg, LayerSkipDrafterConfig) or dcfg.path != "skips":
         raise ConfigError("drafter.path: drafter-train drafter=layerskip searches a new skip set (drafter.path=skips); "
                           "evaluate a saved one with drafter-eval")
-    # its inputs were checked by drafter-train (recipes/train.py: check_inputs) before the search was called
+    check_inputs(cfg)
     run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
     config = OmegaConf.to_container(OmegaConf.structured(cfg))
     if tcfg.resume == "auto":
