@@ -714,6 +714,11 @@ class ExportConfig:
     # every kind's quantised drafter (AR, EAGLE-3 and DFlash: the opt-in tests in tests/test_engine_llamacpp.py).
     drafter_gguf_type: str = "auto"
     gguf_target: bool = True
+    # With gguf_target: target.gguf made from gguf_type as one of the target files made for verification
+    # (drafter_train.llamacpp.VERIFY_FILES: the output matrix in a type x86 repacks, Q4_0 layers), the one that
+    # `python -m benchmarks.verify_split` (or the served pipeline's choice.json, verify_file) found cheapest to verify
+    # on the serving machine. None: gguf_type as it is.
+    verify_file: Optional[str] = None
     llamacpp: Optional[str] = None
     # calibration.json that `drafter-eval eval.calibration.enabled=true` wrote for this checkpoint's drafter: the card
     # then records the draft length / tree size it picked and the machine it was measured on.

@@ -35,6 +35,11 @@ class GgufJob:
     gguf_type: str = "f16"
     with_target: bool = True
     drafter_gguf_type: str = "auto"  # export.drafter_gguf_type
+    verify_file: Optional[str] = None  # export.verify_file: a VERIFY_FILES label, the target requantised that way
+
+    def __post_init__(self) -> None:
+        if self.verify_file is not None and self.verify_file not in VERIFY_FILES:
+            raise ConfigError(f"export.verify_file: must be one of {', '.join(VERIFY_FILES)}, got {self.verify_file!r}")
 
     @property
     def drafter_type(self) -> str:
@@ -44,8 +49,17 @@ class GgufJob:
         return "f32" if self.gguf_type == "f32" else "f16"
 
     def write_target(self, out: Path) -> None:
-        if self.with_target:
+        if not self.with_target:
+            return
+        if not self.verify_file:
             convert_typed(self.root, self.target_dir, out / TARGET_FILE, self.gguf_type, name="target")
+            return
+        # made from gguf_type as verify_file() makes it from an installed file, then moved to target.gguf
+        source = convert_typed(self.root, self.target_dir, out / f".{TARGET_FILE}", self.gguf_type, name="target")
+        try:
+            os.replace(verify_file(self.root, source, self.verify_file), out / TARGET_FILE)
+        finally:
+            source.unlink(missing_ok=True)
 
 
 def target_folder(target: dict, field: str) -> Path:
@@ -179,7 +193,7 @@ def verify_file(root: Path, src: Path, label: str) -> Path:
                                  if name != "output.weight"))
         command += ["--tensor-type-file", str(types)]
     try:
-        _run([*command, str(src), str(partial), file_type], f"llama-quantize {src.name} to {label}")
+        run_tool([*command, str(src), str(partial), file_type], f"llama-quantize {src.name} to {label}")
         os.replace(partial, out)
     finally:
         partial.unlink(missing_ok=True)

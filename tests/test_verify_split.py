@@ -89,3 +89,29 @@ def test_verify_file_requantises_once_with_its_output_type(tmp_path, monkeypatch
     assert not list(tmp_path.glob(".*"))  # no partial file left
     with pytest.raises(ConfigError, match="verify file 'q9': not one of " + ", ".join(VERIFY_FILES)):
         verify_file(tmp_path, src, "q9")
+
+
+def test_export_verify_file_writes_the_target_requantised_from_gguf_type(tmp_path, monkeypatch):
+    """export.verify_file: target.gguf converted at gguf_type, then requantised as that verify file; nothing else is
+    left in the export folder. An unknown label is refused by the config, naming the field."""
+    from drafter_train.config import ExportConfig
+    from drafter_train.llamacpp import GgufJob
+    from tests.test_gguf import fake_converter
+
+    log = tmp_path / "quantize.log"
+    root = fake_converter(tmp_path / "llcpp", log)
+    quantize = root / "build" / "bin" / "llama-quantize"
+    quantize.write_text(f'#!/bin/sh\necho "$@" >> {log}\nshift $(($# - 3))\ncp "$1" "$2"\n')
+    monkeypatch.setattr(llamacpp, "_tensor_types", lambda path: {})
+    out = tmp_path / "out"
+    out.mkdir()
+    GgufJob(root, tmp_path, "f16", with_target=True, verify_file="q4_0-out_q4_0").write_target(out)
+    assert (out / "target.gguf").read_text() == "f16"  # converted in f16, then requantised
+    call = log.read_text().split()
+    assert call[:3] == ["--allow-requantize", "--output-tensor-type", "q4_0"] and call[-1] == "Q4_0"
+    assert sorted(p.name for p in out.iterdir()) == ["target.gguf"]
+    GgufJob(root, tmp_path, "q8_0", with_target=True).write_target(out)  # without it: gguf_type as it is
+    assert log.read_text().splitlines()[-1].endswith("Q8_0")
+    with pytest.raises(ConfigError, match="export.verify_file: must be one of q4_k_m-out_q4_k, "):
+        GgufJob(root, tmp_path, "f16", verify_file="q9")
+    assert ExportConfig(verify_file="q4_0").verify_file == "q4_0"  # the field the recipe hands to GgufJob

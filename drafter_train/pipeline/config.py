@@ -61,7 +61,8 @@ class PipelineConfig:
     groups: dict[str, list[str]] = field(default_factory=dict)
     known: dict[str, Stage] = field(default_factory=dict)  # every stage by name
     shared: dict[str, Any] = field(default_factory=dict)  # what several stages use: argument lists, paths
-    env: dict[str, str] = field(default_factory=lambda: {"DS_ACCELERATOR": "cpu"})  # set unless already set
+    # set unless already set (the wrappers in scripts/ set DS_ACCELERATOR for deepspeed's accelerator warning)
+    env: dict[str, str] = field(default_factory=dict)
     dry_run: bool = False  # print each stage's command line, and whether it is done, instead of running it
     command: str = ""  # what reproduces this run (a result file's "command"): the wrapper and the overrides given
 

@@ -308,7 +308,8 @@ def gguf_job(cfg: ExportConfig, info: RunInfo) -> GgufJob:
     converts it)."""
     check_format(cfg.format, info)  # a kind without a gguf writer: refused before looking for llama.cpp
     target_dir = target_folder(info.config.get("target", {}), "export.format=gguf")
-    return GgufJob(llamacpp_dir(cfg.llamacpp), target_dir, cfg.gguf_type, cfg.gguf_target, cfg.drafter_gguf_type)
+    return GgufJob(llamacpp_dir(cfg.llamacpp), target_dir, cfg.gguf_type, cfg.gguf_target, cfg.drafter_gguf_type,
+                   cfg.verify_file)
 
 
 def read_calibration(path: str, drafter_dir: Path) -> dict:

@@ -83,7 +83,7 @@ def initial_flags(build: Path) -> tuple[list[str], bool]:
     if given:
         return given.split(), False
     record = read_record(build)
-    if record and record.get("cpu") == cpu_fingerprint():
+    if record and record.get("cpu_model") == cpu_fingerprint():
         print(f"setup_llamacpp: building with the flags that passed on this CPU before ({build / RECORD})")
         return list(record["flags"]), True
     probe = subprocess.run(["bash", str(REPO / "scripts" / "llamacpp_flags.sh")], check=True, capture_output=True,
@@ -151,7 +151,7 @@ def run(root: Path, build: Path, jobs: int) -> list[str]:
             why = f"{crash.signal_name} in {crash.what}"
             print(f"setup_llamacpp: the smoke run died ({why}) with {' '.join(groups)} on: rebuilding without them",
                   file=sys.stderr)
-    record = {"cpu": cpu_fingerprint(), "flags": flags, "left_out": left_out, "why": why}
+    record = {"cpu_model": cpu_fingerprint(), "flags": flags, "left_out": left_out, "why": why}
     (build / RECORD).write_text(json.dumps(record, indent=1) + "\n")
     if left_out:
         print(f"setup_llamacpp: left out {' '.join(left_out)} ({why} with them on); the smoke run passes without "
