@@ -522,6 +522,9 @@ def test_acceptance_needed_for_each_speedup_by_hand():
     assert got["1"] == pytest.approx((5 ** 0.5 - 1) / 2, abs=1e-6)
     assert got["1.5"] == pytest.approx(1.0, abs=1e-6)
     assert got["2"] is None
+    # on a file whose plain step is 1.25 of the baseline's, the step costs 2.5 baseline steps: 1.0x needs tau 2.5
+    slower = table.acceptance_needed_for({1: 1.0, 2: 1.5, 3: 1.8}, 2, 0.2, slower=1.25)
+    assert 1 + slower["1"] + slower["1"] ** 2 == pytest.approx(2.5, abs=1e-6) and slower["1.5"] is None
 
 
 def _case(reference, other, position, stepwise, batched, stepwise_tokens=None, verify=()):

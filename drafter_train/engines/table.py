@@ -217,21 +217,24 @@ def summarize(rounds: list[dict], curves: list[dict], categories: Optional[Seque
             passes = max(row["plain_passes"] + len(row["drafted"]), 1)
             row["draft_cost_per_step"] = row["draft_ms"] / ms_1 / passes
             if row.get("draft_len") and row["drafted"]:
+                # against the baseline: a file whose plain decoding is slower than the fastest file's pays for it
+                slower = fastest["tokens_per_s"] / own["tokens_per_s"] if own else 1.0
                 row["acceptance_needed"] = acceptance_needed_for(
-                    relative, row["draft_len"], row["draft_ms"] / ms_1 / len(row["drafted"]))
+                    relative, row["draft_len"], row["draft_ms"] / ms_1 / len(row["drafted"]), slower=slower)
         for field in ("drafted",):  # per-step lists stay out of the result file
             row.pop(field, None)
     return rows
 
 
 def acceptance_needed_for(relative: dict[int, float], draft_len: int, draft_cost: float,
-                          speedups: Sequence[float] = NEEDED_SPEEDUPS) -> dict[str, Optional[float]]:
+                          speedups: Sequence[float] = NEEDED_SPEEDUPS, slower: float = 1.0) -> dict[str, Optional[float]]:
     """The per-position acceptance (the same at every position of a chain of draft_len) at which a drafter whose
     every step drafts draft_len tokens, at `draft_cost` 1-token passes per step, with the engine's step `relative`,
-    would reach each speedup over plain decoding (None: not reachable at that draft length)."""
+    would reach each speedup over the baseline (None: not reachable at that draft length). slower: the file's plain
+    step in plain steps of the baseline (the fastest plain file; 1: the file is the baseline)."""
     from drafter_train.calibrate import acceptance_needed, break_even_tau, cost_at
 
-    step = break_even_tau(cost_at(relative, draft_len + 1), draft_cost)
+    step = break_even_tau(cost_at(relative, draft_len + 1), draft_cost) * slower
     return {f"{s:g}": acceptance_needed(s * step, draft_len) for s in speedups}
 
 
