@@ -121,6 +121,19 @@ def _rows(mode_tps: float) -> list[dict]:
     return [row("plain", "plain", 11.0), row("free n-gram", "--spec-type ngram-simple", mode_tps), *lengths]
 
 
+def _write_dev_record(folder: Path, name: str, rows: list[dict]) -> None:
+    """What benchmarks.engines writes for a dev pass: `rows`, or for the corpus pass (choose-corpus) the kept mode's
+    row and the lookups product with the corpus cache, faster."""
+    from drafter_train.engines.journal import machine_identity
+    from drafter_train.engines.table import LOOKUPS_ONLY
+
+    if name == "choose-corpus":
+        rows = [rows[1], {"precision": "q4_k_m-llama", "decoder": "product", "label": LOOKUPS_ONLY,
+                          "tokens_per_s": 13.0,
+                          "setting": "--spec-type ngram-simple,ngram-cache --lookup-cache-static x"}]
+    (folder / f"{name}.json").write_text(json.dumps({"prompts": "dev", "rows": rows, "machine": machine_identity()}))
+
+
 def test_the_served_stages_choose_on_dev_then_serve_the_choice_on_test(tmp_path, monkeypatch):
     """choose, agreement and table with benchmarks.engines / engine_check replaced by a fake that records each
     command line and writes what the real one would: the dev passes feed choice.json, the agreement decodes ours once,
@@ -144,13 +157,7 @@ def test_the_served_stages_choose_on_dev_then_serve_the_choice_on_test(tmp_path,
             results.mkdir(exist_ok=True)
             (results / f"{name}.json").write_text("{}")
             return 0
-        rows = _rows(12.0)
-        if name == "choose-corpus":
-            rows = [rows[1], {"precision": "q4_k_m-llama", "decoder": "product", "label": LOOKUPS_ONLY,
-                              "tokens_per_s": 13.0,
-                              "setting": "--spec-type ngram-simple,ngram-cache --lookup-cache-static x"}]
-        (folder / f"{name}.json").write_text(json.dumps({"prompts": "dev", "rows": rows,
-                                                         "machine": machine_identity()}))
+        _write_dev_record(folder, name, _rows(12.0))
         return 0
 
     monkeypatch.setattr(served, "benchmark", fake)
@@ -183,8 +190,6 @@ def test_choose_picks_eagle3s_target_file_from_the_verify_split_and_the_table_se
     """With this machine's verify split (benchmarks/verify_split.py), choose adds the target file EAGLE-3 is predicted
     fastest on at its dev acceptance (choice.json's verify_file), and the table adds every verify file's plain row
     and EAGLE-3 on the chosen one."""
-    from drafter_train.engines.journal import machine_identity
-    from drafter_train.engines.table import LOOKUPS_ONLY
     from drafter_train.pipeline import served
     from drafter_train.pipeline.runner import run_pipeline
     from drafter_train.recipes.pipeline import compose_pipeline
@@ -196,13 +201,7 @@ def test_choose_picks_eagle3s_target_file_from_the_verify_split_and_the_table_se
         calls.append(args)
         folder, name = Path(args[args.index("--output") + 1]), args[args.index("--result-name") + 1]
         folder.mkdir(parents=True, exist_ok=True)
-        rows = [dict(r, acceptance_per_position=[0.6, 0.5, 0.4]) for r in _rows(10.0)]
-        if name == "choose-corpus":
-            rows = [rows[1], {"precision": "q4_k_m-llama", "decoder": "product", "label": LOOKUPS_ONLY,
-                              "tokens_per_s": 13.0,
-                              "setting": "--spec-type ngram-simple,ngram-cache --lookup-cache-static x"}]
-        (folder / f"{name}.json").write_text(json.dumps({"prompts": "dev", "rows": rows,
-                                                         "machine": machine_identity()}))
+        _write_dev_record(folder, name, [dict(r, acceptance_per_position=[0.6, 0.5, 0.4]) for r in _rows(10.0)])
         return 0
 
     monkeypatch.setattr(served, "benchmark", fake)
@@ -217,7 +216,8 @@ def test_choose_picks_eagle3s_target_file_from_the_verify_split_and_the_table_se
     cheap.write_bytes(b"GGUF")
     cfg = compose_pipeline(["pipeline=served_qwen", f"pipeline.out={out}", "pipeline.stages=[choose,table]",
                             f"pipeline.known.choose.args.verify_split={split}",
-                            f"+pipeline.known.table.args.verify_files={{q4_0-out_q4_0: {cheap}, q4_0: {tmp_path}/none}}"])
+                            "+pipeline.known.table.args.verify_files="
+                            f"{{q4_0-out_q4_0: {cheap}, q4_0: {tmp_path}/none}}"])
     run_pipeline(cfg, say=lambda m: None)
 
     choice = json.loads((out / "choice.json").read_text())

@@ -143,6 +143,14 @@ def chosen(choice: dict, dotted: str):
     return value
 
 
+def add_verify_file(picked: dict, record: dict, prefix: str, split: dict) -> dict:
+    """`picked` (choose's output for `record`) with verify_file: verify_file_choice at the draft length chosen for
+    `prefix` (EAGLE-3's) and that row's dev acceptance."""
+    length = picked["draft_len"][prefix]
+    row = next(r for r in record["rows"] if r.get("label") == f"{prefix}-{length}")
+    return dict(picked, verify_file=verify_file_choice(split, row.get("acceptance_per_position") or [], length))
+
+
 def _read(path: Path) -> dict:
     if not path.is_file():
         sys.exit(f"choose: no such file {path}")
@@ -156,18 +164,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--corpus", type=Path, default=None,
                         help="a dev record of the kept mode alone and with the corpus cache (the lookups product)")
     parser.add_argument("--verify-split", type=Path, default=None,
-                        help="benchmarks/verify_split.py's record for this machine: also choose the target file EAGLE-3 "
-                             "(the first prefix) is served on, at its chosen length and dev acceptance")
+                        help="benchmarks/verify_split.py's record for this machine: also choose the target file "
+                             "EAGLE-3 (the first prefix) is served on, at its chosen length and dev acceptance")
     args = parser.parse_args(argv)
     record = _read(args.record)
     corpus = _read(args.corpus) if args.corpus else None
     try:
         out = choose(record, args.prefixes, corpus)
         if args.verify_split:
-            e3 = f"{args.prefixes[0]}-{out['draft_len'][args.prefixes[0]]}"
-            row = next(r for r in record["rows"] if r.get("label") == e3)
-            out["verify_file"] = verify_file_choice(_read(args.verify_split), row.get("acceptance_per_position") or [],
-                                                    out["draft_len"][args.prefixes[0]])
+            out = add_verify_file(out, record, args.prefixes[0], _read(args.verify_split))
         print(json.dumps(out, indent=2))
     except ConfigError as err:
         sys.exit(str(err))

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from drafter_train.engines.choose import CORPUS_MODE, chose_all, chosen, choose as choose_settings, verify_file_choice
+from drafter_train.engines.choose import CORPUS_MODE, add_verify_file, chose_all, chosen, choose as choose_settings
 from drafter_train.engines.journal import measured_here
 from drafter_train.errors import ConfigError
 from drafter_train.io import write_atomic
@@ -83,11 +83,7 @@ def choose(out: str, served: list, dev: list, drafts_at: list, drafts: dict, cor
         corpus = json.loads((second / "choose-corpus.json").read_text())
     picked = choose_settings(record, list(drafts), corpus)
     if verify_split and Path(verify_split).is_file():
-        e3 = list(drafts)[0]
-        length = picked["draft_len"][e3]
-        row = next(r for r in record["rows"] if r.get("label") == f"{e3}-{length}")
-        picked["verify_file"] = verify_file_choice(json.loads(Path(verify_split).read_text()),
-                                                   row.get("acceptance_per_position") or [], length)
+        picked = add_verify_file(picked, record, list(drafts)[0], json.loads(Path(verify_split).read_text()))
     write_atomic(choice_file, json.dumps(picked, indent=2) + "\n")
 
 

@@ -18,6 +18,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -67,7 +68,7 @@ def fetch_source(root: Path) -> None:
             with tarfile.open(next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))) as sdist:
                 sdist.extractall(tmp, filter="data")
             vendored = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
-            subprocess.run(["rm", "-rf", str(root / "llama.cpp")], check=True)
+            shutil.rmtree(root / "llama.cpp", ignore_errors=True)
             vendored.rename(root / "llama.cpp")
         (root / "SOURCE").write_text(f"llama-cpp-python=={version}\n")
     if not (root / "venv" / "bin" / "python").exists():
