@@ -76,13 +76,18 @@ def evaluate(drafter: Path, split: str, args, output: Path) -> dict:
 
 
 def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
-    """Train (resuming) and evaluate one point; its figures are kept in point.json."""
+    """Train (resuming) and evaluate one point; its figures are kept in point.json. A variant's `epochs=N` sets its
+    own number of passes (the others are drafter-train options)."""
     run = f"{variant}-r{records}"
     run_dir = Path(args.out) / run
     saved = run_dir / "point.json"
     if saved.is_file():
         return json.loads(saved.read_text())
-    steps = max(-(-args.epochs * records // 8), 1)
+    epochs = float(next((o.split("=", 1)[1] for o in overrides if o.startswith("epochs=")), args.epochs))
+    overrides = [o for o in overrides if not o.startswith("epochs=")]
+    if args.response == "reference":
+        overrides = ["train.response=reference", *overrides]
+    steps = max(int(-(-epochs * records // 8)), 1)
     began = time.perf_counter()
     train(compose_config("train", [
         *MAIN_JOB, f"train.data_dir={args.data}", f"train.max_records={records}", f"train.output_root={args.out}",
@@ -147,9 +152,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--points", type=int, nargs="+", default=[25_000, 100_000, 400_000, 1_600_000],
                         help="training response tokens per point")
     parser.add_argument("--variant", action="append", help="NAME=OVERRIDES (drafter-train options added to the main "
-                        "job's recipe, space-separated); repeatable; default: main-job= (the recipe as it is)")
+                        "job's recipe, space-separated; epochs=N sets the variant's passes); repeatable; default: "
+                        "main-job= (the recipe as it is)")
     parser.add_argument("--epochs", type=float, default=6, help="passes over each point's records (the main job: "
                         "600 steps of 8 over 800 records = 6)")
+    parser.add_argument("--response", choices=["target", "reference"], default="target",
+                        help="train on the target's own answers, or on the source's (a datagen.generate=false folder: "
+                             "train.response=reference; the target's features and distributions over given text)")
     parser.add_argument("--draft-len", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -157,7 +166,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--result-name", default="learning_curve")
     parser.add_argument("--results-dir", default=None)
     args = parser.parse_args(argv)
-    lengths = [len(r) for r in load_distill_dataset(args.data)["response_ids"]]
+    column = "reference_ids" if args.response == "reference" else "response_ids"
+    lengths = [len(r) for r in load_distill_dataset(args.data)[column]]
     args.tokens_in = lambda records: sum(lengths[:records])
     points, missing = [], []
     for variant, overrides in parse_variants(args.variant).items():
@@ -191,8 +201,10 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
                      f"{fit_notes(points)}.")
     extra = {"results_dir": Path(args.results_dir)} if args.results_dir else {}
     curve = len(variants) <= 1
-    write_result(args.result_name, title="EAGLE-3's acceptance against training data on SmolLM2-135M" if curve else
-                 "EAGLE-3 recipe ablations on SmolLM2-135M (chosen on dev, reported on test)",
+    source = " (trained on the source's answers)" if args.response == "reference" else ""
+    write_result(args.result_name, title=("EAGLE-3's acceptance against training data on SmolLM2-135M" if curve else
+                                          "EAGLE-3 recipe ablations on SmolLM2-135M (chosen on dev, reported on test)")
+                 + source,
                  question="How does the first-position acceptance of the main job's EAGLE-3 grow with the target's "
                           "own answers as training data, and how much data would 0.6 and 0.7 take?" if curve else
                           "Which change to the main job's EAGLE-3 recipe raises its acceptance at equal data?",

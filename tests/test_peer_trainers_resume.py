@@ -1,0 +1,42 @@
+"""benchmarks/peer_trainers.py without the peers: each (trainer, settings) is trained and evaluated once, its rows
+kept, and the result file is rewritten after each, so a stopped comparison resumes and its finished rows render."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from benchmarks import make_results
+from benchmarks import peer_trainers as pt
+
+
+def test_a_finished_trainer_is_not_run_again_and_the_result_file_grows_after_each(tmp_path, monkeypatch):
+    runs = []
+
+    def fake_train(trainer, args, target_dir, rows, subset, records, settings, out):
+        runs.append((trainer, settings["lr"]))
+        return out / "drafter", {"optimizer_steps": 19, "train_wall_s": 60.0}
+
+    def fake_evaluate(folder, target_dir, target, eos, prompts, args, out):
+        return [{"engine": "ours", "acceptance_length": 1.25, "per_position_acceptance": [0.2, 0.05],
+                 "tau": 1.25, "output_identical_to_plain": True}]
+
+    monkeypatch.setattr(pt, "train_peer", fake_train)
+    monkeypatch.setattr(pt, "evaluate", fake_evaluate)
+    args = argparse.Namespace(output=tmp_path / "runs", result=tmp_path / "results" / "peer_trainers.json",
+                              prompts="test", num_prompts=24, max_new_tokens=64, draft_len=3, target="t",
+                              layers=[2, 15, 27], draft_vocab_size=0, max_seq_len=512, data="d")
+    found = []
+    for name in ("defaults", "matched"):
+        found += pt.run_one("ours", name, args, "t", None, [0], [], tmp_path / "rows", tmp_path / "subset", 152,
+                            25000)
+        pt.write_result(args, ["--data", "d"], found)
+        assert len(json.loads(args.result.read_text())["rows"]) == len(found)
+    assert runs == [("ours", 5e-4), ("ours", 1e-3)]
+    again = pt.run_one("ours", "defaults", args, "t", None, [0], [], tmp_path / "rows", tmp_path / "subset", 152,
+                       25000)
+    assert runs == [("ours", 5e-4), ("ours", 1e-3)] and again == found[:1]
+    assert again[0]["settings"]["name"] == "defaults" and again[0]["tokens_seen"] == 25000
+    page = make_results.results_page(make_results.load_results(args.result.parent))
+    assert "| ours | defaults: loss fkl, lr 0.0005, ttt_steps 3" in page
+    assert "| 19 | 25000 | 60 | ours | 1.250 | 0.20 / 0.05 | True |" in page
