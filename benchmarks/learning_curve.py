@@ -87,7 +87,9 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     overrides = [o for o in overrides if not o.startswith("epochs=")]
     if args.response == "reference":
         overrides = ["train.response=reference", *overrides]
-    steps = max(int(-(-epochs * records // 8)), 1)
+    batch = int(next(o.split("=", 1)[1] for o in reversed([*MAIN_JOB, *overrides])
+                     if o.startswith("train.batch_size=")))  # the variant's, else the main job's
+    steps = max(int(-(-epochs * records // batch)), 1)
     began = time.perf_counter()
     train(compose_config("train", [
         *MAIN_JOB, f"train.data_dir={args.data}", f"train.max_records={records}", f"train.output_root={args.out}",

@@ -75,8 +75,10 @@ def test_a_variant_sets_its_own_epochs_and_reference_data_counts_the_sources_ans
     monkeypatch.setattr(lc, "run_eval_job", lambda cfg: metrics)
     lc.main(["--data", "d", "--response", "reference", "--points", "40000", "--out", str(tmp_path / "runs"),
              "--results-dir", str(tmp_path / "results"), "--variant", "ep6=", "--variant",
-             "ep1.5=epochs=1.5 train.lr=1e-3"])
-    # 400 records of 100 reference tokens; 6 epochs = 300 steps of 8, 1.5 epochs = 75; the lr override still applies
-    assert trained == [(400, 300, "reference", 2e-3), (400, 75, "reference", 1e-3)]
+             "ep1.5=epochs=1.5 train.lr=1e-3", "--variant", "b4=train.batch_size=4"])
+    # 400 records of 100 reference tokens; 6 epochs = 300 steps of 8, 1.5 epochs = 75 (the lr override still
+    # applies); at batch 4, 6 epochs are 600 steps
+    assert trained == [(400, 300, "reference", 2e-3), (400, 75, "reference", 1e-3), (400, 600, "reference", 2e-3)]
     result = json.loads((tmp_path / "results" / "learning_curve.json").read_text())
-    assert [r[:4] for r in result["rows"]] == [["ep6", 40000, 400, 300], ["ep1.5", 40000, 400, 75]]
+    assert [r[:4] for r in result["rows"]] == [["ep6", 40000, 400, 300], ["ep1.5", 40000, 400, 75],
+                                                ["b4", 40000, 400, 600]]
