@@ -604,6 +604,12 @@ class TrainConfig:
     grad_accum: int = 1
     lr: float = 5e-4
     weight_decay: float = 0.0
+    # adamw, or muon: Muon on the hidden weight matrices (torch.optim.Muon, at muon_lr, with its update scaled to
+    # AdamW's size) and AdamW at lr on embeddings, heads, norms and biases (drafter_train/optimizers.py). Not under
+    # DeepSpeed or FSDP, which split the matrices.
+    optimizer: str = "adamw"
+    muon_lr: float = 0.02
+    muon_weight_decay: float = 0.1
     # LR schedule name understood by transformers.get_scheduler: cosine, linear, constant_with_warmup, ...
     lr_schedule: str = "cosine"
     warmup_steps: int = 10
@@ -637,6 +643,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_field(self.response in ("target", "reference"), "train.response", "must be target or reference")
+        check_field(self.optimizer in ("adamw", "muon"), "train.optimizer", f"must be adamw or muon, got {self.optimizer!r}")
         for name in ("max_steps", "batch_size", "grad_accum", "save_every", "keep_last", "max_seq_len", "log_every"):
             check_field(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
         check_field(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")

@@ -30,8 +30,9 @@ from drafter_train.data.overlap import check_eval_overlap
 from drafter_train.data.prompts import refuse_test_split, split_name
 from drafter_train.data.training_data import eval_prompt_ids, eval_prompt_texts, eval_prompts_path, load_training_data
 from drafter_train.distributed import (
-    full_drafter, load_sharded_state, make_accelerator, optimizer_state, save_sharded_state,
+    full_drafter, load_sharded_state, make_accelerator, optimizer_state, save_sharded_state, uses_deepspeed, uses_fsdp,
 )
+from drafter_train.optimizers import make_optimizer
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
 from drafter_train.drafters.registry import DrafterKind, kind_config, make_drafter, resolve_kind
@@ -159,8 +160,7 @@ def train(cfg: TrainJobConfig) -> dict:
                                                 token_counts=counts))
     if tcfg.mixed_precision == "bf16":
         drafter.float()  # a new drafter is built in the target's dtype
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+    optimizer = make_optimizer(drafter, tcfg, partitioned=uses_deepspeed(accelerator) or uses_fsdp(accelerator))
     scheduler = get_scheduler(tcfg.lr_schedule, optimizer, tcfg.warmup_steps, tcfg.max_steps)
     stream = BatchStream(len(data), tcfg.batch_size, tcfg.seed, accelerator.process_index, accelerator.num_processes)
     saved = load_training_state(resume_from) if resume_from is not None else None
