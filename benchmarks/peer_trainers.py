@@ -34,6 +34,8 @@ SETTINGS = {
                         "batch_size": 2, "warmup_steps": 1},
     ("ours", "steps-lr2e-3"): {"loss": "fkl", "lr": 2e-3, "ttt_steps": 3, "norm_before_fc": True,
                                "norm_output": True, "batch_size": 2, "warmup_steps": 1},
+    ("ours", "steps-muon"): {"loss": "fkl", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True, "norm_output": True,
+                             "batch_size": 2, "warmup_steps": 1, "optimizer": "muon"},
     ("speculators", "defaults"): {"optimizer": "muon", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
                                   "norm_output": True, "loss_fn": "kl_div", "ttt_decay": 1.0},
     ("speculators", "matched"): {"optimizer": "adamw", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
@@ -76,8 +78,9 @@ def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, rec
                  f"loss={settings['loss']}", f"train.lr={settings['lr']}", f"drafter.ttt_steps={settings['ttt_steps']}",
                  "drafter.fc_norm=false", f"drafter.norm_before_fc={str(settings['norm_before_fc']).lower()}",
                  f"drafter.norm_output={str(settings['norm_output']).lower()}", "eval.num_prompts=1", "eval.max_new_tokens=8"]  # its checkpoint evaluation: kept minimal
-    if "warmup_steps" in settings:  # else drafter-train's own
-        overrides.append(f"train.warmup_steps={settings['warmup_steps']}")
+    for key in ("warmup_steps", "optimizer"):  # else drafter-train's own
+        if key in settings:
+            overrides.append(f"train.{key}={settings[key]}")
     cfg = compose_config("train", overrides)
     started = time.perf_counter()
     train(cfg)
