@@ -43,6 +43,13 @@ def add_prompt_args(parser, num_prompts: int = 16, max_new_tokens: int = 48, pro
     parser.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
 
 
+def add_results_dir(parser) -> None:
+    """--results-dir: where the result file goes. A trial or reduced run (a pipeline's pipeline.results_dir) writes
+    elsewhere, so the figures docs/results.md shows stay the ones its commands made."""
+    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR,
+                        help="folder of the result file (default benchmarks/results)")
+
+
 def split_name(prompts: Optional[str], num_prompts: int) -> str:
     """How a result file names the prompts it ran on: "test split, first 16 prompts" for a shipped split (whatever
     name reached it: heldout-mix is the dev split), else the file."""

@@ -28,6 +28,8 @@ from drafter_train.errors import DrafterTrainError
 
 
 def main(argv=None) -> int:
+    from benchmarks.common import add_results_dir
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--run", help="a drafter-train run folder (with --which)")
@@ -71,6 +73,7 @@ def main(argv=None) -> int:
     parser.add_argument("--result-name", default=None,
                         help="write the result file under this name instead (implies --result; e.g. "
                              "engine_llamacpp_ar for a second drafter kind's check beside the first)")
+    add_results_dir(parser)
     parser.add_argument("--artifacts", default=None,
                         help="the command that made --run and --exported (e.g. 'drafter-pipeline pipeline=engine_artifacts'): "
                              "the result file's command starts with it")
@@ -105,13 +108,13 @@ def run_check(args) -> int:
         result = check_llamacpp(step_dir, spec)
         print(json.dumps(result, indent=2))
         if args.result:
-            write_llamacpp_result(result, args)
+            write_llamacpp_result(result, args, args.results_dir)
         print_llamacpp_verdict(result, args.tolerance)
     else:
         result = check_vllm(step_dir, spec)
         print(json.dumps(result, indent=2))
         if args.result:
-            write_engine_result(result, args)
+            write_engine_result(result, args, args.results_dir)
         print_vllm_verdict(result, args.tolerance)
     return 0 if result["ok"] else 1
 

@@ -94,8 +94,8 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.common import (add_prompt_args, add_vllm_args, command_line, dev_note, load_average, split_name,
-                               start_vllm_rows, write_result)
+from benchmarks.common import (add_prompt_args, add_results_dir, add_vllm_args, command_line, dev_note, load_average,
+                               split_name, start_vllm_rows, write_result)
 from drafter_train.engines import llamacpp_cost
 from drafter_train.engines.llamacpp_cost import PRECISIONS, bench_curve
 from drafter_train.engines.journal import RunJournal, machine_identity
@@ -165,6 +165,7 @@ def main(argv=None) -> int:
     parser.add_argument("--sizes", default="1,2,3,4,5,6,8", help="pass sizes of the cost curves")
     parser.add_argument("--output", type=Path, default=Path("checkpoints/engines"))
     parser.add_argument("--result", action="store_true", help="write benchmarks/results/<--result-name>.json")
+    add_results_dir(parser)
     parser.add_argument("--near-ties", action="store_true",
                         help="check each output difference on the plain server: is it the engine's near-tie numerics?")
     add_vllm_args(parser)
@@ -418,7 +419,8 @@ def write_engines_result(record: dict, args) -> None:
         data={"engine_rows": record["rows"], "cost_curves": record["cost_curves"],
               "unavailable": record["unavailable"], "served": served,
               "code_categories": args.code_categories.split(","), "max_new_tokens": args.max_new_tokens,
-              "rounds": args.rounds, "prompt_categories": record.get("prompt_categories")})
+              "rounds": args.rounds, "prompt_categories": record.get("prompt_categories")},
+        results_dir=args.results_dir)
 
 
 if __name__ == "__main__":

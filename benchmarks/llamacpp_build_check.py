@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 
 from benchmarks.common import command_line, describe_machine, write_result
+from drafter_train.llamacpp_flags import cmake_flags
 
-REPO = Path(__file__).resolve().parents[1]
 TOOLS = ("llama-bench", "llama-quantize")
 COMMON_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
                 "-DLLAMA_BUILD_TESTS=OFF", "-DGGML_CUDA=OFF", "-DGGML_METAL=OFF"]
@@ -40,10 +40,10 @@ def run(cmd: list[str], log: Path, **kwargs) -> subprocess.CompletedProcess:
 
 
 def probed_flags(log: Path) -> tuple[list[str], str]:
-    done = run(["bash", str(REPO / "scripts" / "llamacpp_flags.sh")], log)
-    if done.returncode:
-        sys.exit(f"llamacpp_build_check: scripts/llamacpp_flags.sh failed ({done.returncode}); see {log}")
-    return done.stdout.split(), done.stderr.strip()
+    flags, line = cmake_flags()
+    with open(log, "a") as out:
+        out.write(f"$ drafter_train.llamacpp_flags.cmake_flags()\n{' '.join(flags)}\n{line}\n")
+    return flags, line
 
 
 def build(source: Path, build_dir: Path, flags: list[str], jobs: int, log: Path) -> None:

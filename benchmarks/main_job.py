@@ -25,7 +25,7 @@ BASELINES = (("drafter-alone", "EAGLE-3 alone (best checkpoint)"),
              ("drafter-chain", "EAGLE-3 alone, chain (top-1)"),
              ("prompt-lookup", "prompt lookup alone (no training)"),
              ("corpus-lookup", "prompt + corpus lookup (no drafter)"))
-SUMMARY_COLUMNS = ["decoder", "step", "tau", "acceptance", "speedup", "per_position_acceptance"]
+SUMMARY_COLUMNS = ["decoder", "step", "tau", "acceptance", "speedup", "acceptance per position"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -33,7 +33,7 @@ SUMMARY_COLUMNS = ["decoder", "step", "tau", "acceptance", "speedup", "per_posit
 
 
 def summary_rows(run: Path) -> list[list]:
-    """[decoder, step, tau, acceptance, speedup, per_position_acceptance]: the product at the `best` checkpoint,
+    """[decoder, step, tau, acceptance, speedup, acceptance per position]: the product at the `best` checkpoint,
     then the evaluations that take it apart (no step)."""
     product = json.loads((run / "product.json").read_text())
     best = int((run / "best").resolve().name.removeprefix("step-"))

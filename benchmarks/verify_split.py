@@ -32,7 +32,7 @@ from pathlib import Path
 from statistics import median
 from typing import Optional
 
-from benchmarks.common import command_line, write_result
+from benchmarks.common import add_results_dir, command_line, write_result
 from drafter_train.engines.llamacpp_cost import calibration_prompts, server_curves
 from drafter_train.engines.table import acceptance_needed_for
 from drafter_train.llamacpp import VERIFY_FILES, llamacpp_dir, verify_file
@@ -159,6 +159,7 @@ def main(argv=None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--result-name", help="default: verify_split-<this CPU's kind>")
+    add_results_dir(parser)
     args = parser.parse_args(argv)
     for field in ("sizes", "ngram_drafts", "eagle3_drafts"):
         setattr(args, field, [int(v) for v in getattr(args, field).split(",") if v])
@@ -197,7 +198,8 @@ def main(argv=None) -> None:
         data={"files": {label: str(path) for label, path in files.items()}, "figures": figures,
               "rounds": rounds, "eagle3": str(eagle3) if eagle3 else None},
         top={"cpu_kind": kind, "verify_cost_4": min(four.values()) if four else None,
-             "verify_cost_4_by_file": four, "fastest_plain": {"file": fastest_label, "ms": fastest}})
+             "verify_cost_4_by_file": four, "fastest_plain": {"file": fastest_label, "ms": fastest}},
+        results_dir=args.results_dir)
     for row in rows:
         print(*row)
 

@@ -444,12 +444,16 @@ class LlamaCppServerConfig:
     llamacpp: Optional[str] = None
     # Seconds to wait for the server to load the model.
     startup_s: float = 300.0
+    # Seconds to wait for one answer. Past it datagen stops in one line (the answers so far are journaled: a rerun
+    # resumes); a machine busy with other work may need more.
+    request_s: float = 600.0
 
     def __post_init__(self) -> None:
         check_field(self.parallel is None or self.parallel >= 1, "datagen.llamacpp.parallel",
                     f"must be >= 1 or null (chosen by measurement), got {self.parallel}")
         check_field(self.max_parallel >= 1, "datagen.llamacpp.max_parallel", f"must be >= 1, got {self.max_parallel}")
         check_field(self.threads is None or self.threads >= 1, "datagen.llamacpp.threads", "must be >= 1")
+        check_field(self.request_s > 0, "datagen.llamacpp.request_s", f"must be > 0, got {self.request_s}")
 
 
 @dataclass

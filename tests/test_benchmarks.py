@@ -47,7 +47,7 @@ def test_main_job_summary_prints_the_quickstart_table_and_writes_its_result_file
         "prompt lookup alone (no training)               1.200  0.200       1.150    0.250 0.500\n"
         "prompt + corpus lookup (no drafter)             1.300  0.300       1.250    0.250 0.500\n")
     result = json.loads((tmp_path / "results" / "main_job.json").read_text())
-    assert result["columns"] == ["decoder", "step", "tau", "acceptance", "speedup", "per_position_acceptance"]
+    assert result["columns"] == ["decoder", "step", "tau", "acceptance", "speedup", "acceptance per position"]
     assert result["rows"][0] == ["lookups, then EAGLE-3 (the product)", 300, 1.4, pytest.approx(0.4),
                                  pytest.approx(1.35), [0.25]]
     assert result["rows"][1] == ["EAGLE-3 alone (best checkpoint)", None, 1.1, pytest.approx(0.1), pytest.approx(1.05),
@@ -106,6 +106,18 @@ def test_make_results_writes_every_table_and_replaces_only_the_readme_block(tmp_
     fake_result(results, "main_job", "The main job", [["product", 1.5]])
     assert make_results.main([*args, "--check"]) == 1  # a new result: both files are stale
     assert "README.md is out of date" in capsys.readouterr().out
+
+
+def test_a_result_file_written_with_a_record_key_as_column_shows_a_readable_header(tmp_path):
+    """main_job.json files written before the summary had a header name that column by its record key."""
+    results, readme = tmp_path / "results", tmp_path / "README.md"
+    write_result("main_job", title="The main job", question="?", command="bash scripts/quickstart.sh", split="test",
+                 baseline="plain decoding", columns=["decoder", "tau", "per_position_acceptance"],
+                 rows=[["product", 1.5, [0.3, 0.1]]], machine=MACHINE, results_dir=results)
+    readme.write_text("<!-- results:start -->\n<!-- results:end -->\n")
+    make_results.main(["--results-dir", str(results), "--docs", str(tmp_path / "results.md"), "--readme", str(readme)])
+    for text in (readme.read_text(), (tmp_path / "results.md").read_text()):
+        assert "| decoder | tau | acceptance per position |\n" in text and "per_position_acceptance" not in text
 
 
 def test_make_results_leaves_a_readme_without_markers_alone(tmp_path):

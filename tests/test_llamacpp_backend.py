@@ -139,6 +139,22 @@ def test_a_killed_server_resumes_per_record_and_a_cut_journal_line_is_regenerate
     assert responses(out) == {i: fake_response(p) for i, p in prompts.items()}
 
 
+def test_an_answer_slower_than_request_s_stops_in_one_line_and_the_rerun_resumes(folders, tmp_path, fake_env,
+                                                                                 monkeypatch):
+    """A machine too busy to answer within datagen.llamacpp.request_s: one line naming the setting (the served
+    pipeline's datagen died with urllib's TimeoutError traceback under load), and a rerun resumes."""
+    out = tmp_path / "data"
+    monkeypatch.setenv("FAKE_LLAMA_DELAY", "3")
+    with pytest.raises(BackendError, match=r"^llama-server gave no answer to prompt \d+ within 1 s "
+                                           r"\(datagen.llamacpp.request_s\): the answers so far are journaled") as err:
+        run_datagen(job(folders, out, "datagen.llamacpp.request_s=1"), progress=False)
+    assert "\n" not in str(err.value)
+    monkeypatch.setenv("FAKE_LLAMA_DELAY", "0")
+    run_datagen(job(folders, out, "datagen.llamacpp.request_s=1"), progress=False)
+    prompts = {row["prompt_index"]: row["prompt_ids"] for row in load_distill_dataset(str(out))}
+    assert responses(out) == {i: fake_response(p) for i, p in prompts.items()}
+
+
 def test_a_server_that_stops_on_other_tokens_is_refused_in_one_line(folders, tmp_path, fake_env, monkeypatch):
     monkeypatch.setenv("FAKE_LLAMA_STOP_ON", "7")
     with pytest.raises(BackendError, match=r"^llama-server stopped on token 7, which is not in eos_token_ids \[258\]"):

@@ -1,5 +1,5 @@
-"""The llama.cpp build's guards, without building it: scripts/llamacpp_flags.sh turns on only the instruction groups a
-probe executes here, and smoke_check (the end of scripts/setup_llamacpp.sh, and the opt-in llama.cpp tests' first
+"""The llama.cpp build's guards, without building it: drafter_train.llamacpp_flags turns on only the instruction groups
+a probe executes here, and smoke_check (the end of scripts/setup_llamacpp.sh, and the opt-in llama.cpp tests' first
 step) turns a tool that dies on this CPU into one line naming the fix. The tools are fake scripts that kill
 themselves with the signal a build for the wrong CPU dies with."""
 
@@ -18,9 +18,9 @@ import pytest
 
 from drafter_train import targets
 from drafter_train.llamacpp import SMOKE_FILE, LlamaCppError, smoke_check
+from drafter_train.llamacpp_flags import cmake_flags
 from tests.conftest import REPO
 
-FLAGS = REPO / "scripts" / "llamacpp_flags.sh"
 GROUPS = ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI",
           "AVX512_BF16", "AMX_TILE", "AMX_INT8", "AMX_BF16")
 # /proc/cpuinfo's name for a group's first instruction set (GGML_AVX512 needs avx512f and more)
@@ -30,9 +30,9 @@ CPUINFO = {"SSE42": "sse4_2", "AVX": "avx", "F16C": "f16c", "FMA": "fma", "AVX2"
 
 
 def flags(**env: str) -> tuple[list[str], str]:
-    done = subprocess.run(["bash", str(FLAGS)], capture_output=True, text=True, check=True,
-                          env={k: v for k, v in dict(os.environ, **env).items() if v is not None})
-    return done.stdout.split(), done.stderr
+    """cmake_flags() in this environment with `env` on top, without LLAMACPP_* overrides the caller did not give."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("LLAMACPP_")}
+    return cmake_flags(dict(base, **env))
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("cc") is None, reason="x86-64 with a C compiler")
@@ -53,8 +53,33 @@ def test_flags_turn_on_only_groups_whose_probe_ran_here():
 
 
 def test_flags_overrides():
-    assert flags(LLAMACPP_NATIVE="1")[0] == ["-DGGML_NATIVE=ON"]
-    assert flags(LLAMACPP_CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON")[0] == ["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON"]
+    assert flags(LLAMACPP_NATIVE="1") == (["-DGGML_NATIVE=ON"], "")
+    assert flags(LLAMACPP_CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON") == (["-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON"],
+                                                                            "")
+
+
+# A compiler whose "probe" binaries exit 0 for the groups in $RUNS, die with SIGILL for the rest: what this CPU
+# executes, decided by the test
+PICKY_CC = ('out=; group=; while [ $# -gt 0 ]; do case $1 in -o) out=$2;; -DPROBE_*) group=${1#-DPROBE_};; esac; '
+            'shift; done\necho "$group" >> "$LOG"\n'
+            'case " $RUNS " in *" $group "*) body="exit 0";; *) body=\'kill -ILL $$\';; esac\n'
+            'printf "#!/bin/sh\\n%s\\n" "$body" > "$out"; chmod +x "$out"')
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86-64 instruction groups")
+def test_flags_follow_what_runs_and_what_ggml_needs_under_it(tmp_path):
+    fake_tool(tmp_path, "cc", PICKY_CC)
+    log = tmp_path / "probed"
+    # AVX512_VNNI runs but AVX512 does not: ggml uses VNNI only inside AVX-512 code, and AMX only with VNNI
+    got, report = flags(CC=str(tmp_path / "cc"), LOG=str(log), RUNS="SSE42 AVX FMA AVX2 AVX512_VNNI AMX_TILE AMX_INT8")
+    on = ["SSE42", "AVX", "FMA", "AVX2"]
+    assert got == ["-DGGML_NATIVE=OFF", *(f"-DGGML_{g}={'ON' if g in on else 'OFF'}" for g in GROUPS)]
+    assert report == ("llamacpp_flags: usable here: SSE42 AVX FMA AVX2; left out: F16C BMI2 AVX_VNNI AVX512 "
+                      "AVX512_VBMI AVX512_VNNI AVX512_BF16 AMX_TILE AMX_INT8 AMX_BF16")
+    # a group whose needed group is out is not even compiled
+    assert log.read_text().split() == ["SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX_VNNI", "AVX512"]
+    # no compiler at all: every group off, no crash
+    assert flags(CC=str(tmp_path / "no-such-cc"))[0] == ["-DGGML_NATIVE=OFF", *(f"-DGGML_{g}=OFF" for g in GROUPS)]
 
 
 def fake_tool(bin_dir: Path, name: str, body: str) -> None:

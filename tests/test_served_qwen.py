@@ -165,8 +165,7 @@ def test_the_served_stages_choose_on_dev_then_serve_the_choice_on_test(tmp_path,
     for export_dir in ("eagle3", "ar", "dflash"):
         (out / "exports" / export_dir).mkdir(parents=True)
     cfg = compose_pipeline(["pipeline=served_qwen", f"pipeline.out={out}", "pipeline.stages=[choose,agreement,table]",
-                            f"pipeline.known.agreement.args.results={results}",
-                            f"pipeline.known.agreement.outputs=[{results}/engine_llamacpp_qwen1_5b_f16.json]"])
+                            f"pipeline.results_dir={results}", "pipeline.agreement_prompts=3"])
     run_pipeline(cfg, say=lambda m: None)
 
     choice = json.loads((out / "choice.json").read_text())
@@ -182,6 +181,12 @@ def test_the_served_stages_choose_on_dev_then_serve_the_choice_on_test(tmp_path,
     assert table[table.index("--product") + 1] == "eagle3" and ["--product", "lookups"] == table[
         table.index("lookups") - 1:table.index("lookups") + 1]  # the corpus cache joined: the lookups row too
     assert f"eagle3={out}/agreement-ours.json" in table and "--near-ties" in table
+    # every result file into pipeline.results_dir (a reduced run's stays out of benchmarks/results)
+    for written in (f16, q4, table):
+        assert written[written.index("--results-dir") + 1] == str(results)
+    assert f16[f16.index("--num-prompts") + 1] == "3"
+    assert sorted(p.name for p in results.iterdir()) == ["engine_llamacpp_qwen1_5b_f16.json",
+                                                         "engine_llamacpp_qwen1_5b_q4_k_m.json"]
     assert [json.loads(line)["stage"] for line in (out / "stages.jsonl").read_text().splitlines()] == [
         "choose", "agreement", "table"]
 

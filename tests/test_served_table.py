@@ -7,7 +7,6 @@ Nothing here runs llama.cpp."""
 
 from __future__ import annotations
 
-import functools
 import json
 from pathlib import Path
 
@@ -261,13 +260,13 @@ def test_the_driver_runs_a_served_table_on_the_stand_in(tmp_path, monkeypatch):
     monkeypatch.setattr(driver.llamacpp_cost, "prompt_set", _word_prompts(llamacpp_cost.prompt_set))
     monkeypatch.setattr(driver.llamacpp_cost, "calibration_prompts", lambda *a, **k: [[5, 6, 7]])
     results = tmp_path / "results"
-    monkeypatch.setattr(driver, "write_result", functools.partial(write_result, results_dir=results))
     (tmp_path / "metrics.json").write_text(json.dumps({"per_position_acceptance": [0.5, 0.25]}))
     code = driver.main(["--ours-acceptance", f"small={tmp_path / 'metrics.json'}", "--draft-len-of", "small=3","--engines", "llama.cpp", "--llamacpp", str(llcpp), "--target", str(tmp_path),
                         "--target-gguf", f"q4={target}", "--draft-gguf", f"small={small}", "--product", "small",
                         "--ngram-modes", "ngram-simple", "--prompts", str(prompts), "--per-category", "2",
                         "--rounds", "2", "--max-new-tokens", "4", "--output", str(tmp_path / "out"),
-                        "--result", "--result-name", "served_test", "--calibration-rounds", "1",
+                        "--result", "--result-name", "served_test", "--results-dir", str(results),
+                        "--calibration-rounds", "1",
                         "--ngram-drafts", "4,16", "--target-gguf", f"plainonly={target}",
                         "--no-repack", "plainonly"])
     assert code == 0
@@ -320,13 +319,13 @@ def test_our_decoders_join_the_served_table_on_its_prompts_with_their_categories
     monkeypatch.setattr(llamacpp_cost, "server_curves", lambda *a: {"ms_1": 10.0, "kinds": {}})
     monkeypatch.setattr(driver.llamacpp_cost, "calibration_prompts", lambda *a, **k: [[5, 6, 7]])
     results = tmp_path / "results"
-    monkeypatch.setattr(driver, "write_result", functools.partial(write_result, results_dir=results))
     common = ["--engines", "llama.cpp,ours", "--llamacpp", str(llcpp), "--target", str(tiny_data / "target"),
               "--target-gguf", f"q4={drafter_gguf(tmp_path / 'target.gguf', 'llama')}", "--drafter",
               str(tmp_path / "e3"), "--corpus", str(tiny_data / "data"), "--no-hf", "--no-vllm", "--prompts",
               str(prompts), "--per-category", "2", "--rounds", "1", "--max-new-tokens", "8", "--sizes", "1,2",
               "--depth", "8", "--calibration-rounds", "1", "--output", str(tmp_path / "out")]
-    assert driver.main([*common, "--ours-decoders", "EAGLE-3", "--result", "--result-name", "served_ours"]) == 0
+    assert driver.main([*common, "--ours-decoders", "EAGLE-3", "--result", "--result-name", "served_ours",
+                        "--results-dir", str(results)]) == 0
     result = json.loads((results / "served_ours.json").read_text())
     rows = {(r["engine"], r["decoder"]): r for r in result["data"]["engine_rows"]}
     assert set(rows) == {("llama.cpp", "plain"), ("llama.cpp", "free n-gram"), ("ours", "plain"), ("ours", "EAGLE-3")}
@@ -457,7 +456,6 @@ def test_every_served_row_type_runs_in_llamacpp(stories_runs, stories_path, tmp_
         ("Once upon a time, there was a little", "coding"), ("The dog ran to the", "chat"),
         ("Lily saw a big", "coding")]))
     results = tmp_path / "results"
-    monkeypatch.setattr(driver, "write_result", functools.partial(write_result, results_dir=results))
     assert driver.main([
         "--engines", "llama.cpp", "--target", str(stories_path), "--target-gguf", f"f32={eagle / 'target.gguf'}",
         "--export-types", "q8_0", "--draft-gguf", f"e3={eagle / 'drafter.gguf'}",
@@ -467,7 +465,7 @@ def test_every_served_row_type_runs_in_llamacpp(stories_runs, stories_path, tmp_
         "--per-category", "1", "--rounds", "1", "--max-new-tokens", "12", "--draft-len", "2",
         "--calibration-prompts", str(prompts), "--calibration-num-prompts", "1", "--calibration-new-tokens", "8",
         "--sizes", "1,2", "--depth", "16", "--output", str(tmp_path / "out"), "--result",
-        "--result-name", "served_stories"]) == 0
+        "--result-name", "served_stories", "--results-dir", str(results)]) == 0
     result = json.loads((results / "served_stories.json").read_text())
     rows = result["data"]["engine_rows"]
     got = [(r["precision"], r["decoder"], r.get("label")) for r in rows]

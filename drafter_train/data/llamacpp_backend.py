@@ -215,7 +215,13 @@ class LlamaCppBackend:
     # ------------------------------------------------------------------------------------------------------------
 
     def _complete(self, url: str, prompt: TrainPrompt) -> None:
-        reply = post(f"{url}/completion", request_body(self.cfg, prompt))
+        wait = self.cfg.datagen.llamacpp.request_s
+        try:
+            reply = post(f"{url}/completion", request_body(self.cfg, prompt), timeout=wait)
+        except TimeoutError:  # one line, not urllib's traceback: what to change, and that nothing is lost
+            raise BackendError(f"llama-server gave no answer to prompt {prompt.index} within {wait:.0f} s "
+                               "(datagen.llamacpp.request_s): the answers so far are journaled, a rerun resumes; "
+                               "a busy machine may need more") from None
         continuation = to_continuation(reply, self.eos_token_ids, self.cfg.datagen.max_new_tokens)
         line = json.dumps({"prompt_index": prompt.index, "response_ids": continuation.response_ids}) + "\n"
         with self._lock:  # one whole line at a time, durable before it counts

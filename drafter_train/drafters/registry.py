@@ -102,9 +102,10 @@ class DrafterKind:
     # the target loads (preflight).
     outside_folder: Optional[Callable[[dict], bool]] = None
     check_folder: Optional[Callable[[str], None]] = None
-    # (job config) -> the last metrics: a kind whose "training" is not gradient descent (layerskip's search) runs its
-    # own recipe under drafter-train; None: train.py's loop with `loss`.
-    fit: Optional[Callable[["TrainJobConfig"], dict]] = None
+    # (job config, the entry point's input check) -> the last metrics: a kind whose "training" is not gradient descent
+    # (layerskip's search) runs its own recipe under drafter-train, and calls the check (drafter_train.preflight's
+    # check_inputs, which sits above the kinds) once its own config is known to fit; None: train.py's loop with `loss`.
+    fit: Optional[Callable[["TrainJobConfig", Callable[["TrainJobConfig"], None]], dict]] = None
 
 
 # drafter.path values that name a way to build a drafter rather than a saved one.

@@ -92,6 +92,7 @@ class ServedQwenConfig(PipelineConfig):
     data: str = "data/qwen2.5-coder-1.5b"
     num_prompts: int = 160
     threads: int = 2
+    request_s: float = 600.0  # datagen.llamacpp.request_s: a machine busy with other work may need more
     vocab: int = 8192  # EAGLE-3's and DFlash's draft vocabulary
     e3_steps: int = 100
     e3_lr: float = 5e-4
@@ -105,6 +106,14 @@ class ServedQwenConfig(PipelineConfig):
     new_tokens: int = 64
     rounds: int = 3
     e3_type: str = "q4_k_m"  # the EAGLE-3 export the table serves: f16, q8_0 or q4_k_m
+    dev_tokens: int = 64  # new tokens per dev prompt in the choose stage
+    agreement_prompts: int = 14  # test prompts of the agreement check, and new tokens of each (our decoder decodes
+    agreement_tokens: int = 48  # them with the float32 target in torch: ~35 min on 2 cores at these sizes)
+    # where the timed stages' result files go, and the pages the results stage regenerates from them: a reduced or
+    # trial run points all three elsewhere, so the committed figures stay the ones their commands made
+    results_dir: str = "benchmarks/results"
+    results_page: str = "docs/results.md"
+    readme: str = "README.md"
     ours_per_category: int = 1  # the opt-in ours / vllm stages
     ours_tokens: int = 32
     vllm_venv: str = "${oc.env:DRAFTER_TRAIN_VLLM_VENV,.venv-vllm}"  # scripts/setup_vllm.sh's venv

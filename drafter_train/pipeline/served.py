@@ -105,18 +105,18 @@ def agreement(out: str, target: str, made: list, served: dict, check: list, resu
         again = ["--ours-from", ours] if ours.is_file() else []
         # 1: outside the tolerance, the verdict is in the result file; anything else failed
         benchmark("engine_check", [*check, "--target-gguf", gguf, "--output", root / f"agreement-{name}",
-                                   "--result-name", result, *again], ok=(0, 1))
+                                   "--result-name", result, "--results-dir", results, *again], ok=(0, 1))
         if not ours.is_file():
             shutil.copy(root / f"agreement-{name}" / "llamacpp_check.json", ours)
 
 
 def table(out: str, served: list, test: list, choice: str, drafts: dict, near_ties: list, result_name: str,
-          verify_files: dict | None = None) -> None:
+          results_dir: str, verify_files: dict | None = None) -> None:
     """The served table on the test split: each drafter of `drafts` (label -> [GGUF@precision, draft length: a
     number, or the choice.json prefix whose length was chosen on dev]), the free mode chosen, the product with
     EAGLE-3 and, unless the corpus cache stayed out, without a drafter (lookups). `verify_files` (label -> GGUF, the
     files the verify-split stage made): each one's plain row, and where choose picked one for EAGLE-3
-    (choice.json's verify_file), EAGLE-3 on it too (row eagle3-LABEL)."""
+    (choice.json's verify_file), EAGLE-3 on it too (row eagle3-LABEL). The result file: <results_dir>/<result_name>.json."""
     why = measured_here(Path(choice))
     if why:
         raise ConfigError("served_qwen: the table serves what the choose stage chose on this machine: run "
@@ -140,4 +140,4 @@ def table(out: str, served: list, test: list, choice: str, drafts: dict, near_ti
     beside = ["--ours-acceptance", f"eagle3={ours}"] if ours.is_file() else []
     benchmark("engines", [*args, "--product", "eagle3", *lookups, "--product-ngram", chosen(picked, "product_ngram"),
                           *near_ties, *beside, "--output", Path(out) / "table", "--result", "--result-name",
-                          result_name])
+                          result_name, "--results-dir", results_dir])

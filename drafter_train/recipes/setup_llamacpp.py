@@ -3,7 +3,7 @@
     python -m drafter_train.recipes.setup_llamacpp [DIR] [--build BUILD] [--jobs N]
 
 scripts/setup_llamacpp.sh runs it (its header says what DIR holds). The instruction groups come from a probe
-(scripts/llamacpp_flags.sh: what this process executes, not what /proc/cpuinfo lists). A probe cannot decide
+(drafter_train/llamacpp_flags.py: what this process executes, not what /proc/cpuinfo lists). A probe cannot decide
 everything: on an Intel Xeon VM that lists AMX, a C program runs the tile instructions in 4 threads, yet ggml's AMX
 kernels die with SIGILL in an OpenMP worker on the first pass over 2+ rows. So the build is judged by its smoke run
 (a 4-token llama-bench pass). When that run dies of a signal, the groups most likely at fault are left out, in
@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 from drafter_train.errors import DrafterTrainError
 from drafter_train.llamacpp import LlamaCppCrash, LlamaCppError, llamacpp_dir, smoke_check
+from drafter_train.llamacpp_flags import NATIVE, cmake_flags
 from drafter_train.machine import cpu_model
 from drafter_train.recipes.cli import one_line_errors
 
@@ -87,10 +88,10 @@ def initial_flags(build: Path) -> tuple[list[str], bool]:
     if record and record.get("cpu_model") == cpu_fingerprint():
         print(f"setup_llamacpp: building with the flags that passed on this CPU before ({build / RECORD})")
         return list(record["flags"]), True
-    probe = subprocess.run(["bash", str(REPO / "scripts" / "llamacpp_flags.sh")], check=True, capture_output=True,
-                           text=True)
-    sys.stderr.write(probe.stderr)
-    return probe.stdout.split(), "-DGGML_NATIVE=ON" not in probe.stdout.split()
+    flags, report = cmake_flags()
+    if report:
+        print(report, file=sys.stderr)
+    return flags, NATIVE not in flags
 
 
 def read_record(build: Path) -> Optional[dict]:

@@ -127,7 +127,7 @@ def train(cfg: TrainJobConfig) -> dict:
     refuse_test_split(cfg.eval.prompts, "eval.prompts", "drafter-train (picking best)")
     fit = resolve_kind(cfg.drafter).fit
     if fit is not None:  # a kind trained otherwise than by gradient descent (layerskip: a search)
-        return fit(cfg)
+        return fit(cfg, check_inputs)
     check_inputs(cfg)
     tcfg = cfg.train
     if tcfg.eval_engine != "ours":  # one line, before anything loads: not built, no export, a layout it cannot run

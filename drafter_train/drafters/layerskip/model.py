@@ -300,10 +300,10 @@ def _no_loss(*args, **kwargs):
     raise ConfigError("drafter=layerskip: the skip set is searched, not trained with a loss")
 
 
-def _search(cfg) -> dict:
+def _search(cfg, check_inputs) -> dict:
     from drafter_train.drafters.layerskip.search import search  # the search loads optuna: only when it runs
 
-    return search(cfg)
+    return search(cfg, check_inputs)
 
 
 KIND = register(DrafterKind(

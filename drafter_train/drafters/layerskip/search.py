@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import optuna
 import torch
@@ -50,7 +50,6 @@ from drafter_train.distributed import make_accelerator
 from drafter_train.drafters.layerskip.model import decoder_layers, new_model, skipping, target_fingerprint
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
-from drafter_train.preflight import check_inputs
 from drafter_train.evaluation import evaluate_decoding
 from drafter_train.data.prompts import split_name
 from drafter_train.data.overlap import check_eval_overlap
@@ -187,8 +186,10 @@ def run_trial(study: optuna.Study, seed: int, layers: list[int], priors: list[Sk
 # The recipe
 
 
-def search(cfg: TrainJobConfig) -> dict:
-    """Search the skip set as configured (see the module doc); returns the chosen drafter's eval metrics."""
+def search(cfg: TrainJobConfig, check_inputs: Callable[[TrainJobConfig], None]) -> dict:
+    """Search the skip set as configured (see the module doc); returns the chosen drafter's eval metrics.
+    `check_inputs`: the entry point's check of the paths the config names (preflight), run once the config is known
+    to ask for a search."""
 
     dcfg, tcfg = cfg.drafter, cfg.train
     if not isinstance(dcfg, LayerSkipDrafterConfig) or dcfg.path != "skips":

@@ -1,5 +1,5 @@
 /* Runs one instruction of one of ggml's x86 instruction groups: exits 0 when this process can execute it, dies with
- * SIGILL (or exits non-zero) when it cannot. scripts/llamacpp_flags.sh compiles it once per group (-DPROBE_<GROUP>
+ * SIGILL (or exits non-zero) when it cannot. llamacpp_flags.py compiles it once per group (-DPROBE_<GROUP>
  * plus that group's -m flags, the ones ggml-cpu's CMakeLists adds for GGML_<GROUP>) and turns on only the groups
  * whose probe ran. /proc/cpuinfo (CPUID) is not enough: a virtual machine can list an extension it does not let a
  * process execute, and ggml's own GGML_NATIVE (-march=native) and GGML_CPU_ALL_VARIANTS trust CPUID alone.
