@@ -83,12 +83,11 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     saved = run_dir / "point.json"
     if saved.is_file():
         return json.loads(saved.read_text())
-    epochs = float(next((o.split("=", 1)[1] for o in overrides if o.startswith("epochs=")), args.epochs))
+    epochs = float(_last_value(overrides, "epochs", args.epochs))
     overrides = [o for o in overrides if not o.startswith("epochs=")]
     if args.response == "reference":
         overrides = ["train.response=reference", *overrides]
-    batch = int(next(o.split("=", 1)[1] for o in reversed([*MAIN_JOB, *overrides])
-                     if o.startswith("train.batch_size=")))  # the variant's, else the main job's
+    batch = int(_last_value([*MAIN_JOB, *overrides], "train.batch_size"))  # the variant's, else the main job's
     steps = max(int(-(-epochs * records // batch)), 1)
     began = time.perf_counter()
     train(compose_config("train", [
@@ -106,6 +105,11 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(point, indent=2) + "\n")
     return point
+
+
+def _last_value(options: Sequence[str], key: str, default=None):
+    """The value of the last `key=value` among options (as Hydra takes the last override), else default."""
+    return next((o.split("=", 1)[1] for o in reversed(options) if o.startswith(f"{key}=")), default)
 
 
 def _figures(metrics: dict) -> dict:

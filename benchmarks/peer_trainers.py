@@ -171,7 +171,6 @@ def main(argv=None) -> int:
     from drafter_train.data.store import load_distill_dataset
     from drafter_train.engines.vllm_cpu import local_target
     from drafter_train.features import default_layers, num_layers
-    from drafter_train.machine import kind_slug
     from benchmarks.common import load_target_and_prompts
 
     args = parse(argv)
