@@ -36,6 +36,10 @@ SETTINGS = {
                                "norm_output": True, "batch_size": 2, "warmup_steps": 1},
     ("ours", "steps-muon"): {"loss": "fkl", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True, "norm_output": True,
                              "batch_size": 2, "warmup_steps": 1, "optimizer": "muon"},
+    # and speculators' ttt_decay 1.0 (every unrolled step's loss weighted alike; ours decays 0.8 per step)
+    ("ours", "steps-muon-decay1"): {"loss": "fkl", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
+                                    "norm_output": True, "batch_size": 2, "warmup_steps": 1, "optimizer": "muon",
+                                    "ttt_decay": 1.0},
     ("speculators", "defaults"): {"optimizer": "muon", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
                                   "norm_output": True, "loss_fn": "kl_div", "ttt_decay": 1.0},
     ("speculators", "matched"): {"optimizer": "adamw", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
@@ -78,9 +82,9 @@ def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, rec
                  f"loss={settings['loss']}", f"train.lr={settings['lr']}", f"drafter.ttt_steps={settings['ttt_steps']}",
                  "drafter.fc_norm=false", f"drafter.norm_before_fc={str(settings['norm_before_fc']).lower()}",
                  f"drafter.norm_output={str(settings['norm_output']).lower()}", "eval.num_prompts=1", "eval.max_new_tokens=8"]  # its checkpoint evaluation: kept minimal
-    for key in ("warmup_steps", "optimizer"):  # else drafter-train's own
-        if key in settings:
-            overrides.append(f"train.{key}={settings[key]}")
+    for key in ("train.warmup_steps", "train.optimizer", "drafter.ttt_decay"):  # else drafter-train's own
+        if key.split(".")[1] in settings:
+            overrides.append(f"{key}={settings[key.split('.')[1]]}")
     cfg = compose_config("train", overrides)
     started = time.perf_counter()
     train(cfg)

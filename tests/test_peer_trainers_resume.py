@@ -40,3 +40,21 @@ def test_a_finished_trainer_is_not_run_again_and_the_result_file_grows_after_eac
     page = make_results.results_page(make_results.load_results(args.result.parent))
     assert "| ours | defaults: loss fkl, lr 0.0005, ttt_steps 3" in page
     assert "| 19 | 25000 | 60 | ours | 1.250 | 0.20 / 0.05 | True |" in page
+
+
+def test_ours_ablation_settings_reach_drafter_train_as_composed_options(tmp_path, monkeypatch):
+    """Each ablation's batch, warmup, optimizer and ttt_decay arrive in the config drafter-train runs, and the steps
+    are one pass at that batch."""
+    from drafter_train.recipes import train as train_recipe
+
+    seen = []
+    monkeypatch.setattr(train_recipe, "train", lambda cfg: seen.append(cfg))
+    args = argparse.Namespace(batch_size=8, layers=[2, 15, 27], draft_vocab_size=0, max_seq_len=512)
+    folder, info = pt.train_ours(args, "t", tmp_path / "rows", dict(pt.SETTINGS[("ours", "steps-muon-decay1")]),
+                                 tmp_path / "out", 152)
+    cfg = seen[0]
+    assert (cfg.train.batch_size, cfg.train.max_steps, cfg.train.warmup_steps) == (2, 76, 1)
+    assert cfg.train.optimizer == "muon" and cfg.drafter.ttt_decay == 1.0 and cfg.drafter.ttt_steps == 3
+    assert info["optimizer_steps"] == 76 and folder == tmp_path / "out" / "ours" / "latest" / "drafter"
+    pt.train_ours(args, "t", tmp_path / "rows", dict(pt.SETTINGS[("ours", "matched")]), tmp_path / "out", 152)
+    assert seen[1].train.batch_size == 8 and seen[1].drafter.ttt_decay == 0.8  # drafter-train's own default
