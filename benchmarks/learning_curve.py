@@ -29,13 +29,21 @@ from typing import Optional, Sequence
 
 from benchmarks.common import command_line, write_result
 from drafter_train.data.store import load_distill_dataset
+from drafter_train.errors import ConfigError
 from drafter_train.recipes.cli import compose_config
 from drafter_train.recipes.evaluate import run_eval_job
 from drafter_train.recipes.train import train
 
-# scripts/quickstart.sh's drafter-train recipe (its data, run and evaluation options aside)
-MAIN_JOB = ["drafter=eagle3", "drafter.features=offline", "drafter.draft_vocab_size=4096", "drafter.ttt_steps=1",
-            "loss=fkl", "train.batch_size=8", "train.lr=2e-3", "train.warmup_steps=20"]
+
+
+def main_job_recipe() -> list[str]:
+    """The main job's EAGLE-3 recipe (conf/pipeline/quickstart.yaml: shared.recipe), the options every variant adds
+    to."""
+    from drafter_train.recipes.pipeline import compose_pipeline
+
+    return list(compose_pipeline(["pipeline=quickstart"]).shared["recipe"])
+
+
 AIMS = (0.6, 0.7)
 COLUMNS = ["variant", "response tokens", "records", "steps", "train s", "dev acceptance 1", "test acceptance 1",
            "test acceptance 2", "test acceptance 3", "test tau"]
@@ -84,17 +92,22 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     run = f"{variant}-r{records}"
     run_dir = Path(args.out) / run
     saved = run_dir / "point.json"
+    recipe = args.recipe
     if saved.is_file():
-        return json.loads(saved.read_text())
+        point = json.loads(saved.read_text())
+        if point.get("recipe") != recipe:
+            raise ConfigError(f"{saved} was trained with another recipe than the main job's ({point.get('recipe')} "
+                              f"against {recipe}): pass another --out")
+        return point
     epochs = float(_last_value(overrides, "epochs", args.epochs))
     overrides = [o for o in overrides if not o.startswith("epochs=")]
     if args.response == "reference":
         overrides = ["train.response=reference", *overrides]
-    batch = int(_last_value([*MAIN_JOB, *overrides], "train.batch_size"))  # the variant's, else the main job's
+    batch = int(_last_value([*recipe, *overrides], "train.batch_size"))  # the variant's, else the main job's
     steps = max(int(-(-epochs * records // batch)), 1)
     began = time.perf_counter()
     train(compose_config("train", [
-        *MAIN_JOB, f"train.data_dir={args.data}", f"train.max_records={records}", f"train.output_root={args.out}",
+        *recipe, f"train.data_dir={args.data}", f"train.max_records={records}", f"train.output_root={args.out}",
         f"train.run_name={run}", f"train.max_steps={steps}", f"train.save_every={steps}", "train.keep_last=1",
         "train.eval_at_start=false", "eval.prompts=dev", "eval.num_prompts=1", "eval.max_new_tokens=8",
         *overrides]))
@@ -102,7 +115,7 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     drafter = run_dir / f"step-{steps}" / "drafter"
     dev = evaluate(drafter, "dev", args, run_dir / "dev-chain.json")
     test = evaluate(drafter, "test", args, run_dir / "test-chain.json")
-    point = {"variant": variant, "overrides": overrides, "records": records, "steps": steps, "train_s": seconds,
+    point = {"variant": variant, "recipe": recipe, "overrides": overrides, "records": records, "steps": steps, "train_s": seconds,
              "response_tokens": args.tokens_in(records), "dev": _figures(dev), "test": _figures(test),
              "machine": test["machine"]}
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -175,6 +188,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--result-name", default="learning_curve")
     parser.add_argument("--results-dir", default=None)
     args = parser.parse_args(argv)
+    args.recipe = main_job_recipe()
     column = "reference_ids" if args.response == "reference" else "response_ids"
     lengths = [len(r) for r in load_distill_dataset(args.data)[column]]
     args.tokens_in = lambda records: sum(lengths[:records])
@@ -193,7 +207,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def write(points: list[dict], missing: list[int], lengths: list[int], args, command: str) -> None:
     notes = [f"Our decoder, greedy, the drafter's top-1 tokens as a chain of {args.draft_len}, {args.max_new_tokens} new "
              f"tokens per prompt; acceptance i = P(draft i accepted | drafts before it accepted). Training: the main "
-             f"job's recipe plus each variant's options, {args.epochs:g} epochs of each point's records; data: "
+             f"job's recipe ({' '.join(args.recipe)}) plus each variant's options, {args.epochs:g} epochs of each point's records; data: "
              f"{args.data} ({sum(lengths)} response tokens in {len(lengths)} records). Variants are compared on the dev "
              "split; the test split reports."]
     variants = list(dict.fromkeys(p["variant"] for p in points))

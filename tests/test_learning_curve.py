@@ -10,6 +10,37 @@ import pytest
 from benchmarks import learning_curve as lc
 
 MACHINE = {"cpu": "Test CPU", "torch_threads": 2}
+# a recipe fixed here, so these figures do not move when the main job's changes
+RECIPE = ["drafter=eagle3", "drafter.features=offline", "drafter.draft_vocab_size=4096", "drafter.ttt_steps=1",
+          "loss=fkl", "train.batch_size=8", "train.lr=2e-3", "train.warmup_steps=20"]
+
+
+@pytest.fixture(autouse=True)
+def fixed_recipe(monkeypatch):
+    monkeypatch.setattr(lc, "main_job_recipe", lambda: list(RECIPE))
+
+
+def test_the_recipe_is_the_main_jobs_train_stage(monkeypatch):
+    """What every point trains with is what scripts/quickstart.sh's train stage runs, read from one place."""
+    from drafter_train.pipeline.runner import flat
+    from drafter_train.recipes.pipeline import compose_pipeline
+
+    monkeypatch.undo()
+    recipe = lc.main_job_recipe()
+    train_stage = flat(compose_pipeline(["pipeline=quickstart"]).known["train"].run)
+    assert recipe and recipe[0] == "drafter=eagle3" and all(option in train_stage for option in recipe)
+
+
+def test_a_point_trained_with_another_recipe_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(lc, "load_distill_dataset", lambda data: {"response_ids": [[0] * 100] * 300})
+    monkeypatch.setattr(lc, "train", lambda cfg: None)
+    monkeypatch.setattr(lc, "run_eval_job", lambda cfg: {"tau": 1.2, "acceptance_rate": 0.2, "speedup": 1.0,
+                                                         "per_position_acceptance": [0.2], "machine": MACHINE})
+    argv = ["--data", "d", "--points", "25000", "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path)]
+    lc.main(argv)
+    monkeypatch.setattr(lc, "main_job_recipe", lambda: [*RECIPE, "train.optimizer=muon"])
+    with pytest.raises(lc.ConfigError, match="another recipe"):
+        lc.main(argv)
 
 
 def test_points_take_the_fewest_records_that_hold_their_tokens_and_stop_at_the_data():
