@@ -224,12 +224,14 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
                      f"{fit_notes(points)}.")
     extra = {"results_dir": Path(args.results_dir)} if args.results_dir else {}
     curve = len(variants) <= 1
-    source = " (trained on the source's answers)" if args.response == "reference" else ""
+    reference = args.response == "reference"
+    source = " (trained on the source's answers)" if reference else ""
+    answers = "the source's own answers (ShareGPT's, not the target's)" if reference else "the target's own answers"
     write_result(args.result_name, title=("EAGLE-3's acceptance against training data on SmolLM2-135M" if curve else
                                           "EAGLE-3 recipe ablations on SmolLM2-135M (chosen on dev, reported on test)")
                  + source,
-                 question="How does the first-position acceptance of the main job's EAGLE-3 grow with the target's "
-                          "own answers as training data, and how much data would 0.6 and 0.7 take?" if curve else
+                 question=f"How does the first-position acceptance of the main job's EAGLE-3 grow with {answers} "
+                          "as training data, and how much data would 0.6 and 0.7 take?" if curve else
                           "Which change to the main job's EAGLE-3 recipe raises its acceptance at equal data?",
                  command=command, split=f"test split, first {args.num_prompts} prompts (dev split beside it)",
                  baseline="none (acceptance, not speed)", columns=COLUMNS, rows=[row(p) for p in points],
