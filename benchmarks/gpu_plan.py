@@ -68,7 +68,7 @@ def eagle3_drafter(target, draft_vocab_size: int, layer_ids: Sequence[int], devi
     """The EAGLE-3 drafter drafter-train builds for `target` (on `device`, else the target's), in fp32, frozen as
     training freezes it."""
     from drafter_train.drafters.common.loading import freeze
-    from drafter_train.drafters.eagle3.model import Eagle3Model, new_config
+    from drafter_train.drafters.eagle3.modeling import Eagle3Model, new_config
 
     cfg = eagle3_job(draft_vocab_size, layer_ids).drafter
     with torch.device(device or target.device):

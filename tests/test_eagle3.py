@@ -16,7 +16,8 @@ from drafter_train.decoding.sampling import SamplingParams
 from drafter_train.decoding.speculative import generate_speculative
 from drafter_train.decoding.verify import make_verifier
 from drafter_train.drafters.common.conditioned import target_signals
-from drafter_train.drafters.eagle3.model import Eagle3Drafter, Eagle3Model, later_rows, ttt_mask
+from drafter_train.drafters.eagle3.model import Eagle3Drafter
+from drafter_train.drafters.eagle3.modeling import Eagle3Model, later_rows, ttt_mask
 from drafter_train.drafters.registry import make_drafter
 from drafter_train.errors import ConfigError
 from drafter_train.features import FeatureTap, default_layers

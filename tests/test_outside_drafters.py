@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.drafters.eagle3.config import Eagle3DrafterConfig
-from drafter_train.drafters.eagle3.model import Eagle3Model
+from drafter_train.drafters.eagle3.modeling import Eagle3Model
 from drafter_train.errors import ConfigError
 from drafter_train.preflight import check_outside_drafter
 from tests.test_eagle3 import random_eagle3

@@ -12,7 +12,7 @@ from drafter_train import draft_vocab
 from drafter_train.drafters.eagle3 import outside
 from drafter_train.drafters.eagle3.export import _LAYER_KEYS
 from drafter_train.errors import ConfigError
-from drafter_train.drafters.eagle3.model import Eagle3Config, Eagle3Model
+from drafter_train.drafters.eagle3.modeling import Eagle3Config, Eagle3Model
 
 
 def eagle3_config(config: dict, which: str) -> Eagle3Config:
