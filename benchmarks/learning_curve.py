@@ -35,7 +35,6 @@ from drafter_train.recipes.evaluate import run_eval_job
 from drafter_train.recipes.train import train
 
 
-
 def main_job_recipe() -> list[str]:
     """The main job's EAGLE-3 recipe (conf/pipeline/quickstart.yaml: shared.recipe), the options every variant adds
     to."""
@@ -115,7 +114,8 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     drafter = run_dir / f"step-{steps}" / "drafter"
     dev = evaluate(drafter, "dev", args, run_dir / "dev-chain.json")
     test = evaluate(drafter, "test", args, run_dir / "test-chain.json")
-    point = {"variant": variant, "recipe": recipe, "overrides": overrides, "records": records, "steps": steps, "train_s": seconds,
+    point = {"variant": variant, "recipe": recipe, "overrides": overrides, "records": records, "steps": steps,
+             "train_s": seconds,
              "response_tokens": args.tokens_in(records), "dev": _figures(dev), "test": _figures(test),
              "machine": test["machine"]}
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +207,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def write(points: list[dict], missing: list[int], lengths: list[int], args, command: str) -> None:
     notes = [f"Our decoder, greedy, the drafter's top-1 tokens as a chain of {args.draft_len}, {args.max_new_tokens} new "
              f"tokens per prompt; acceptance i = P(draft i accepted | drafts before it accepted). Training: the main "
-             f"job's recipe ({' '.join(args.recipe)}) plus each variant's options, {args.epochs:g} epochs of each point's records; data: "
+             f"job's recipe ({' '.join(args.recipe)}) plus each variant's options, {args.epochs:g} epochs of each "
+             f"point's records; data: "
              f"{args.data} ({sum(lengths)} response tokens in {len(lengths)} records). Variants are compared on the dev "
              "split; the test split reports."]
     variants = list(dict.fromkeys(p["variant"] for p in points))

@@ -82,9 +82,9 @@ def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, rec
                  f"loss={settings['loss']}", f"train.lr={settings['lr']}", f"drafter.ttt_steps={settings['ttt_steps']}",
                  "drafter.fc_norm=false", f"drafter.norm_before_fc={str(settings['norm_before_fc']).lower()}",
                  f"drafter.norm_output={str(settings['norm_output']).lower()}", "eval.num_prompts=1", "eval.max_new_tokens=8"]  # its checkpoint evaluation: kept minimal
-    for key in ("train.warmup_steps", "train.optimizer", "drafter.ttt_decay"):  # else drafter-train's own
-        if key.split(".")[1] in settings:
-            overrides.append(f"{key}={settings[key.split('.')[1]]}")
+    for group, key in (("train", "warmup_steps"), ("train", "optimizer"), ("drafter", "ttt_decay")):
+        if key in settings:  # else drafter-train's own
+            overrides.append(f"{group}.{key}={settings[key]}")
     cfg = compose_config("train", overrides)
     started = time.perf_counter()
     train(cfg)
