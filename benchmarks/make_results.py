@@ -385,9 +385,10 @@ def peer_table(rows: list[dict]) -> str:
         values = row["settings"]
         return f"{values.get('name', '')}: " + ", ".join(f"{k} {v}" for k, v in values.items() if k != "name")
     return markdown_table(
-        ["trainer", "settings", "optimizer steps", "response tokens seen", "train wall (s)", "engine",
-         "acceptance length", "per-position acceptance", "output identical to plain"],
-        [[r["trainer"], settings(r), r.get("optimizer_steps"), r["tokens_seen"], round(r["train_wall_s"]),
+        ["trainer", "settings", "optimizer steps", "response tokens seen", "wall (s): hidden states + train",
+         "engine", "acceptance length", "per-position acceptance", "output identical to plain"],
+        [[r["trainer"], settings(r), r.get("optimizer_steps"), r["tokens_seen"],
+          round(r["train_wall_s"] + (r.get("features_wall_s") or 0)),
           r["engine"], round(r["acceptance_length"], 3), _acceptance_cell(r["per_position_acceptance"]),
           r.get("output_identical_to_plain")] for r in rows])
 

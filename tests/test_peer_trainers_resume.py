@@ -42,6 +42,34 @@ def test_a_finished_trainer_is_not_run_again_and_the_result_file_grows_after_eac
     assert "| 19 | 25000 | 60 | ours | 1.250 | 0.20 / 0.05 | True |" in page
 
 
+def test_hidden_states_made_apart_count_in_the_wall_and_old_rows_take_them_from_train_info(tmp_path, monkeypatch):
+    """speculators computes hidden states before it trains (features_wall_s); ours computes them inside the train
+    wall. The table adds the two, so the wall-clock is compared on equal terms, also for rows kept before."""
+    def fake_train(trainer, args, target_dir, rows, subset, records, settings, out):
+        return out / "drafter", {"optimizer_steps": 85, "train_wall_s": 60.0, "features_wall_s": 40.0}
+
+    monkeypatch.setattr(pt, "train_peer", fake_train)
+    monkeypatch.setattr(pt, "evaluate", lambda *a: [{"engine": "ours", "acceptance_length": 1.2,
+                                                     "per_position_acceptance": [0.2], "tau": 1.2,
+                                                     "output_identical_to_plain": True}])
+    args = argparse.Namespace(output=tmp_path / "runs", result=tmp_path / "results" / "peer_trainers.json",
+                              prompts="test", num_prompts=24, max_new_tokens=64, draft_len=3, target="t",
+                              layers=[2, 15, 27], draft_vocab_size=0, max_seq_len=512, data="d")
+    rows = pt.run_one("speculators", "defaults", args, "t", None, [0], [], tmp_path / "r", tmp_path / "s", 152, 25000)
+    assert rows[0]["features_wall_s"] == 40.0
+    kept = tmp_path / "runs" / "speculators-defaults"
+    old = [{k: v for k, v in rows[0].items() if k != "features_wall_s"}]  # a rows.json from before
+    (kept / "rows.json").write_text(json.dumps(old))
+    (kept / "speculators").mkdir()
+    (kept / "speculators" / "train_info.json").write_text(json.dumps({"features_wall_s": 72.5}))
+    again = pt.run_one("speculators", "defaults", args, "t", None, [0], [], tmp_path / "r", tmp_path / "s", 152,
+                       25000)
+    assert again[0]["features_wall_s"] == 72.5
+    pt.write_result(args, ["--data", "d"], again)
+    page = make_results.results_page(make_results.load_results(args.result.parent))
+    assert "| 85 | 25000 | 132 | ours | 1.200 | 0.20 | True |" in page
+
+
 def test_ours_ablation_settings_reach_drafter_train_as_composed_options(tmp_path, monkeypatch):
     """Each ablation's batch, warmup, optimizer and ttt_decay arrive in the config drafter-train runs, and the steps
     are one pass at that batch."""
