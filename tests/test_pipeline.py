@@ -172,6 +172,8 @@ def test_the_stage_list_override_reaches_the_served_pipeline_through_hydra():
     cfg = compose_pipeline(["pipeline=served_qwen", "pipeline.stages=[exports,table]", "pipeline.num_prompts=16"])
     assert selected(cfg)[:2] == ["export-eagle3", "export-eagle3-q8_0"] and selected(cfg)[-1] == "table"
     assert "datagen.num_prompts=16" in cfg.known["datagen"].run
+    verify = compose_pipeline(["pipeline=served_qwen", "pipeline.verify_rounds=1"]).known["verify-split"].run
+    assert str(verify[verify.index("--rounds") + 1]) == "1"
     default = compose_pipeline(["pipeline=served_qwen"])
     assert default.stages[:3] == ["targets", "llamacpp", "datagen"] and "ours" not in default.stages
 

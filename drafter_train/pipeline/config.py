@@ -105,6 +105,7 @@ class ServedQwenConfig(PipelineConfig):
     per_category: int = 2  # the served table: prompts of each of the test split's 14 categories
     new_tokens: int = 64
     rounds: int = 3
+    verify_rounds: int = 2  # verify-split: timing rounds of each target file (a reduced run's longest stage)
     e3_type: str = "q4_k_m"  # the EAGLE-3 export the table serves: f16, q8_0 or q4_k_m
     dev_tokens: int = 64  # new tokens per dev prompt in the choose stage
     agreement_prompts: int = 14  # test prompts of the agreement check, and new tokens of each (our decoder decodes
