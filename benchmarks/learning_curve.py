@@ -115,9 +115,8 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     dev = evaluate(drafter, "dev", args, run_dir / "dev-chain.json")
     test = evaluate(drafter, "test", args, run_dir / "test-chain.json")
     point = {"variant": variant, "recipe": recipe, "overrides": overrides, "records": records, "steps": steps,
-             "train_s": seconds,
-             "response_tokens": args.tokens_in(records), "dev": _figures(dev), "test": _figures(test),
-             "machine": test["machine"]}
+             "train_s": seconds, "response_tokens": args.tokens_in(records), "dev": _figures(dev),
+             "test": _figures(test), "machine": test["machine"]}
     run_dir.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(point, indent=2) + "\n")
     return point

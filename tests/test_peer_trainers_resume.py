@@ -65,7 +65,11 @@ def test_hidden_states_made_apart_count_in_the_wall_and_old_rows_take_them_from_
     again = pt.run_one("speculators", "defaults", args, "t", None, [0], [], tmp_path / "r", tmp_path / "s", 152,
                        25000)
     assert again[0]["features_wall_s"] == 72.5
-    pt.write_result(args, ["--data", "d"], again)
+    measured_under = {"cpu": "then", "load_average": [5.3, 5.5, 6.5]}  # the file the kept rows were written to
+    args.result.parent.mkdir(parents=True, exist_ok=True)
+    args.result.write_text(json.dumps({"machine": measured_under}))
+    pt.write_result(args, ["--data", "d"], again, measured=False)  # a rewrite that ran nothing
+    assert json.loads(args.result.read_text())["machine"] == measured_under
     page = make_results.results_page(make_results.load_results(args.result.parent))
     assert "| 85 | 25000 | 132 | ours | 1.200 | 0.20 | True |" in page
 
