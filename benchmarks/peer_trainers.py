@@ -116,7 +116,7 @@ def evaluate(folder: Path, target_dir: str, target, eos, prompts, args, out: Pat
     for name, start in engines:
         engine = start()
         try:
-            plain = engine.decode(prompts, args.max_new_tokens, speculative=False)
+            plain = plain_decode(engine, name, prompts, args)
             spec = engine.decode(prompts, args.max_new_tokens, speculative=True)
         finally:
             engine.close()
@@ -125,6 +125,21 @@ def evaluate(folder: Path, target_dir: str, target, eos, prompts, args, out: Pat
                      "per_position_acceptance": m["per_position_acceptance"], "tau": m["tau"],
                      "output_identical_to_plain": m["output_equals_plain"]})
     return rows
+
+
+def plain_decode(engine, name: str, prompts, args):
+    """The engine's plain decoding of the prompts: decoded once per output folder and engine, then read back (greedy
+    decoding of one target is the same for every drafter; the rows use its tokens, not its speed)."""
+    from dataclasses import asdict
+
+    from drafter_train.engines.base import Served
+
+    kept = args.output / f"plain-{name}-{Path(args.prompts).stem}-{args.num_prompts}x{args.max_new_tokens}.json"
+    if kept.is_file():
+        return Served(**json.loads(kept.read_text()))
+    plain = engine.decode(prompts, args.max_new_tokens, speculative=False)
+    write_atomic(kept, json.dumps(asdict(plain)) + "\n")
+    return plain
 
 
 def train_peer(trainer: str, args, target_dir: str, rows: Path, subset: Path, records: int, settings: dict,
@@ -158,7 +173,8 @@ def parse(argv=None):
     p.add_argument("--max-seq-len", type=int, default=512)
     p.add_argument("--batch-size", type=int, default=8, help="ours: rows per optimizer step")
     p.add_argument("--trainers", default="ours,speculators,modelopt")
-    p.add_argument("--settings", default="defaults,matched")
+    p.add_argument("--settings", default="defaults,matched",
+                   help="names of SETTINGS, for every trainer that has them; trainer:name for one trainer only")
     p.add_argument("--draft-len", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--vllm-python", default=str(default_vllm_python()))
@@ -189,40 +205,77 @@ def main(argv=None) -> int:
     if not subset.exists():
         subset_store(args.data, subset, records)
     result_rows, measured = [], False
-    for trainer in args.trainers.split(","):
-        for name in args.settings.split(","):
-            if (trainer, name) not in SETTINGS:  # e.g. ours' ablations
-                continue
-            measured = measured or not (args.output / f"{trainer}-{name}" / "rows.json").is_file()
-            result_rows += run_one(trainer, name, args, target_dir, target, eos, prompts, rows, subset, records, seen)
-            write_result(args, argv, result_rows, measured)
+    for trainer, name in runs(args.trainers, args.settings):
+        measured = measured or not rows_file(args, args.output / f"{trainer}-{name}").is_file()
+        result_rows += run_one(trainer, name, args, target_dir, target, eos, prompts, rows, subset, records, seen)
+        write_result(args, argv, result_rows, measured)
     return 0
+
+
+def runs(trainers: str, settings: str) -> list[tuple[str, str]]:
+    """(trainer, settings name) pairs to run, in --trainers order: each name of --settings that the trainer has
+    (e.g. ours' ablations are ours' only); a `trainer:name` entry applies to that trainer alone."""
+    pairs = []
+    for trainer in trainers.split(","):
+        for entry in settings.split(","):
+            only, _, name = entry.rpartition(":")
+            if (trainer, name) in SETTINGS and only in ("", trainer):
+                pairs.append((trainer, name))
+    return pairs
 
 
 def run_one(trainer: str, name: str, args, target_dir: str, target, eos, prompts, rows: Path, subset: Path,
             records: int, seen: int) -> list[dict]:
-    """Train and evaluate one (trainer, settings); its rows are kept in <output>/<trainer>-<settings>/rows.json, so
-    a rerun after a stop skips what finished."""
+    """Train and evaluate one (trainer, settings). Its rows are kept in <output>/<trainer>-<settings>/rows.json
+    (rows-<split>.json for another prompt split, e.g. dev, which chooses among ours' ablations), and the training's
+    steps and walls in train.json, so a rerun after a stop skips what finished, and another split only evaluates."""
     settings = SETTINGS[(trainer, name)]
     out = args.output / f"{trainer}-{name}"
-    done = out / "rows.json"
+    done = rows_file(args, out)
     if done.is_file():  # rows from before features_wall_s was kept: it is in the peer's train_info.json
         info = out / trainer / "train_info.json"
         features_s = json.loads(info.read_text()).get("features_wall_s") if info.is_file() else None
         return [dict(row, features_wall_s=row.get("features_wall_s", features_s))
                 for row in json.loads(done.read_text())]
-    folder, info = train_peer(trainer, args, target_dir, rows, subset, records, settings, out)
+    folder, info = trained(trainer, args, target_dir, rows, subset, records, settings, out)
     # features_wall_s: hidden states computed apart before training (speculators); None where the trainer computes
     # them online, inside train_wall_s (ours, ModelOpt)
-    found = [dict(row, trainer=trainer, settings=dict(settings, name=name), tokens_seen=seen,
-                  optimizer_steps=info.get("optimizer_steps"), train_wall_s=info.get("train_wall_s"),
-                  features_wall_s=info.get("features_wall_s"))
+    found = [dict(row, trainer=trainer, settings=dict(settings, name=name), tokens_seen=seen, **info)
              for row in evaluate(folder, target_dir, target, eos, prompts, args, out)]
     for row in found:
         print(json.dumps(row))
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(done, json.dumps(found, indent=2) + "\n")
     return found
+
+
+def rows_file(args, out: Path) -> Path:
+    """Where one (trainer, settings)'s evaluated rows are kept: rows.json on the test split, else rows-<split>.json."""
+    from benchmarks.common import TEST
+
+    return out / ("rows.json" if args.prompts == TEST else f"rows-{Path(args.prompts).stem}.json")
+
+
+def trained(trainer: str, args, target_dir: str, rows: Path, subset: Path, records: int, settings: dict,
+            out: Path) -> tuple[Path, dict]:
+    """The drafter folder of one (trainer, settings) and its optimizer steps and walls: trained now, or kept from a
+    finished training (train.json, or the test split's rows.json of runs from before train.json was written)."""
+    keys = ("optimizer_steps", "train_wall_s", "features_wall_s")
+    kept = out / "train.json"
+    if not kept.is_file() and (out / "rows.json").is_file():
+        row = json.loads((out / "rows.json").read_text())[0]
+        info = out / trainer / "train_info.json"
+        features_s = json.loads(info.read_text()).get("features_wall_s") if info.is_file() else None
+        write_atomic(kept, json.dumps(dict({k: row.get(k) for k in keys}, features_wall_s=row.get(
+            "features_wall_s", features_s)), indent=2) + "\n")
+    folder = {"ours": out / "ours" / "latest" / "drafter"}.get(trainer, out / trainer / "drafter")
+    if kept.is_file():
+        return folder, json.loads(kept.read_text())
+    folder, info = train_peer(trainer, args, target_dir, rows, subset, records, settings, out)
+    info = {k: info.get(k) for k in keys}
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(kept, json.dumps(info, indent=2) + "\n")
+    return folder, info
 
 
 def write_result(args, argv, result_rows: list[dict], measured: bool = True) -> None:

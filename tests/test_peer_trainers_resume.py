@@ -90,3 +90,66 @@ def test_ours_ablation_settings_reach_drafter_train_as_composed_options(tmp_path
     assert info["optimizer_steps"] == 76 and folder == tmp_path / "out" / "ours" / "latest" / "drafter"
     pt.train_ours(args, "t", tmp_path / "rows", dict(pt.SETTINGS[("ours", "matched")]), tmp_path / "out", 152)
     assert seen[1].train.batch_size == 8 and seen[1].drafter.ttt_decay == 0.8  # drafter-train's own default
+
+
+def test_another_split_evaluates_the_trained_drafter_again_without_training_it(tmp_path, monkeypatch):
+    """The dev split chooses among ours' ablations: --prompts dev evaluates each finished training on the dev prompts
+    (rows-dev.json), keeps its steps and walls, and trains nothing, also for runs from before train.json was kept."""
+    runs, seen_prompts = [], []
+
+    def fake_train(trainer, args, target_dir, rows, subset, records, settings, out):
+        runs.append(trainer)
+        return out / "drafter", {"optimizer_steps": 76, "train_wall_s": 478.0, "ignored": 1}
+
+    def fake_evaluate(folder, target_dir, target, eos, prompts, args, out):
+        seen_prompts.append((args.prompts, folder))
+        return [{"engine": "ours", "acceptance_length": 1.3 if args.prompts == "dev" else 1.2,
+                 "per_position_acceptance": [0.2], "tau": 1.2, "output_identical_to_plain": True}]
+
+    monkeypatch.setattr(pt, "train_peer", fake_train)
+    monkeypatch.setattr(pt, "evaluate", fake_evaluate)
+    args = argparse.Namespace(output=tmp_path / "runs", result=tmp_path / "r.json", prompts="test", num_prompts=24,
+                              max_new_tokens=64, draft_len=3)
+    test_rows = pt.run_one("ours", "steps-muon", args, "t", None, [0], [], tmp_path / "r", tmp_path / "s", 152, 25000)
+    old = tmp_path / "runs" / "ours-steps-muon-decay1"  # trained and evaluated before train.json existed
+    old.mkdir(parents=True)
+    (old / "rows.json").write_text(json.dumps([dict(test_rows[0], train_wall_s=500.0)]))
+    args.prompts = "dev"
+    dev = pt.run_one("ours", "steps-muon", args, "t", None, [0], [], tmp_path / "r", tmp_path / "s", 152, 25000)
+    dev_old = pt.run_one("ours", "steps-muon-decay1", args, "t", None, [0], [], tmp_path / "r", tmp_path / "s", 152,
+                         25000)
+    assert runs == ["ours"]  # only the first training ran
+    assert dev[0]["acceptance_length"] == 1.3 and dev[0]["train_wall_s"] == 478.0 and "ignored" not in dev[0]
+    assert dev_old[0]["train_wall_s"] == 500.0 and dev_old[0]["optimizer_steps"] == 76
+    assert seen_prompts[-1] == ("dev", old / "ours" / "latest" / "drafter")
+    assert (tmp_path / "runs" / "ours-steps-muon" / "rows-dev.json").is_file()
+    assert json.loads((tmp_path / "runs" / "ours-steps-muon" / "rows.json").read_text())[0]["acceptance_length"] == 1.2
+
+
+def test_plain_decoding_runs_once_per_engine_and_prompt_set_and_reads_back_the_same(tmp_path):
+    """Every drafter of a comparison is checked against the same plain decoding: it is decoded once per engine and
+    prompt set, kept, and read back equal."""
+    from drafter_train.engines.base import Served
+
+    class Engine:
+        calls = 0
+
+        def decode(self, prompts, new_tokens, speculative):
+            Engine.calls += 1
+            return Served(tokens=[[5, 6, 7]], tokens_per_s=9.5, steps=[(0, 0)])
+
+    args = argparse.Namespace(output=tmp_path, prompts="dev", num_prompts=24, max_new_tokens=64)
+    first = pt.plain_decode(Engine(), "ours", [[1]], args)
+    again = pt.plain_decode(Engine(), "ours", [[1]], args)
+    other = pt.plain_decode(Engine(), "vLLM-cpu", [[1]], args)
+    assert Engine.calls == 2 and again.tokens == first.tokens == other.tokens == [[5, 6, 7]]
+    assert again.tokens_per_s == 9.5 and (tmp_path / "plain-ours-dev-24x64.json").is_file()
+
+
+def test_settings_apply_to_each_trainer_that_has_them_or_to_the_one_named():
+    assert pt.runs("ours,speculators", "defaults,matched") == [
+        ("ours", "defaults"), ("ours", "matched"), ("speculators", "defaults"), ("speculators", "matched")]
+    assert pt.runs("ours,speculators", "steps-muon,defaults") == [
+        ("ours", "steps-muon"), ("ours", "defaults"), ("speculators", "defaults")]
+    assert pt.runs("ours,speculators,modelopt", "ours:steps-muon-decay1,speculators:defaults") == [
+        ("ours", "steps-muon-decay1"), ("speculators", "defaults")]
