@@ -43,6 +43,10 @@ SETTINGS = {
     ("ours", "steps-muon-decay1"): {"loss": "fkl", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
                                     "norm_output": True, "batch_size": 2, "warmup_steps": 1, "optimizer": "muon",
                                     "ttt_decay": 1.0},
+    # and speculators' linear decay of the lr (ours: cosine), the next difference at 50k tokens
+    ("ours", "steps-muon-decay1-linear"): {"loss": "fkl", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
+                                           "norm_output": True, "batch_size": 2, "warmup_steps": 1,
+                                           "optimizer": "muon", "ttt_decay": 1.0, "lr_schedule": "linear"},
     ("speculators", "defaults"): {"optimizer": "muon", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
                                   "norm_output": True, "loss_fn": "kl_div", "ttt_decay": 1.0},
     ("speculators", "matched"): {"optimizer": "adamw", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
@@ -85,7 +89,8 @@ def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, rec
                  f"loss={settings['loss']}", f"train.lr={settings['lr']}", f"drafter.ttt_steps={settings['ttt_steps']}",
                  "drafter.fc_norm=false", f"drafter.norm_before_fc={str(settings['norm_before_fc']).lower()}",
                  f"drafter.norm_output={str(settings['norm_output']).lower()}", "eval.num_prompts=1", "eval.max_new_tokens=8"]  # its checkpoint evaluation: kept minimal
-    for group, key in (("train", "warmup_steps"), ("train", "optimizer"), ("drafter", "ttt_decay")):
+    for group, key in (("train", "warmup_steps"), ("train", "optimizer"), ("train", "lr_schedule"),
+                       ("drafter", "ttt_decay")):
         if key in settings:  # else drafter-train's own
             overrides.append(f"{group}.{key}={settings[key]}")
     cfg = compose_config("train", overrides)

@@ -89,6 +89,9 @@ def test_ours_ablation_settings_reach_drafter_train_as_composed_options(tmp_path
     assert cfg.train.optimizer == "muon" and cfg.drafter.ttt_decay == 1.0 and cfg.drafter.ttt_steps == 3
     assert info["optimizer_steps"] == 76 and folder == tmp_path / "out" / "ours" / "latest" / "drafter"
     pt.train_ours(args, "t", tmp_path / "rows", dict(pt.SETTINGS[("ours", "matched")]), tmp_path / "out", 152)
+    pt.train_ours(args, "t", tmp_path / "rows", dict(pt.SETTINGS[("ours", "steps-muon-decay1-linear")]),
+                  tmp_path / "out", 152)
+    assert seen[2].train.lr_schedule == "linear" and seen[1].train.lr_schedule == "cosine"
     assert seen[1].train.batch_size == 8 and seen[1].drafter.ttt_decay == 0.8  # as it was measured
 
 
