@@ -88,7 +88,8 @@ def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, rec
                  f"train.output_root={out}", "train.run_name=ours", "train.eval_at_start=false",
                  f"loss={settings['loss']}", f"train.lr={settings['lr']}", f"drafter.ttt_steps={settings['ttt_steps']}",
                  "drafter.fc_norm=false", f"drafter.norm_before_fc={str(settings['norm_before_fc']).lower()}",
-                 f"drafter.norm_output={str(settings['norm_output']).lower()}", "eval.num_prompts=1", "eval.max_new_tokens=8"]  # its checkpoint evaluation: kept minimal
+                 f"drafter.norm_output={str(settings['norm_output']).lower()}",
+                 "eval.num_prompts=1", "eval.max_new_tokens=8"]  # its checkpoint evaluation: kept minimal
     for group, key in (("train", "warmup_steps"), ("train", "optimizer"), ("train", "lr_schedule"),
                        ("drafter", "ttt_decay")):
         if key in settings:  # else drafter-train's own
@@ -96,7 +97,7 @@ def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, rec
     cfg = compose_config("train", overrides)
     started = time.perf_counter()
     train(cfg)
-    return out / "ours" / "latest" / "drafter", {"optimizer_steps": steps,
+    return drafter_folder("ours", out), {"optimizer_steps": steps,
                                                  "train_wall_s": time.perf_counter() - started}
 
 
@@ -160,11 +161,11 @@ def train_peer(trainer: str, args, target_dir: str, rows: Path, subset: Path, re
     if trainer == "speculators":
         peer = dict(settings, draft_vocab_size=args.draft_vocab_size, total_seq_len=args.max_seq_len)
         info = train_speculators(Path(target_dir), rows, args.layers, out / "speculators", peer)
-        return out / "speculators" / "drafter", info
+        return drafter_folder(trainer, out), info
     if trainer == "modelopt":
         peer = dict(settings, draft_vocab_size=args.draft_vocab_size, seq_len=args.max_seq_len)
         info = train_modelopt(Path(target_dir), rows, args.layers, out / "modelopt", peer)
-        return out / "modelopt" / "drafter", info
+        return drafter_folder(trainer, out), info
     raise SystemExit(f"peer_trainers: no adapter for {trainer!r} (ours, speculators, modelopt)")
 
 
@@ -245,9 +246,7 @@ def run_one(trainer: str, name: str, args, target_dir: str, target, eos, prompts
     out = args.output / f"{trainer}-{name}"
     done = rows_file(args, out)
     if done.is_file():  # rows from before features_wall_s was kept: it is in the peer's train_info.json
-        info = out / trainer / "train_info.json"
-        features_s = json.loads(info.read_text()).get("features_wall_s") if info.is_file() else None
-        return [dict(row, features_wall_s=row.get("features_wall_s", features_s))
+        return [dict(row, features_wall_s=row.get("features_wall_s", info_features_s(out, trainer)))
                 for row in json.loads(done.read_text())]
     folder, info = trained(trainer, args, target_dir, rows, subset, records, settings, out)
     # features_wall_s: hidden states computed apart before training (speculators); None where the trainer computes
@@ -259,6 +258,17 @@ def run_one(trainer: str, name: str, args, target_dir: str, target, eos, prompts
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(done, json.dumps(found, indent=2) + "\n")
     return found
+
+
+def drafter_folder(trainer: str, out: Path) -> Path:
+    """Where one (trainer, settings)'s trained drafter lies: ours' last checkpoint, or the peer adapter's export."""
+    return out / "ours" / "latest" / "drafter" if trainer == "ours" else out / trainer / "drafter"
+
+
+def info_features_s(out: Path, trainer: str):
+    """features_wall_s from the peer adapter's train_info.json (None: no such file, or a trainer that has none)."""
+    info = out / trainer / "train_info.json"
+    return json.loads(info.read_text()).get("features_wall_s") if info.is_file() else None
 
 
 def rows_file(args, out: Path) -> Path:
@@ -276,13 +286,10 @@ def trained(trainer: str, args, target_dir: str, rows: Path, subset: Path, recor
     kept = out / "train.json"
     if not kept.is_file() and (out / "rows.json").is_file():
         row = json.loads((out / "rows.json").read_text())[0]
-        info = out / trainer / "train_info.json"
-        features_s = json.loads(info.read_text()).get("features_wall_s") if info.is_file() else None
         write_atomic(kept, json.dumps(dict({k: row.get(k) for k in keys}, features_wall_s=row.get(
-            "features_wall_s", features_s)), indent=2) + "\n")
-    folder = {"ours": out / "ours" / "latest" / "drafter"}.get(trainer, out / trainer / "drafter")
+            "features_wall_s", info_features_s(out, trainer))), indent=2) + "\n")
     if kept.is_file():
-        return folder, json.loads(kept.read_text())
+        return drafter_folder(trainer, out), json.loads(kept.read_text())
     folder, info = train_peer(trainer, args, target_dir, rows, subset, records, settings, out)
     info = {k: info.get(k) for k in keys}
     out.mkdir(parents=True, exist_ok=True)
