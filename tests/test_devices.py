@@ -206,3 +206,64 @@ def test_the_gpu_smoke_experiment_runs_on_cpu_at_tiny_size(tiny_data, tmp_path, 
     metrics = train(cfg)
     assert "tau" in metrics and len(losses(tmp_path / "gpu-smoke")) == 4
     assert any((tmp_path / "gpu-smoke").glob("step-4/drafter/model.safetensors"))
+
+
+@pytest.mark.parametrize("precision, target_matmul", [("no", torch.float32), ("bf16", torch.bfloat16)])
+def test_bf16_runs_the_targets_training_forward_under_autocast_too(tiny_data, tmp_path, monkeypatch, precision,
+                                                                    target_matmul):
+    """train.mixed_precision=bf16 puts the float32 target's no-grad forward in training (EAGLE-3's features and
+    teacher) under bf16 autocast, where it costs most of a step; no leaves it in the target's dtype."""
+    from drafter_train.recipes import train as recipe
+    from tests.test_eagle3 import eagle3_cfg
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    in_step, frozen = [], []
+    real_step = recipe.accumulate_gradients
+
+    def step(*args, **kwargs):  # record inside training steps only, not in the checkpoint's evaluation
+        in_step.append(True)
+        try:
+            return real_step(*args, **kwargs)
+        finally:
+            in_step.pop()
+
+    def on_forward(module, args, output):  # the target's layers: frozen
+        if in_step and isinstance(module, torch.nn.Linear) and not module.weight.requires_grad:
+            frozen.append((output.dtype, module.weight.dtype))
+
+    monkeypatch.setattr(recipe, "accumulate_gradients", step)
+    cfg = eagle3_cfg(tiny_data, tmp_path, f"train.mixed_precision={precision}", "train.max_steps=2",
+                     "train.save_every=2", "train.eval_at_start=false", "eval.num_prompts=1")
+    hook = torch.nn.modules.module.register_module_forward_hook(on_forward)
+    try:
+        recipe.train(cfg)
+    finally:
+        hook.remove()
+    assert frozen and set(frozen) == {(target_matmul, torch.float32)}
+
+
+@pytest.mark.parametrize("speedup, chosen", [(6.1, "bf16"), (1.2, "no"), (0.3, "no")])
+def test_auto_mixed_precision_follows_the_measured_bf16_speedup(monkeypatch, speedup, chosen):
+    """train.mixed_precision=auto: bf16 where this device's bf16 matmul measured >= 1.5x float32 (an AMX Xeon ~6x),
+    no where it is not (emulated bf16 on AVX2 is slower); an accelerate launch config's precision wins; no and bf16
+    stay as given."""
+    from drafter_train import distributed
+
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    monkeypatch.setattr(distributed, "bf16_matmul_speedup", lambda device: speedup)
+    cpu = lambda: torch.device("cpu")  # noqa: E731
+    assert distributed.resolve_mixed_precision("auto", cpu)[0] == chosen
+    assert f"{speedup:.1f}x" in distributed.resolve_mixed_precision("auto", cpu)[1]
+    assert [distributed.resolve_mixed_precision(p, cpu)[0] for p in ("no", "bf16")] == ["no", "bf16"]
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    assert distributed.resolve_mixed_precision("auto", cpu)[0] == "no"
+
+
+def test_the_bf16_speedup_is_measured():
+    """bf16_matmul_speedup times real matmuls: a positive ratio, and bf16 faster where probe_cpu says bf16 is native."""
+    from drafter_train.machine import bf16_matmul_speedup, probe_cpu
+
+    speedup = bf16_matmul_speedup(torch.device("cpu"))
+    assert speedup > 0
+    if probe_cpu()["bf16_matmul"] == "native (AMX)":
+        assert speedup > 1.5

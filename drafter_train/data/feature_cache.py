@@ -54,12 +54,13 @@ class CacheSpec:
     response_key: str
     max_seq_len: int
     dtype: str
+    compute: str  # train.mixed_precision the target ran under (no or bf16): the features' bits differ
     shard_size: int = 256
 
     def as_dict(self) -> dict:
         return {"format": FORMAT, "target": self.target, "layers": list(self.layers), "hidden_size": self.hidden_size,
                 "response_key": self.response_key, "max_seq_len": self.max_seq_len, "dtype": self.dtype,
-                "shard_size": self.shard_size}
+                "compute": self.compute, "shard_size": self.shard_size}
 
     def key(self) -> str:
         return hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:16]

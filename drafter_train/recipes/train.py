@@ -30,8 +30,10 @@ from drafter_train.data.overlap import check_eval_overlap
 from drafter_train.data.prompts import refuse_test_split, split_name
 from drafter_train.data.training_data import eval_prompt_ids, eval_prompt_texts, eval_prompts_path, load_training_data
 from drafter_train.distributed import (
-    full_drafter, load_sharded_state, make_accelerator, optimizer_state, save_sharded_state, uses_deepspeed, uses_fsdp,
+    full_drafter, load_sharded_state, make_accelerator, optimizer_state, resolve_mixed_precision, save_sharded_state,
+    uses_deepspeed, uses_fsdp,
 )
+from drafter_train.devices import default_device
 from drafter_train.optimizers import make_optimizer
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
@@ -136,7 +138,12 @@ def train(cfg: TrainJobConfig) -> dict:
     config = OmegaConf.to_container(OmegaConf.structured(cfg))  # plain dict: saved, compared, tracked
     if tcfg.resume == "auto":
         check_same_run(run_dir, config)
+    precision, why = resolve_mixed_precision(tcfg.mixed_precision, default_device)
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(tcfg, mixed_precision=precision))  # no or bf16 from here
+    tcfg = cfg.train
     accelerator = make_accelerator(tcfg, log_with(cfg.tracker), run_dir)
+    if accelerator.is_main_process:
+        print(f"train.mixed_precision: {precision} ({why})", file=sys.stderr)
     set_seed(tcfg.seed)
     target, tokenizer = load_target(cfg.target)  # never prepared: no-grad, full weights on every rank
     target.to(accelerator.device)

@@ -270,7 +270,8 @@ def dflash_loss(module: nn.Module, target: PreTrainedModel, blocks: Batch, cfg: 
     data's tokens, those outside the draft vocabulary masked), weighted by position; windowed losses use each block
     as their window. Counted per block token (the batch's num_tokens)."""
     model = module.module if hasattr(module, "module") else module  # DDP wraps; buffers are read, not trained
-    features, target_hidden = conditioned.target_signals(target, blocks, model.config.target_layers)
+    with conditioned.target_precision(target, cfg):
+        features, target_hidden = conditioned.target_signals(target, blocks, model.config.target_layers)
     size = model.config.block_size
     rows, n = blocks.context_lens.shape
     anchors, shape = blocks.context_lens - 1, (rows, n, size - 1)
@@ -283,7 +284,11 @@ def dflash_loss(module: nn.Module, target: PreTrainedModel, blocks: Batch, cfg: 
                                                                   anchors).argmax(-1)]
         glance_ids, learn = glance(guess, blocks.labels.view(shape), learn, cfg.drafter.glancing_ratio)
     student = module(blocks.input_ids, features, blocks.attention_mask, anchors, glance_ids)  # [B, n, S - 1, Vd]
-    teacher = lambda: conditioned.draft_teacher(model, target, target_hidden).view(rows * n, size - 1, -1)  # noqa
+
+    def teacher() -> torch.Tensor:  # computed only by the losses that read it
+        with conditioned.target_precision(target, cfg):
+            return conditioned.draft_teacher(model, target, target_hidden).view(rows * n, size - 1, -1)
+
     weights = position_weights(size, cfg.drafter.position_decay).to(student.device).expand(rows * n, -1)
     out = apply_loss(cfg.loss, student.flatten(0, 1).float(), labels.clamp(min=0).flatten(0, 1),
                      learn.flatten(0, 1), teacher, size - 1, weights)
