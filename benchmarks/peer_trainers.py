@@ -52,8 +52,17 @@ SETTINGS = {
     ("ours", "steps-muon-decay1-auto"): {"loss": "fkl", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
                                          "norm_output": True, "batch_size": 2, "warmup_steps": 1, "optimizer": "muon",
                                          "ttt_decay": 1.0, "mixed_precision": "auto"},
+    ("ours", "steps-muon-decay1-auto-linear"): {"loss": "fkl", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
+                                                "norm_output": True, "batch_size": 2, "warmup_steps": 1,
+                                                "optimizer": "muon", "ttt_decay": 1.0, "mixed_precision": "auto",
+                                                "lr_schedule": "linear"},
     ("speculators", "defaults"): {"optimizer": "muon", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
                                   "norm_output": True, "loss_fn": "kl_div", "ttt_decay": 1.0},
+    # its defaults with its own training precision, bf16 autocast (hidden_states_dtype; float32 above), the hidden
+    # states extracted under bf16 autocast too: the peer of ours' mixed_precision=auto on a CPU with fast bf16
+    ("speculators", "defaults-bf16"): {"optimizer": "muon", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
+                                       "norm_output": True, "loss_fn": "kl_div", "ttt_decay": 1.0,
+                                       "hidden_states_dtype": "bfloat16"},
     ("speculators", "matched"): {"optimizer": "adamw", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
                                  "norm_output": True, "loss_fn": "kl_div", "ttt_decay": 0.8, "scheduler": "cosine"},
     # ModelOpt: EAGLE3_DEFAULT_CFG (an 8B-sized draft layer, YaRN injected at export) and its example's lr 1e-4;

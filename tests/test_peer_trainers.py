@@ -78,6 +78,20 @@ def test_speculators_adapter_trains_and_our_evaluator_drafts_what_speculators_dr
 
 
 @needs_speculators
+def test_speculators_adapter_trains_under_its_own_bf16_autocast(peer_root):
+    """hidden_states_dtype=bfloat16 (its GPU default) runs its training under bf16 autocast on the CPU and saves
+    float32 weights that our evaluator loads."""
+    root, target = peer_root
+    info = train_speculators(root / "target", root / "rows.jsonl", LAYERS, root / "spec-bf16",
+                             {"max_steps": 2, "total_seq_len": 64, "draft_vocab_size": 16,
+                              "hidden_states_dtype": "bfloat16"}, timeout=600)
+    assert info["optimizer_steps"] == 2
+    tokenizer = AutoTokenizer.from_pretrained(root / "target")
+    model = load_drafter(DrafterConfig(path=str(root / "spec-bf16" / "drafter")), target, tokenizer, "float32")
+    assert model.config.target_layers == LAYERS
+
+
+@needs_speculators
 @needs_vllm
 def test_speculators_adapter_output_serves_in_vllm_with_output_identical_to_plain(speculators_run, tmp_path):
     root, _, _ = speculators_run

@@ -93,6 +93,10 @@ def test_ours_ablation_settings_reach_drafter_train_as_composed_options(tmp_path
                   tmp_path / "out", 152)
     assert seen[2].train.lr_schedule == "linear" and seen[1].train.lr_schedule == "cosine"
     assert seen[1].train.batch_size == 8 and seen[1].drafter.ttt_decay == 0.8  # as it was measured
+    pt.train_ours(args, "t", tmp_path / "rows", dict(pt.SETTINGS[("ours", "steps-muon-decay1-auto-linear")]),
+                  tmp_path / "out", 152)
+    assert (seen[3].train.mixed_precision, seen[3].train.lr_schedule) == ("auto", "linear")
+    assert seen[2].train.mixed_precision == "no"
 
 
 def test_another_split_evaluates_the_trained_drafter_again_without_training_it(tmp_path, monkeypatch):

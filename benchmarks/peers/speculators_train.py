@@ -132,6 +132,9 @@ def parse(argv=None):
     p.add_argument("--scheduler", default="linear", choices=["linear", "cosine", "none"])
     p.add_argument("--sliding-window", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hidden-states-dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="its TrainerConfig.hidden_states_dtype: the autocast dtype of its training (its default "
+                        "bfloat16, as vLLM hands it bf16 states); here also the target's hook forward's autocast")
     p.add_argument("--check-rows", type=int, default=0, help="save its greedy drafts on this many rows (check.pt)")
     return p.parse_args(argv)
 
@@ -152,7 +155,9 @@ def main(argv=None) -> None:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).eval()
     rows = read_rows(args.data)
     started = time.perf_counter()
-    states = hidden_states(target, rows, layer_ids)
+    precision = getattr(torch, args.hidden_states_dtype)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == torch.bfloat16):
+        states = hidden_states(target, rows, layer_ids)
     features_s = time.perf_counter() - started
     vocab = target.config.vocab_size
     d2t, t2d = draft_mapping(rows, args.draft_vocab_size, vocab)
@@ -175,10 +180,11 @@ def main(argv=None) -> None:
                                seed=args.seed)
     config = TrainerConfig(lr=args.lr, num_epochs=args.epochs, save_path=str(args.out / "checkpoints"),
                            train_call_kwargs=calls, val_call_kwargs=calls, optimizer=args.optimizer,
-                           scheduler_type=args.scheduler, hidden_states_dtype=torch.float32, log_freq=1,
+                           scheduler_type=args.scheduler, hidden_states_dtype=precision, log_freq=1,
                            max_steps=args.max_steps, checkpoint_freq=args.epochs)
     trainer = Trainer(model, config, loader, None)
-    # its autocast names "cuda" when no accelerator is found: autocast on the CPU (float32: autocast is a no-op)
+    # its autocast names "cuda" when no accelerator is found: autocast on the CPU (float32: a no-op; bfloat16: its
+    # GPU default, on the CPU's bf16 units)
     trainer.device_type = "cpu"
     started = time.perf_counter()
     trainer.run_training()
