@@ -177,10 +177,10 @@ def target_signals(target: PreTrainedModel, batch: Batch, layer_ids: Sequence[in
     return features, torch.gather(last, 1, index)
 
 
-def target_precision(target: PreTrainedModel, cfg: TrainJobConfig):
-    """train.mixed_precision=bf16: the target's no-grad work in training (features, teacher logits) under bf16
-    autocast like the drafter's own (on an AMX CPU ~3x float32's speed); no: in the target's dtype."""
-    return torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=cfg.train.mixed_precision == "bf16")
+def target_precision(device: torch.device, cfg: TrainJobConfig):
+    """train.mixed_precision=bf16: the target's no-grad work in training on `device` (features, teacher logits) under
+    bf16 autocast like the drafter's own (on an AMX CPU ~3x float32's speed); no: in the target's dtype."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=cfg.train.mixed_precision == "bf16")
 
 
 def draft_teacher(model: PreTrainedModel, target: PreTrainedModel, target_hidden: Tensor) -> Tensor:
@@ -226,7 +226,7 @@ def data_preparer(layers_for: LayersFor) -> Callable:
         feature_cache.check_manifest(root, spec)
         if feature_cache.needs_building(root, len(data)):
             def extract(batch: Batch) -> tuple[Tensor, Tensor]:
-                with target_precision(target, cfg):
+                with target_precision(accelerator.device, cfg):
                     return target_signals(target, batch.to(accelerator.device), spec.layers)
 
             feature_cache.build_cache(root, spec, data, extract, tokenizer.pad_token_id, cfg.train.batch_size,

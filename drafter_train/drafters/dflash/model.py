@@ -270,7 +270,7 @@ def dflash_loss(module: nn.Module, target: PreTrainedModel, blocks: Batch, cfg: 
     data's tokens, those outside the draft vocabulary masked), weighted by position; windowed losses use each block
     as their window. Counted per block token (the batch's num_tokens)."""
     model = module.module if hasattr(module, "module") else module  # DDP wraps; buffers are read, not trained
-    with conditioned.target_precision(target, cfg):
+    with conditioned.target_precision(blocks.input_ids.device, cfg):
         features, target_hidden = conditioned.target_signals(target, blocks, model.config.target_layers)
     size = model.config.block_size
     rows, n = blocks.context_lens.shape
@@ -286,7 +286,7 @@ def dflash_loss(module: nn.Module, target: PreTrainedModel, blocks: Batch, cfg: 
     student = module(blocks.input_ids, features, blocks.attention_mask, anchors, glance_ids)  # [B, n, S - 1, Vd]
 
     def teacher() -> torch.Tensor:  # computed only by the losses that read it
-        with conditioned.target_precision(target, cfg):
+        with conditioned.target_precision(blocks.input_ids.device, cfg):
             return conditioned.draft_teacher(model, target, target_hidden).view(rows * n, size - 1, -1)
 
     weights = position_weights(size, cfg.drafter.position_decay).to(student.device).expand(rows * n, -1)

@@ -141,7 +141,7 @@ def eagle3_loss(module: nn.Module, target: PreTrainedModel, batch: Batch, cfg: T
     restricted to the draft vocabulary (ce: against the data's tokens, those outside the draft vocabulary masked).
     Counted per response token (the batch's num_tokens)."""
     model = module.module if hasattr(module, "module") else module  # DDP wraps; buffers are read, not trained
-    with conditioned.target_precision(target, cfg):
+    with conditioned.target_precision(batch.input_ids.device, cfg):
         features, target_hidden = conditioned.target_signals(target, batch, model.config.target_layers)
         teacher = conditioned.draft_teacher(model, target, target_hidden)
     student = module(batch.input_ids, features, batch.attention_mask, batch.resp_pos, cfg.drafter.ttt_steps)
