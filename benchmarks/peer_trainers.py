@@ -56,6 +56,12 @@ SETTINGS = {
                                                 "norm_output": True, "batch_size": 2, "warmup_steps": 1,
                                                 "optimizer": "muon", "ttt_decay": 1.0, "mixed_precision": "auto",
                                                 "lr_schedule": "linear"},
+    # and the target's features extracted once before training (drafter.features=offline), as speculators does
+    ("ours", "steps-muon-decay1-auto-linear-offline"): {"loss": "fkl", "lr": 1e-3, "ttt_steps": 3,
+                                                        "norm_before_fc": True, "norm_output": True, "batch_size": 2,
+                                                        "warmup_steps": 1, "optimizer": "muon", "ttt_decay": 1.0,
+                                                        "mixed_precision": "auto", "lr_schedule": "linear",
+                                                        "features": "offline"},
     ("speculators", "defaults"): {"optimizer": "muon", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True,
                                   "norm_output": True, "loss_fn": "kl_div", "ttt_decay": 1.0},
     # its defaults with its own training precision, bf16 autocast (hidden_states_dtype; float32 above), the hidden
@@ -105,7 +111,7 @@ def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, rec
                  f"drafter.norm_output={str(settings['norm_output']).lower()}",
                  "eval.num_prompts=1", "eval.max_new_tokens=8"]  # its checkpoint evaluation: kept minimal
     for group, key in (("train", "warmup_steps"), ("train", "optimizer"), ("train", "lr_schedule"),
-                       ("drafter", "ttt_decay"), ("train", "mixed_precision")):
+                       ("drafter", "ttt_decay"), ("train", "mixed_precision"), ("drafter", "features")):
         if key in settings:  # else drafter-train's own
             overrides.append(f"{group}.{key}={settings[key]}")
     cfg = compose_config("train", overrides)

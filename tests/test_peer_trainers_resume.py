@@ -96,7 +96,10 @@ def test_ours_ablation_settings_reach_drafter_train_as_composed_options(tmp_path
     pt.train_ours(args, "t", tmp_path / "rows", dict(pt.SETTINGS[("ours", "steps-muon-decay1-auto-linear")]),
                   tmp_path / "out", 152)
     assert (seen[3].train.mixed_precision, seen[3].train.lr_schedule) == ("auto", "linear")
-    assert seen[2].train.mixed_precision == "no"
+    assert seen[2].train.mixed_precision == "no" and seen[3].drafter.features == "online"
+    pt.train_ours(args, "t", tmp_path / "rows", dict(pt.SETTINGS[("ours", "steps-muon-decay1-auto-linear-offline")]),
+                  tmp_path / "out", 152)
+    assert seen[4].drafter.features == "offline"
 
 
 def test_another_split_evaluates_the_trained_drafter_again_without_training_it(tmp_path, monkeypatch):
