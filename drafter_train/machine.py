@@ -4,7 +4,9 @@ The two differ. A virtual machine's CPU can list AMX (amx_tile, amx_bf16) while 
 AMX register state, and then a tool compiled to use AMX dies with SIGILL; torch's bf16 matmuls are native only where
 avx512_bf16 or usable AMX is there, and emulated (linear in the tokens, never cheap) elsewhere. So every result file
 (drafter-eval's and a checkpoint's metrics.json, datagen.json, the benchmarks' files) records both. The probe is
-cheap (no timing: /proc/cpuinfo, torch's dispatch level, one syscall) and done once per process.
+cheap (no timing: /proc/cpuinfo, torch's dispatch level, one syscall) and done once per process. What a choice
+needs beyond it is measured, not inferred from the probe: bf16_matmul_speedup (train.mixed_precision=auto) times
+real matmuls, once per device and process.
 """
 
 from __future__ import annotations
