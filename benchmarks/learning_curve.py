@@ -104,6 +104,8 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
         overrides = ["train.response=reference", *overrides]
     batch = int(_last_value([*recipe, *overrides], "train.batch_size"))  # the variant's, else the main job's
     steps = max(int(-(-epochs * records // batch)), 1)
+    if not args.pace.fits(steps):
+        return None
     began = time.perf_counter()
     train(compose_config("train", [
         *recipe, f"train.data_dir={args.data}", f"train.max_records={records}", f"train.output_root={args.out}",
@@ -114,12 +116,39 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     drafter = run_dir / f"step-{steps}" / "drafter"
     dev = evaluate(drafter, "dev", args, run_dir / "dev-chain.json")
     test = evaluate(drafter, "test", args, run_dir / "test-chain.json")
+    args.pace.record(steps, seconds, time.perf_counter() - began - seconds)
     point = {"variant": variant, "recipe": recipe, "overrides": overrides, "records": records, "steps": steps,
              "train_s": seconds, "response_tokens": args.tokens_in(records), "dev": _figures(dev),
              "test": _figures(test), "machine": test["machine"]}
     run_dir.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(point, indent=2) + "\n")
     return point
+
+
+class Pace:
+    """`--deadline`: a point runs only if the seconds per step and per evaluation measured on the points trained so
+    far in this run say it ends before the deadline (the first point always runs: nothing is measured yet). The
+    seconds per step include the first point's feature extraction, so the prediction errs long."""
+
+    def __init__(self, deadline: Optional[float]):
+        self.began, self.deadline = time.perf_counter(), deadline
+        self.steps = self.train_s = self.eval_s = 0.0
+        self.points = 0
+
+    def fits(self, steps: int) -> bool:
+        if self.deadline is None or not self.points:
+            return True
+        left = self.deadline - (time.perf_counter() - self.began)
+        needs = steps * self.train_s / self.steps + self.eval_s / self.points
+        if needs > left:
+            print(f"learning_curve: skipping a point of {steps} steps: ~{needs:.0f} s predicted, {left:.0f} s left "
+                  f"before --deadline", flush=True)
+            return False
+        return True
+
+    def record(self, steps: int, train_s: float, eval_s: float) -> None:
+        self.steps, self.train_s, self.eval_s, self.points = (self.steps + steps, self.train_s + train_s,
+                                                              self.eval_s + eval_s, self.points + 1)
 
 
 def _last_value(options: Sequence[str], key: str, default=None):
@@ -186,24 +215,36 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", default="checkpoints/learning-curve")
     parser.add_argument("--result-name", default="learning_curve")
     parser.add_argument("--results-dir", default=None)
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds: skip a point that the pace measured so far says would end later (a lent "
+                             "machine's time limit; benchmarks/learning_curve_device.sh); skipped points are reported "
+                             "as not reached in time")
     args = parser.parse_args(argv)
     args.recipe = main_job_recipe()
+    args.pace = Pace(args.deadline)
     column = "reference_ids" if args.response == "reference" else "response_ids"
     lengths = [len(r) for r in load_distill_dataset(args.data)[column]]
     args.tokens_in = lambda records: sum(lengths[:records])
-    points, missing = [], []
+    points, missing, late = [], [], []
     for variant, overrides in parse_variants(args.variant).items():
         for tokens in args.points:
             records = records_for(lengths, tokens)
             if records is None:
                 missing.append(tokens)
                 continue
-            points.append(run_point(variant, overrides, records, args))
+            point = run_point(variant, overrides, records, args)
+            if point is None:
+                late.append(tokens)
+                continue
+            points.append(point)
             print(json.dumps(row(points[-1])), flush=True)
-    write(points, sorted(set(missing)), lengths, args, command_line("learning_curve", argv))
+    order = list(parse_variants(args.variant))
+    points.sort(key=lambda p: (order.index(p["variant"]), p["response_tokens"]))  # --points may run big ones first
+    write(points, sorted(set(missing)), lengths, args, command_line("learning_curve", argv), sorted(set(late)))
 
 
-def write(points: list[dict], missing: list[int], lengths: list[int], args, command: str) -> None:
+def write(points: list[dict], missing: list[int], lengths: list[int], args, command: str,
+          late: Sequence[int] = ()) -> None:
     notes = [f"Our decoder, greedy, the drafter's top-1 tokens as a chain of {args.draft_len}, {args.max_new_tokens} new "
              f"tokens per prompt; acceptance i = P(draft i accepted | drafts before it accepted). Training: the main "
              f"job's recipe ({' '.join(args.recipe)}) plus each variant's options, {args.epochs:g} epochs of each "
@@ -219,6 +260,9 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
                          f"{best['variant']}'s ({best['dev']['per_position_acceptance'][0]:.3f}).")
     if missing:
         notes.append(f"Not reached (the data is too small): {', '.join(_tokens(t) for t in missing)} response tokens.")
+    if late:
+        notes.append(f"Not reached in time (--deadline {args.deadline:g} s): "
+                     f"{', '.join(_tokens(t) for t in late)} response tokens.")
     if fit_notes(points):
         notes.append(f"Fit, a straight line in log tokens (it flattens near the ceiling: a floor on the data needed): "
                      f"{fit_notes(points)}.")

@@ -113,3 +113,32 @@ def test_a_variant_sets_its_own_epochs_and_reference_data_counts_the_sources_ans
     result = json.loads((tmp_path / "results" / "learning_curve.json").read_text())
     assert [r[:4] for r in result["rows"]] == [["ep6", 40000, 400, 300], ["ep1.5", 40000, 400, 75],
                                                 ["b4", 40000, 400, 600]]
+
+
+def test_a_deadline_skips_the_points_the_measured_pace_says_would_end_late(tmp_path, monkeypatch):
+    """--deadline: the first point always runs; a later one runs only if the seconds per step and per evaluation
+    measured so far say it ends in time; a skipped point is reported as not reached in time, and the rows are in
+    token order whatever order --points ran them in."""
+    monkeypatch.setattr(lc, "load_distill_dataset", lambda data: {"response_ids": [[0] * 100] * 2000})  # 200k
+    clock, trained = [0.0], []
+    monkeypatch.setattr(lc.time, "perf_counter", lambda: clock[0])
+
+    def fake_train(cfg):
+        trained.append(cfg.train.max_steps)
+        clock[0] += cfg.train.max_steps * 1.0  # 1 s a step
+
+    def fake_eval(cfg):
+        clock[0] += 10.0  # 10 s an evaluation (dev and test: 20 s a point)
+        return {"tau": 1.2, "acceptance_rate": 0.2, "per_position_acceptance": [0.2], "speedup": 1.0,
+                "machine": MACHINE}
+
+    monkeypatch.setattr(lc, "train", fake_train)
+    monkeypatch.setattr(lc, "run_eval_job", fake_eval)
+    # 100k = 1000 records = 750 steps; 50k = 375 steps; 200k = 1500 steps; 25k = 188 steps.
+    # After 100k (770 s) 430 s are left: 50k needs 375 + 20 = 395 (runs), then 35 s are left: 200k and 25k are skipped
+    lc.main(["--data", "d", "--points", "100000", "50000", "200000", "25000", "--deadline", "1200",
+             "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path / "results")])
+    assert trained == [750, 375]
+    result = json.loads((tmp_path / "results" / "learning_curve.json").read_text())
+    assert [r[1] for r in result["rows"]] == [50000, 100000]
+    assert "Not reached in time (--deadline 1200 s): 25k, 200k response tokens." in result["notes"]
