@@ -14,7 +14,7 @@
 # then, the second call within the 30 s the machine stays warm after the first:
 #   bash benchmarks/learning_curve_device.sh stage      # carry [".whl", ".gpu"]: installs, unpacks, checks imports
 #   bash benchmarks/learning_curve_device.sh run        # carry [".gpu2"]: the curve; results and logs land in $OUT
-# LC_POINTS, LC_DEADLINE (s, learning_curve's --deadline), LC_TIMEOUT (s) and LC_ARGS (more learning_curve options)
+# LC_POINTS, LC_VARIANT (learning_curve's NAME=OVERRIDES), LC_DEADLINE (s, learning_curve's --deadline), LC_TIMEOUT (s) and LC_ARGS (more learning_curve options)
 # size the run; LC_DIR is where it works (/tmp/lc).
 set -u
 DIR=${LC_DIR:-/tmp/lc}
@@ -42,7 +42,7 @@ run)
   # shellcheck disable=SC2086  # LC_POINTS and LC_ARGS are lists
   timeout "${LC_TIMEOUT:-530}" python3 -m benchmarks.learning_curve --data "$DIR/data/smollm2-ref2m" \
     --response reference --points ${LC_POINTS:-400000 1000000 100000 200000} \
-    --variant ref-auto=train.mixed_precision=auto --out "$DIR/runs" --result-name learning_curve_reference_gpu \
+    --variant "${LC_VARIANT:-ref-auto=train.mixed_precision=auto}" --out "$DIR/runs" --result-name learning_curve_reference_gpu \
     --results-dir "$OUT" --deadline "${LC_DEADLINE:-470}" ${LC_ARGS:-} > "$OUT/learning_curve.log" 2>&1
   echo "learning_curve rc $?"
   grep -v "it/s\]\|s/it\]" "$OUT/learning_curve.log" | tail -40
