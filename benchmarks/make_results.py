@@ -61,6 +61,8 @@ def machine_line(machine: dict) -> str:
              f"{machine.get('torch_threads', '?')} torch threads"]
     if machine.get("gpu"):
         parts.insert(0, f"{machine['gpu']} ({machine.get('gpu_memory_gib', '?')} GiB)")
+    elif accelerator(machine):
+        parts.insert(0, accelerator(machine))
     if load:
         parts.append(f"load average {load[0] if isinstance(load, list) else load}")
     return ", ".join(parts)
@@ -101,8 +103,15 @@ def results_page(results: dict[str, dict]) -> str:
 
 
 def machine_kind(machine: dict) -> str:
-    """The CPU and the extensions it lists, e.g. 'AMD EPYC, avx2, avx512f'."""
-    return ", ".join([machine.get("cpu", "unknown CPU"), *machine.get("cpu_features", [])])
+    """The accelerator a result ran on, if any, then the CPU and the extensions it lists, e.g. 'AMD EPYC, avx2'."""
+    gpu = machine.get("gpu") or accelerator(machine)
+    return ", ".join([*([gpu] if gpu else []), machine.get("cpu", "unknown CPU"), *machine.get("cpu_features", [])])
+
+
+def accelerator(machine: dict) -> str:
+    """The device an evaluation's machine record names when it is not the CPU (e.g. 'NVIDIA H200'), else ''."""
+    device = machine.get("device") or ""
+    return "" if device.lower() in ("", "cpu") else device
 
 
 def readme_block(results: dict[str, dict]) -> str:
