@@ -48,19 +48,59 @@ def _log_probs(logits: Tensor, mask: Tensor, temperature: float) -> Tensor:
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    logits = torch.where(mask[..., None], logits, 0.0) / temperature
+    logits = torch.where(mask[..., None], logits, 0.0)
+    if temperature != 1.0:  # x / 1 is x: a pass over [B, T, V] saved at the usual temperature
+        logits = logits / temperature
     return logits.log_softmax(-1).clamp_min(torch.finfo(logits.dtype).min)
 
 
-def _pair(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float):
-    """(log q, log p, mask as bool), each log-prob [B, T, V], after checking the shapes agree."""
+class SharedTeacher:
+    """A teacher's logits [B, T, V] that several losses read over the same positions (EAGLE-3's training-time-test
+    steps, each against the same target distribution): its log-probs, probs and the sum p log p of each row are
+    computed once per temperature instead of once per loss. Pass it where a loss takes target_logits.
+
+    ``mask [B, T]`` must cover every position a loss given this teacher counts: its log-probs are made under it,
+    and the rows outside it are uniform."""
+
+    def __init__(self, logits: Tensor, mask: Tensor):
+        self.logits, self.mask, self._made = logits, mask.bool(), {}
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.logits.shape
+
+    def argmax(self, dim: int) -> Tensor:
+        return self.logits.argmax(dim)
+
+    def log_probs(self, temperature: float) -> Tensor:
+        return self._once(("log_probs", temperature), lambda: _log_probs(self.logits, self.mask, temperature))
+
+    def probs(self, temperature: float) -> Tensor:
+        return self._once(("probs", temperature), lambda: self.log_probs(temperature).exp())
+
+    def plogp(self, temperature: float) -> Tensor:
+        """[B, T] sum_x p(x) log p(x): the part of KL(p || q) that does not depend on the student."""
+        return self._once(("plogp", temperature),
+                          lambda: (self.probs(temperature) * self.log_probs(temperature)).sum(-1))
+
+    def _once(self, key, make: Callable[[], Tensor]) -> Tensor:
+        if key not in self._made:
+            self._made[key] = make()
+        return self._made[key]
+
+
+def _pair(student_logits: Tensor, target_logits, mask: Tensor, temperature: float):
+    """(log q, log p, mask as bool), each log-prob [B, T, V], after checking the shapes agree (target_logits: a
+    tensor or a SharedTeacher)."""
     if student_logits.shape != target_logits.shape or mask.shape != student_logits.shape[:-1]:
         raise ValueError(
             f"expected student/target logits [B, T, V] and mask [B, T], got {tuple(student_logits.shape)}, "
             f"{tuple(target_logits.shape)} and {tuple(mask.shape)}"
         )
     mask = mask.bool()
-    return _log_probs(student_logits, mask, temperature), _log_probs(target_logits, mask, temperature), mask
+    log_p = target_logits.log_probs(temperature) if isinstance(target_logits, SharedTeacher) else \
+        _log_probs(target_logits, mask, temperature)
+    return _log_probs(student_logits, mask, temperature), log_p, mask
 
 
 def _reduce(per_token: Tensor, mask: Tensor, weights: Optional[Tensor] = None) -> LossOutput:
@@ -102,8 +142,12 @@ def greedy_ce(student_logits: Tensor, target_logits: Tensor, mask: Tensor, tempe
 
 def fkl(student_logits: Tensor, target_logits: Tensor, mask: Tensor, temperature: float = 1.0,
         weights: Optional[Tensor] = None) -> LossOutput:
-    """Forward KL(p || q) per token: mass-covering. student/target_logits [B, T, V], mask [B, T]."""
+    """Forward KL(p || q) per token: mass-covering. student/target_logits [B, T, V], mask [B, T]. With a SharedTeacher
+    its p and sum p log p are reused: only sum p log q is computed again."""
     log_q, log_p, mask = _pair(student_logits, target_logits, mask, temperature)
+    if isinstance(target_logits, SharedTeacher):
+        per_token = target_logits.plogp(temperature) - (target_logits.probs(temperature) * log_q).sum(-1)
+        return _reduce(per_token, mask, weights)
     return _reduce(_kl(log_p, log_q), mask, weights)
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.testing import assert_close
 
-from drafter_train.losses import LOSSES, LossOutput, get_loss, jsd
+from drafter_train.losses import LOSSES, LossOutput, SharedTeacher, get_loss, jsd
 
 B, T, V = 2, 5, 7
 TOL = dict(atol=1e-10, rtol=1e-8)  # float64 references
@@ -299,3 +299,24 @@ def test_weights_scale_each_positions_own_loss(name):
         parts = parts + w[b, pos] * contribution
     assert_close(weighted.loss_sum, parts, **TOL)
     assert weighted.num_tokens == plain.num_tokens
+
+
+@pytest.mark.parametrize("name", [n for n in LOSSES if n != "ce"])
+def test_a_shared_teacher_gives_each_losss_value_and_gradient_over_any_sub_mask(name):
+    """EAGLE-3's training-time-test steps read one teacher through SharedTeacher: over the shared mask and over masks
+    inside it (the later steps drop their first positions), each loss and its gradient are the plain call's, with
+    a padded vocabulary's -inf too, and the teacher's softmax is made once for all of them."""
+    s, t = _logits(0), _logits(1)
+    s_pad, t_pad = F.pad(s.detach(), (0, 1), value=float("-inf")), F.pad(t.detach(), (0, 1), value=float("-inf"))
+    shared = SharedTeacher(t_pad, MASK)
+    later = MASK & torch.tensor([[0, 0, 0, 1, 1], [0, 1, 0, 1, 1]], dtype=torch.bool)
+    for mask in (MASK, later, later & False):
+        plain_s, shared_s = s_pad.clone().requires_grad_(), s_pad.clone().requires_grad_()
+        plain = get_loss(name)(plain_s, t_pad, mask, **OPTIONS.get(name, {}))
+        mine = get_loss(name)(shared_s, shared, mask, **OPTIONS.get(name, {}))
+        (plain.loss_sum + 0 * plain_s.sum()).backward()
+        (mine.loss_sum + 0 * shared_s.sum()).backward()
+        assert_close(mine.loss_sum, plain.loss_sum, **TOL)
+        assert mine.num_tokens == plain.num_tokens
+        assert_close(shared_s.grad, plain_s.grad, **TOL)
+    assert shared.log_probs(1.0) is shared.log_probs(1.0)

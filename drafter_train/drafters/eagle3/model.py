@@ -41,7 +41,7 @@ from drafter_train.drafters.registry import BuildContext, DrafterKind, register
 from drafter_train.errors import ConfigError
 from drafter_train.features import check_layers, default_layers, num_layers
 from drafter_train.drafters.eagle3.modeling import MODEL_TYPE, Eagle3Config, Eagle3Model
-from drafter_train.losses import LossOutput
+from drafter_train.losses import LossOutput, SharedTeacher
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -147,6 +147,7 @@ def eagle3_loss(module: nn.Module, target: PreTrainedModel, batch: Batch, cfg: T
     student = module(batch.input_ids, features, batch.attention_mask, batch.resp_pos, cfg.drafter.ttt_steps)
     labels = conditioned.draft_labels(model, batch.labels)
     total = torch.zeros((), device=batch.input_ids.device)
+    teacher = SharedTeacher(teacher, batch.resp_mask)  # every step learns the same positions: its softmax once
     for j, logits in enumerate(student):
         mask = batch.resp_mask & (batch.resp_pos - 1 - j >= 0)
         if cfg.loss.name == "ce":
