@@ -212,7 +212,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "job's recipe, space-separated; epochs=N sets the variant's passes); repeatable; default: "
                         "main-job= (the recipe as it is)")
     parser.add_argument("--epochs", type=float, default=6, help="passes over each point's records (the main job: "
-                        "600 steps of 8 over 800 records = 6)")
+                        "1200 steps of 8 over 1600 records = 6)")
     parser.add_argument("--response", choices=["target", "reference"], default="target",
                         help="train on the target's own answers, or on the source's (a datagen.generate=false folder: "
                              "train.response=reference; the target's features and distributions over given text)")

@@ -71,12 +71,12 @@ class PipelineConfig:
 class QuickstartConfig(PipelineConfig):
     """The main job (scripts/quickstart.sh): why these sizes, benchmarks/README.md ("The main job's settings")."""
 
-    num_prompts: int = 800  # ShareGPT prompts the target answers
+    num_prompts: int = 1600  # ShareGPT prompts the target answers
     data: str = "data/quickstart-smollm2"  # the answers: training data and the corpus of corpus lookup
     checkpoints: str = "checkpoints"  # drafter-train's train.output_root
     run: str = "quickstart-smollm2"  # the run folder: <checkpoints>/<run>
-    steps: int = 600  # training steps
-    save_every: int = 300
+    steps: int = 1200  # training steps (6 passes over the answers' records at batch 8)
+    save_every: int = 600
     eval_prompts: int = 16  # prompts per evaluation (dev picks `best`, test reports)
     draft_len: int = 2
     results_dir: str = "benchmarks/results"  # where the summary's result file (main_job.json) goes
