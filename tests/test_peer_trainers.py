@@ -56,7 +56,7 @@ def speculators_run(peer_root):
 @needs_speculators
 def test_speculators_adapter_trains_and_our_evaluator_drafts_what_speculators_drafts(speculators_run):
     root, target, info = speculators_run
-    assert info["optimizer_steps"] == 2
+    assert info["optimizer_steps"] == 2 and info["computed_in"] == ["float32"]  # its default here: float32
     tokenizer = AutoTokenizer.from_pretrained(root / "target")
     model = load_drafter(DrafterConfig(path=str(root / "spec" / "drafter")), target, tokenizer, "float32")
     assert model.config.target_layers == LAYERS and model.config.norm_output and model.config.norm_before_fc
@@ -86,6 +86,7 @@ def test_speculators_adapter_trains_under_its_own_bf16_autocast(peer_root):
                              {"max_steps": 2, "total_seq_len": 64, "draft_vocab_size": 16,
                               "hidden_states_dtype": "bfloat16"}, timeout=600)
     assert info["optimizer_steps"] == 2
+    assert info["computed_in"] == ["bfloat16"]  # its layers ran in bf16: the option reached its autocast
     tokenizer = AutoTokenizer.from_pretrained(root / "target")
     model = load_drafter(DrafterConfig(path=str(root / "spec-bf16" / "drafter")), target, tokenizer, "float32")
     assert model.config.target_layers == LAYERS

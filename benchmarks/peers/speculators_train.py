@@ -186,9 +186,14 @@ def main(argv=None) -> None:
     # its autocast names "cuda" when no accelerator is found: autocast on the CPU (float32: a no-op; bfloat16: its
     # GPU default, on the CPU's bf16 units)
     trainer.device_type = "cpu"
+    # the dtype its layers really computed in (what the precision option did, not what it was asked): its first linear
+    computed: set[str] = set()
+    first_linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    hook = first_linear.register_forward_hook(lambda m, i, out: computed.add(str(out.dtype).removeprefix("torch.")))
     started = time.perf_counter()
     trainer.run_training()
     train_s = time.perf_counter() - started
+    hook.remove()
     model.save_pretrained(str(args.out / "drafter"))
     if args.check_rows:
         save_check(model, data, shift_batch, args.check_rows, args.ttt_steps, args.out / "check.pt")
@@ -196,7 +201,8 @@ def main(argv=None) -> None:
     tokens = sum(int(r["loss_mask"].sum()) for r in rows) * args.epochs
     (args.out / "train_info.json").write_text(json.dumps({
         "trainer": "speculators", "version": "0.9.0", "optimizer_steps": steps, "train_wall_s": train_s,
-        "features_wall_s": features_s, "response_tokens_seen": tokens, "settings": vars(args) | {
+        "features_wall_s": features_s, "response_tokens_seen": tokens, "computed_in": sorted(computed),
+        "settings": vars(args) | {
             "data": str(args.data), "out": str(args.out)}}, indent=2))
 
 
