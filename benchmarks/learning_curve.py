@@ -102,8 +102,7 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     overrides = [o for o in overrides if not o.startswith("epochs=")]
     if args.response == "reference":
         overrides = ["train.response=reference", *overrides]
-    batch = int(_last_value([*recipe, *overrides], "train.batch_size"))  # the variant's, else the main job's
-    steps = max(int(-(-epochs * records // batch)), 1)
+    steps = max(int(-(-epochs * records // _batch(recipe, overrides))), 1)
     if not args.pace.fits(steps):
         return None
     began = time.perf_counter()
@@ -151,6 +150,11 @@ class Pace:
                                                               self.eval_s + eval_s, self.points + 1)
 
 
+def _batch(recipe: Sequence[str], overrides: Sequence[str]) -> int:
+    """Rows per step: the variant's train.batch_size, else the main job's."""
+    return int(_last_value([*recipe, *overrides], "train.batch_size"))
+
+
 def _last_value(options: Sequence[str], key: str, default=None):
     """The value of the last `key=value` among options (as Hydra takes the last override), else default."""
     return next((o.split("=", 1)[1] for o in reversed(options) if o.startswith(f"{key}=")), default)
@@ -184,8 +188,8 @@ def fit_notes(points: list[dict]) -> str:
 
 def _epochs(points: list[dict], args) -> str:
     """The passes the points made: --epochs, or the variants' own epochs=N."""
-    counts = sorted({round(p["steps"] * int(_last_value([*p["recipe"], *p["overrides"]], "train.batch_size"))
-                           / p["records"], 1) for p in points} or {args.epochs})
+    counts = sorted({round(p["steps"] * _batch(p["recipe"], p["overrides"]) / p["records"], 1) for p in points}
+                    or {args.epochs})
     return " / ".join(f"{c:g}" for c in counts) + (" epochs" if counts != [1] else " epoch")
 
 
@@ -235,7 +239,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     lengths = [len(r) for r in load_distill_dataset(args.data)[column]]
     args.tokens_in = lambda records: sum(lengths[:records])
     points, missing, late = [], [], []
-    for variant, overrides in parse_variants(args.variant).items():
+    variants = parse_variants(args.variant)
+    for variant, overrides in variants.items():
         for tokens in args.points:
             records = records_for(lengths, tokens)
             if records is None:
@@ -247,7 +252,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 continue
             points.append(point)
             print(json.dumps(row(points[-1])), flush=True)
-    order = list(parse_variants(args.variant))
+    order = list(variants)
     points.sort(key=lambda p: (order.index(p["variant"]), p["response_tokens"]))  # --points may run big ones first
     write(points, sorted(set(missing)), lengths, args, args.command or command_line("learning_curve", argv),
           sorted(set(late)))

@@ -50,7 +50,7 @@ run)
     --command "LC_POINTS='${LC_POINTS:-}' LC_VARIANT='${LC_VARIANT:-}' bash benchmarks/learning_curve_device.sh run" \
     > "$OUT/learning_curve.log" 2>&1
   echo "learning_curve rc $?"
-  grep -v "it/s\]\|s/it\]" "$OUT/learning_curve.log" | tail -40
+  tr '\r' '\n' < "$OUT/learning_curve.log" | grep -v "%|" | tail -40  # without the progress bars
   for point in "$DIR"/runs/*/point.json; do
     [ -f "$point" ] && cp "$point" "$OUT/$(basename "$(dirname "$point")").json"
   done

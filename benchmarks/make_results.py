@@ -61,7 +61,7 @@ def machine_line(machine: dict) -> str:
              f"{machine.get('torch_threads', '?')} torch threads"]
     if machine.get("gpu"):
         parts.insert(0, f"{machine['gpu']} ({machine.get('gpu_memory_gib', '?')} GiB)")
-    elif accelerator(machine):
+    elif accelerator(machine):  # an evaluation's record names its device, not the GPU check's fields
         parts.insert(0, accelerator(machine))
     if load:
         parts.append(f"load average {load[0] if isinstance(load, list) else load}")
