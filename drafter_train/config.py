@@ -488,8 +488,15 @@ class DatagenConfig:
     top_p: float = 1.0
     # backend=hf: prompts per batched (left-padded) generate call (vLLM batches on its own: datagen.vllm). 32 by
     # measurement: SmolLM2-135M on 2 CPU threads makes 92 / 142 / 201 / 200 tokens/s at 8 / 16 / 32 / 64
-    # (docs/benchmarks.md, "The main job on the target's own answers"); GPUs gain from larger batches still.
+    # (docs/benchmarks.md, "The main job on the target's own answers"); GPUs gain from larger batches still, and
+    # so does bf16 on AMX (the main job: 96, benchmarks/README.md).
     batch_size: int = 32
+    # backend=hf or vllm: the dtype the target generates in. target: target.dtype. auto: bfloat16 where a bf16
+    # matmul measures >= 1.5x float32 on this device now (AMX: ~6x; emulated bf16 on AVX2: < 1), else float32; a
+    # folder already begun keeps the dtype it was begun with (its datagen.json), so a resume never mixes the two.
+    # bfloat16 answers part from float32 ones at near-ties (the same model, rounded); train.mixed_precision=auto
+    # computes the teacher in bf16 on such a CPU too.
+    dtype: str = "target"
     # Prompts per shard on disk: a killed run resumes after the last complete shard.
     shard_size: int = 64
     # Store the target's top-k logits per response token for offline token-level KD (0 = do not store).
@@ -530,6 +537,8 @@ class DatagenConfig:
                "are stored for generated tokens)")
         check_field(0 < self.top_p <= 1, "datagen.top_p", f"must be in (0, 1], got {self.top_p}")
         check_field(self.top_k >= 0, "datagen.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        check_field(self.dtype in ("target", "auto", *DTYPES), "datagen.dtype",
+                    f"must be target, auto or one of {DTYPES}, got {self.dtype!r}")
         check_field(self.backend in DATAGEN_BACKENDS, "datagen.backend",
                f"must be one of {DATAGEN_BACKENDS}, got {self.backend!r}")
         check_field(self.thinking in THINKING_MODES, "datagen.thinking",

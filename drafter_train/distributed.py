@@ -83,10 +83,15 @@ def resolve_mixed_precision(mixed_precision: str, device: Callable[[], torch.dev
     launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
     if launched in ("no", "bf16"):
         return launched, "the accelerate launch config's"
-    where = device()
+    pays, why = bf16_pays(device())
+    return ("bf16" if pays else "no"), why
+
+
+def bf16_pays(where: torch.device) -> tuple[bool, str]:
+    """(whether bf16 is worth taking on `where`, why): a bf16 matmul measured now at >= AUTO_BF16_SPEEDUP x
+    float32; what every `auto` precision (train.mixed_precision, datagen.dtype) decides by."""
     speedup = bf16_matmul_speedup(where)
-    chosen = "bf16" if speedup >= AUTO_BF16_SPEEDUP else "no"
-    return chosen, f"auto: a bf16 matmul ran {speedup:.1f}x float32 on this {where.type}"
+    return speedup >= AUTO_BF16_SPEEDUP, f"auto: a bf16 matmul ran {speedup:.1f}x float32 on this {where.type}"
 
 
 def check_launch_precision(mixed_precision: str) -> None:

@@ -134,6 +134,27 @@ def test_rerun_skips_finished_shards_and_refuses_other_settings(folders, greedy_
         run_datagen(job(folders, greedy_run, "datagen.max_new_tokens=8"), progress=False)
 
 
+def test_dtype_auto_measures_then_a_resume_keeps_the_recorded_dtype(folders, tmp_path, monkeypatch):
+    monkeypatch.setattr(datagen, "bf16_pays", lambda device: (True, "auto: measured 6x"))
+    run_datagen(job(folders, tmp_path / "auto", "datagen.dtype=auto"), progress=False)
+    recorded = json.loads((tmp_path / "auto" / "datagen.json").read_text())
+    assert recorded["target"]["dtype"] == "bfloat16" and recorded["config"]["target"]["dtype"] == "bfloat16"
+    run_datagen(job(folders, tmp_path / "bf16", "datagen.dtype=bfloat16"), progress=False)
+    run_datagen(job(folders, tmp_path / "fp32", "datagen.dtype=float32"), progress=False)
+    assert load_distill_dataset(tmp_path / "auto").to_list() == load_distill_dataset(tmp_path / "bf16").to_list()
+    assert json.loads((tmp_path / "fp32" / "datagen.json").read_text())["target"]["dtype"] == "float32"
+    # a begun folder resumes in its own dtype whatever the probe would say now; a new one follows the probe
+    monkeypatch.setattr(datagen, "bf16_pays", lambda device: pytest.fail("a begun folder was measured again"))
+    monkeypatch.setattr(datagen, "generate_shard", lambda *a, **k: pytest.fail("a finished shard was redone"))
+    run_datagen(job(folders, tmp_path / "auto", "datagen.dtype=auto"), progress=False)
+    monkeypatch.undo()
+    monkeypatch.setattr(datagen, "bf16_pays", lambda device: (False, "auto: measured 0.3x"))
+    run_datagen(job(folders, tmp_path / "slow", "datagen.dtype=auto"), progress=False)
+    assert json.loads((tmp_path / "slow" / "datagen.json").read_text())["target"]["dtype"] == "float32"
+    with pytest.raises(ConfigError, match=r"^datagen.dtype: must be target, auto or one of"):
+        job(folders, tmp_path / "bad", "datagen.dtype=fp8")
+
+
 def test_rerun_with_more_prompts_grows_the_folder(folders, greedy_run, tmp_path, monkeypatch):
     out = tmp_path / "grown"
     run_datagen(job(folders, out, "datagen.num_prompts=6"), progress=False)  # shards of 4 and 2 prompts

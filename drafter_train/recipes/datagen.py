@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import sys
 from pathlib import Path
-from typing import Callable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 from omegaconf import OmegaConf
@@ -25,6 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from drafter_train.config import DatagenConfig, DatagenJobConfig
 from drafter_train.recipes.cli import datagen_main
 from drafter_train.devices import default_device
+from drafter_train.distributed import bf16_pays
 from drafter_train.machine import machine_info
 from drafter_train.preflight import check_inputs
 from drafter_train.data.chat import ChatTemplate
@@ -69,6 +70,7 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     """Generate (or finish generating) the dataset named by ``cfg``; returns the output folder."""
     dg = cfg.datagen
     store = DatagenStore.open(dg.output_dir)  # an unwritable folder fails before the target is loaded
+    cfg.target.dtype = generation_dtype(cfg, store.manifest)
     settings = data_settings(cfg)
     store.check_settings(settings)
     # A missing or empty prompt file fails here, also before the target; so does a bad datagen.exclude file.
@@ -99,6 +101,21 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     if progress:
         print(_summary(store, meter), file=sys.stderr)
     return store.root
+
+
+def generation_dtype(cfg: DatagenJobConfig, manifest: Optional[dict]) -> str:
+    """The target dtype the continuations are generated in (datagen.dtype): auto resumes a begun folder in its
+    recorded dtype, else takes bfloat16 where it measures faster now (distributed.bf16_pays)."""
+    dg = cfg.datagen
+    if dg.dtype == "target" or not dg.generate or dg.backend == "llamacpp":  # llama-server runs the GGUF's own
+        return cfg.target.dtype
+    if dg.dtype != "auto":
+        return dg.dtype
+    if manifest is not None:
+        return manifest["target"]["dtype"]
+    pays, why = bf16_pays(default_device())
+    print(f"drafter-datagen: datagen.dtype={'bfloat16' if pays else 'float32'} ({why})", file=sys.stderr)
+    return "bfloat16" if pays else "float32"
 
 
 def open_backend(cfg: DatagenJobConfig) -> Backend:
