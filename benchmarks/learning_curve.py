@@ -3,6 +3,11 @@
     python -m benchmarks.learning_curve --data /work/data/smollm2-lc --points 25000 100000 400000 1600000
     python -m benchmarks.learning_curve --data /work/data/smollm2-lc --points 100000 --result-name ablations \
         --variant main-job= --variant ttt3="drafter.ttt_steps=3"
+    python -m benchmarks.learning_curve --target qwen2.5-coder-1.5b --data DATA --response reference \
+        --points 10000 30000 100000 --result-name learning_curve_qwen1.5b
+
+--target names the target (a conf/target config: the main job's SmolLM2-135M by default); DATA must hold its token
+ids (drafter-datagen target=NAME ..., or datagen.generate=false for the source's answers).
 
 For each variant (default: the main job's recipe, scripts/quickstart.sh's drafter-train options) and each point (a
 number of training response tokens), an EAGLE-3 is trained on the first records of `--data` (train.max_records: the
@@ -33,6 +38,7 @@ from drafter_train.errors import ConfigError
 from drafter_train.recipes.cli import compose_config
 from drafter_train.recipes.evaluate import run_eval_job
 from drafter_train.recipes.train import train
+from drafter_train.targets import model_name
 
 
 def main_job_recipe() -> list[str]:
@@ -80,7 +86,7 @@ def evaluate(drafter: Path, split: str, args, output: Path) -> dict:
     if output.is_file():
         return json.loads(output.read_text())
     return run_eval_job(compose_config("eval", [
-        "drafter=path", f"drafter.path={drafter}", f"eval.prompts={split}", f"eval.num_prompts={args.num_prompts}",
+        *args.target_options, "drafter=path", f"drafter.path={drafter}", f"eval.prompts={split}", f"eval.num_prompts={args.num_prompts}",
         f"eval.max_new_tokens={args.max_new_tokens}", f"eval.draft_len={args.draft_len}", f"eval.output={output}",
         "eval.baseline_kernels=same", "eval.warmup=0"]))
 
@@ -210,6 +216,8 @@ def parse_variants(specs: Sequence[str]) -> dict[str, list[str]]:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--data", required=True, help="a drafter-datagen folder (the target's own answers)")
+    parser.add_argument("--target", default=None, help="the target, a conf/target name such as qwen2.5-coder-1.5b "
+                        "(default: the main job's, SmolLM2-135M-Instruct); points trained on another are refused")
     parser.add_argument("--points", type=int, nargs="+", default=[25_000, 100_000, 400_000, 1_600_000],
                         help="training response tokens per point")
     parser.add_argument("--variant", action="append", help="NAME=OVERRIDES (drafter-train options added to the main "
@@ -233,7 +241,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                              "machine's time limit; benchmarks/learning_curve_device.sh); skipped points are reported "
                              "as not reached in time")
     args = parser.parse_args(argv)
-    args.recipe = main_job_recipe()
+    args.target_options = [f"target={args.target}"] if args.target else []
+    args.recipe = [*main_job_recipe(), *args.target_options]  # a point.json of another target is refused like
+    args.title_target = model_name(compose_config("train", args.recipe).target.path)  # another recipe's
     args.pace = Pace(args.deadline)
     column = "reference_ids" if args.response == "reference" else "response_ids"
     lengths = [len(r) for r in load_distill_dataset(args.data)[column]]
@@ -286,8 +296,9 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
     reference = args.response == "reference"
     source = " (trained on the source's answers)" if reference else ""
     answers = "the source's own answers (ShareGPT's, not the target's)" if reference else "the target's own answers"
-    write_result(args.result_name, title=("EAGLE-3's acceptance against training data on SmolLM2-135M" if curve else
-                                          "EAGLE-3 recipe ablations on SmolLM2-135M (chosen on dev, reported on test)")
+    on = args.title_target
+    write_result(args.result_name, title=(f"EAGLE-3's acceptance against training data on {on}" if curve else
+                                          f"EAGLE-3 recipe ablations on {on} (chosen on dev, reported on test)")
                  + source,
                  question=f"How does the first-position acceptance of the main job's EAGLE-3 grow with {answers} "
                           "as training data, and how much data would 0.6 and 0.7 take?" if curve else

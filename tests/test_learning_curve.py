@@ -142,3 +142,23 @@ def test_a_deadline_skips_the_points_the_measured_pace_says_would_end_late(tmp_p
     result = json.loads((tmp_path / "results" / "learning_curve.json").read_text())
     assert [r[1] for r in result["rows"]] == [50000, 100000]
     assert "Not reached in time (--deadline 1200 s): 25k, 200k response tokens." in result["notes"]
+
+
+def test_another_target_trains_and_decodes_on_it_and_its_points_are_its_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(lc, "load_distill_dataset", lambda data: {"response_ids": [[0] * 100] * 300})
+    seen = []
+    monkeypatch.setattr(lc, "train", lambda cfg: seen.append(("train", cfg.target.path)))
+
+    def fake_eval(cfg):
+        seen.append(("eval", cfg.target.path))
+        return {"tau": 1.2, "acceptance_rate": 0.2, "speedup": 1.0, "per_position_acceptance": [0.2],
+                "machine": MACHINE}
+
+    monkeypatch.setattr(lc, "run_eval_job", fake_eval)
+    argv = ["--data", "d", "--points", "25000", "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path)]
+    lc.main([*argv, "--target", "qwen2.5-coder-1.5b"])
+    assert seen == [("train", "embedded:qwen2.5-coder-1.5b")] + [("eval", "embedded:qwen2.5-coder-1.5b")] * 2
+    title = json.loads((tmp_path / "learning_curve.json").read_text())["title"]
+    assert title == "EAGLE-3's acceptance against training data on Qwen2.5-Coder-1.5B-Instruct"
+    with pytest.raises(lc.ConfigError, match="another recipe"):  # the same folder, the main job's target
+        lc.main(argv)
