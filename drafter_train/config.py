@@ -489,7 +489,7 @@ class DatagenConfig:
     # backend=hf: prompts per batched (left-padded) generate call (vLLM batches on its own: datagen.vllm). 32 by
     # measurement: SmolLM2-135M on 2 CPU threads makes 92 / 142 / 201 / 200 tokens/s at 8 / 16 / 32 / 64
     # (docs/benchmarks.md, "The main job on the target's own answers"); GPUs gain from larger batches still, and
-    # so does bf16 on AMX (the main job: 96, benchmarks/README.md).
+    # so does bf16 on AMX (the main job: 64, benchmarks/README.md). A batch never spans two shards (shard_size).
     batch_size: int = 32
     # backend=hf or vllm: the dtype the target generates in. target: target.dtype. auto: bfloat16 where a bf16
     # matmul measures >= 1.5x float32 on this device now (AMX: ~6x; emulated bf16 on AVX2: < 1), else float32; a

@@ -215,7 +215,7 @@ def test_the_main_job_runs_the_same_jobs_as_before():
     lookups = "eval.lookup.min_ngram=2 eval.lookup.corpus.path=data/quickstart-smollm2"
     line = {name: " ".join(map(str, flat(stage.run))) for name, stage in known.items()}
     assert line["datagen"] == ("drafter-datagen datagen.num_prompts=1600 datagen.num_eval_prompts=8 "
-                               "datagen.dtype=auto datagen.batch_size=96 datagen.max_new_tokens=192 datagen.max_prompt_tokens=128 "
+                               "datagen.dtype=auto datagen.batch_size=64 datagen.max_new_tokens=192 datagen.max_prompt_tokens=128 "
                                "datagen.output_dir=data/quickstart-smollm2")
     # the recipe's own knobs (the optimizer, learning rate, TTT steps) are the YAML's to tune (shared.recipe, which
     # benchmarks.learning_curve trains with too): only the rest is pinned here
