@@ -38,6 +38,7 @@ class RunInfo:
     draft_len: int
     kind: Optional[DrafterKind] = None  # what the checkpoint's drafter/ holds (None: read from the folder)
     calibration: Optional[dict] = None  # export.calibration: drafter-eval's calibration.json for this drafter
+    ran_in: Optional[str] = None  # the mixed precision the run resolved (train.mixed_precision=auto: no or bf16)
 
     def __post_init__(self) -> None:
         self.kind = self.kind or folder_kind(str(self.step_dir / "drafter")) or get_kind("ar")
@@ -58,7 +59,9 @@ def read_run_info(step_dir: Path) -> RunInfo:
     if not draft_len:
         raise ConfigError(f"export.checkpoint: {step_dir} records no draft length (no metrics.json, no run config)")
     step = int(m.group(1)) if (m := _STEP.match(step_dir.name)) else None
-    return RunInfo(step_dir, step, config, metrics, eval_history(run_dir / "metrics.jsonl"), int(draft_len))
+    history = run_dir / "metrics.jsonl"
+    return RunInfo(step_dir, step, config, metrics, eval_history(history), int(draft_len),
+                   ran_in=last_logged(history, "launch/mixed_precision"))
 
 
 
@@ -82,17 +85,28 @@ def _resolved(cfg: DictConfig, key):
 
 def eval_history(path: Path) -> list[dict]:
     """One row per evaluated step, in step order; a resumed run may log a step twice, the last entry wins."""
-    if not path.is_file():
-        return []
     rows = {}
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
-            continue
+    for record in _records(path):
         if "eval/tau" in record:
             rows[record["step"]] = {k.removeprefix("eval/"): v for k, v in record.items()}
     return [rows[step] for step in sorted(rows)]
+
+
+def last_logged(path: Path, key: str):
+    """The last value metrics.jsonl logged under `key` (a resumed run logs its launch again), else None."""
+    return next((r[key] for r in reversed(_records(path)) if key in r), None)
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
+            continue
+    return records
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -167,8 +181,15 @@ def _training_rows(info: RunInfo, target: str) -> list[tuple[str, str]]:
         ("loss", loss_text),
         ("exported step", f"{step_text(info)} of {train.get('max_steps')} (batch {train.get('batch_size')} x "
                           f"{train.get('grad_accum')} accumulation, lr {train.get('lr')} {train.get('lr_schedule')})"),
-        ("precision", f"target {cfg.get('target', {}).get('dtype')}, mixed precision {train.get('mixed_precision')}"),
+        ("precision", f"target {cfg.get('target', {}).get('dtype')}, mixed precision {_precision(train, info)}"),
     ]
+
+
+def _precision(train: dict, info: RunInfo) -> str:
+    """As configured, and what auto resolved to on the training machine (the saved config keeps auto, so that a
+    resume compares equal)."""
+    configured = train.get("mixed_precision")
+    return f"{configured} ({info.ran_in} as trained)" if info.ran_in and info.ran_in != configured else str(configured)
 
 
 def _search_rows(info: RunInfo, train: dict) -> list[tuple[str, str]]:

@@ -289,3 +289,20 @@ def test_cli_exports_and_reports_errors_in_one_line(tiny_run, tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     errors = [line for line in bad.stderr.splitlines() if "error" in line.lower()]
     assert errors == [f"drafter-export: error: export.run_dir: {tmp_path / 'nope'}: no such folder"]
+
+
+def test_card_names_the_precision_auto_resolved_to(tiny_run, tmp_path):
+    """train.mixed_precision=auto is saved as auto (a resume compares equal); the card says what it ran in, which
+    drafter-train logs at launch."""
+    rows = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["launch/mixed_precision"] for r in rows if "launch/mixed_precision" in r] == ["no"]
+    export(ExportConfig(run_dir=str(tiny_run), output_dir=str(tmp_path / "plain")))
+    assert "mixed precision no |" in (tmp_path / "plain" / "README.md").read_text()
+    run = copy_run(tiny_run, tmp_path / "run", str(tiny_run.parents[1] / "target"))
+    config = OmegaConf.load(run / "config.yaml")
+    config.train.mixed_precision = "auto"
+    OmegaConf.save(config, run / "config.yaml")
+    with (run / "metrics.jsonl").open("a") as log:  # a resume on a machine where auto took bf16
+        log.write(json.dumps({"step": 2, "launch/num_processes": 1, "launch/mixed_precision": "bf16"}) + "\n")
+    export(ExportConfig(run_dir=str(run), output_dir=str(tmp_path / "out")))
+    assert "mixed precision auto (bf16 as trained) |" in (tmp_path / "out" / "README.md").read_text()

@@ -185,7 +185,8 @@ def train(cfg: TrainJobConfig) -> dict:
     eval_history: list[dict] = []
 
     logger.log({"launch/num_processes": accelerator.num_processes,
-                "launch/distributed_type": accelerator.distributed_type.value}, state.step)
+                "launch/distributed_type": accelerator.distributed_type.value,
+                "launch/mixed_precision": tcfg.mixed_precision}, state.step)  # as run: auto resolved (the card's)
 
     engine = None if tcfg.eval_engine == "ours" else CheckpointEngine(
         cfg.eval, {"path": cfg.target.path, "cache_dir": cfg.target.cache_dir}, run_dir / "engine-eval", prompts[0])
