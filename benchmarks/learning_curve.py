@@ -86,7 +86,8 @@ def evaluate(drafter: Path, split: str, args, output: Path) -> dict:
     if output.is_file():
         return json.loads(output.read_text())
     return run_eval_job(compose_config("eval", [
-        *args.target_options, "drafter=path", f"drafter.path={drafter}", f"eval.prompts={split}", f"eval.num_prompts={args.num_prompts}",
+        *args.target_options, "drafter=path", f"drafter.path={drafter}", f"eval.prompts={split}",
+        f"eval.num_prompts={args.num_prompts}",
         f"eval.max_new_tokens={args.max_new_tokens}", f"eval.draft_len={args.draft_len}", f"eval.output={output}",
         "eval.baseline_kernels=same", "eval.warmup=0"]))
 
@@ -242,8 +243,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                              "as not reached in time")
     args = parser.parse_args(argv)
     args.target_options = [f"target={args.target}"] if args.target else []
-    args.recipe = [*main_job_recipe(), *args.target_options]  # a point.json of another target is refused like
-    args.title_target = model_name(compose_config("train", args.recipe).target.path)  # another recipe's
+    # the target is part of the recipe: a point.json trained on another target is refused like another recipe's
+    args.recipe = [*main_job_recipe(), *args.target_options]
+    args.title_target = model_name(compose_config("train", args.recipe).target.path)
     args.pace = Pace(args.deadline)
     column = "reference_ids" if args.response == "reference" else "response_ids"
     lengths = [len(r) for r in load_distill_dataset(args.data)[column]]

@@ -12,6 +12,7 @@ Consumers read the result with ``load_distill_dataset(dir)`` and ``load_eval_pro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from pathlib import Path
@@ -70,7 +71,7 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     """Generate (or finish generating) the dataset named by ``cfg``; returns the output folder."""
     dg = cfg.datagen
     store = DatagenStore.open(dg.output_dir)  # an unwritable folder fails before the target is loaded
-    cfg.target.dtype = generation_dtype(cfg, store.manifest)
+    cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, dtype=generation_dtype(cfg, store.manifest)))
     settings = data_settings(cfg)
     store.check_settings(settings)
     # A missing or empty prompt file fails here, also before the target; so does a bad datagen.exclude file.
