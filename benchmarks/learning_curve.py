@@ -50,6 +50,9 @@ def main_job_recipe() -> list[str]:
 
 
 AIMS = (0.6, 0.7)
+# A point's training saves every this many steps (and at its end), so a stopped point resumes where it was (a 1.5B
+# point runs ~5 s a step on 2 cores); the last checkpoint is the point's drafter.
+SAVE_EVERY = 100
 COLUMNS = ["variant", "response tokens", "records", "steps", "train s", "dev acceptance 1", "test acceptance 1",
            "test acceptance 2", "test acceptance 3", "test tau"]
 
@@ -82,19 +85,23 @@ def tokens_for(fit: tuple[float, float], acceptance: float) -> Optional[float]:
 def evaluate(drafter: Path, split: str, args, output: Path) -> dict:
     """Our decoder, the drafter's top-1 chain, greedy: the same call for every point, variant and split. Only
     acceptance is read, so plain decoding is timed once per prompt, without warm-up (eval.baseline_kernels=same):
-    greedy acceptance does not depend on it, and the evaluation takes a third of the time."""
+    greedy acceptance does not depend on it, and the evaluation takes a third of the time. A kept evaluation is
+    reused only when its target ran in the dtype asked for (--eval-dtype)."""
     if output.is_file():
-        return json.loads(output.read_text())
+        kept = json.loads(output.read_text())
+        if kept["config"]["target"]["dtype"] == args.eval_dtype:
+            return kept
     return run_eval_job(compose_config("eval", [
-        *args.target_options, "drafter=path", f"drafter.path={drafter}", f"eval.prompts={split}",
+        *args.target_options, f"target.dtype={args.eval_dtype}", "drafter=path", f"drafter.path={drafter}",
+        f"eval.prompts={split}",
         f"eval.num_prompts={args.num_prompts}",
         f"eval.max_new_tokens={args.max_new_tokens}", f"eval.draft_len={args.draft_len}", f"eval.output={output}",
         "eval.baseline_kernels=same", "eval.warmup=0"]))
 
 
 def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
-    """Train (resuming) and evaluate one point; its figures are kept in point.json. A variant's `epochs=N` sets its
-    own number of passes (the others are drafter-train options)."""
+    """Train (resuming from its last save) and evaluate one point; its figures are kept in point.json. A variant's
+    `epochs=N` sets its own number of passes (the others are drafter-train options)."""
     run = f"{variant}-r{records}"
     run_dir = Path(args.out) / run
     saved = run_dir / "point.json"
@@ -104,7 +111,8 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
         if point.get("recipe") != recipe:
             raise ConfigError(f"{saved} was trained with another recipe than the main job's ({point.get('recipe')} "
                               f"against {recipe}): pass another --out")
-        return point
+        if point.get("eval_dtype", "float32") == args.eval_dtype and (point["dev"] or "dev" not in args.splits):
+            return point  # else decoded otherwise than asked: decoded again, the training kept (trained.json)
     epochs = float(_last_value(overrides, "epochs", args.epochs))
     overrides = [o for o in overrides if not o.startswith("epochs=")]
     if args.response == "reference":
@@ -113,19 +121,27 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     if not args.pace.fits(steps):
         return None
     began = time.perf_counter()
-    train(compose_config("train", [
-        *recipe, f"train.data_dir={args.data}", f"train.max_records={records}", f"train.output_root={args.out}",
-        f"train.run_name={run}", f"train.max_steps={steps}", f"train.save_every={steps}", "train.keep_last=1",
-        "train.eval_at_start=false", "eval.prompts=dev", "eval.num_prompts=1", "eval.max_new_tokens=8",
-        *overrides]))
-    seconds = time.perf_counter() - began
+    trained = run_dir / "trained.json"  # the training's wall seconds once it ended: a rerun decodes, never retrains
+    if trained.is_file() and json.loads(trained.read_text())["steps"] == steps:
+        seconds = json.loads(trained.read_text())["train_s"]
+    else:
+        train(compose_config("train", [
+            *recipe, f"train.data_dir={args.data}", f"train.max_records={records}", f"train.output_root={args.out}",
+            f"train.run_name={run}", f"train.max_steps={steps}", f"train.save_every={min(steps, SAVE_EVERY)}",
+            "train.keep_last=1",
+            "train.eval_at_start=false", "eval.prompts=dev", "eval.num_prompts=1", "eval.max_new_tokens=8",
+            *overrides]))
+        seconds = time.perf_counter() - began
+        run_dir.mkdir(parents=True, exist_ok=True)
+        trained.write_text(json.dumps({"steps": steps, "train_s": seconds}) + "\n")
+        began = time.perf_counter()
     drafter = run_dir / f"step-{steps}" / "drafter"
-    dev = evaluate(drafter, "dev", args, run_dir / "dev-chain.json")
+    dev = evaluate(drafter, "dev", args, run_dir / "dev-chain.json") if "dev" in args.splits else None
     test = evaluate(drafter, "test", args, run_dir / "test-chain.json")
-    args.pace.record(steps, seconds, time.perf_counter() - began - seconds)
+    args.pace.record(steps, seconds, time.perf_counter() - began)
     point = {"variant": variant, "recipe": recipe, "overrides": overrides, "records": records, "steps": steps,
-             "train_s": seconds, "response_tokens": args.tokens_in(records), "dev": _figures(dev),
-             "test": _figures(test), "machine": test["machine"]}
+             "train_s": seconds, "response_tokens": args.tokens_in(records), "dev": dev and _figures(dev),
+             "test": _figures(test), "eval_dtype": args.eval_dtype, "machine": test["machine"]}
     run_dir.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(point, indent=2) + "\n")
     return point
@@ -174,7 +190,7 @@ def _figures(metrics: dict) -> dict:
 def row(point: dict) -> list:
     test = point["test"]["per_position_acceptance"] + [None] * 3
     return [point["variant"], point["response_tokens"], point["records"], point["steps"], round(point["train_s"]),
-            point["dev"]["per_position_acceptance"][0], *test[:3], point["test"]["tau"]]
+            point["dev"] and point["dev"]["per_position_acceptance"][0], *test[:3], point["test"]["tau"]]
 
 
 def fit_notes(points: list[dict]) -> str:
@@ -229,6 +245,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--response", choices=["target", "reference"], default="target",
                         help="train on the target's own answers, or on the source's (a datagen.generate=false folder: "
                              "train.response=reference; the target's features and distributions over given text)")
+    parser.add_argument("--splits", nargs="+", choices=["dev", "test"], default=["dev", "test"],
+                        help="the splits decoded (test always): dev chooses between variants, so a curve of one "
+                             "variant may leave it out (--splits test) and take half the time")
+    parser.add_argument("--eval-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="the target's dtype in the evaluations (target.dtype): bfloat16 decodes a 1.5B target "
+                             "faster on a CPU with bf16 matmuls, its greedy answers rounded otherwise than float32's")
     parser.add_argument("--draft-len", type=int, default=3)
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=48)
@@ -242,6 +264,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                              "machine's time limit; benchmarks/learning_curve_device.sh); skipped points are reported "
                              "as not reached in time")
     args = parser.parse_args(argv)
+    args.splits = sorted({*args.splits, "test"})
     args.target_options = [f"target={args.target}"] if args.target else []
     # the target is part of the recipe: a point.json trained on another target is refused like another recipe's
     args.recipe = [*main_job_recipe(), *args.target_options]
@@ -276,10 +299,12 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
              f"tokens per prompt; acceptance i = P(draft i accepted | drafts before it accepted). Training: the main "
              f"job's recipe ({' '.join(args.recipe)}) plus each variant's options, {_epochs(points, args)} of each "
              f"point's records; data: "
-             f"{args.data} ({sum(lengths)} response tokens in {len(lengths)} records). Variants are compared on the dev "
-             "split; the test split reports."]
+             f"{args.data} ({sum(lengths)} response tokens in {len(lengths)} records); the target decodes in "
+             f"{args.eval_dtype}. "
+             + ("Variants are compared on the dev split; the test split reports." if "dev" in args.splits else
+                "The test split only (one variant: nothing is chosen, the dev split is not decoded).")]
     variants = list(dict.fromkeys(p["variant"] for p in points))
-    if len(variants) > 1:
+    if len(variants) > 1 and all(p["dev"] for p in points):
         for tokens in sorted({p["response_tokens"] for p in points}):
             at = [p for p in points if p["response_tokens"] == tokens]
             best = max(at, key=lambda p: p["dev"]["per_position_acceptance"][0])
@@ -305,7 +330,8 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
                  question=f"How does the first-position acceptance of the main job's EAGLE-3 grow with {answers} "
                           "as training data, and how much data would 0.6 and 0.7 take?" if curve else
                           "Which change to the main job's EAGLE-3 recipe raises its acceptance at equal data?",
-                 command=command, split=f"test split, first {args.num_prompts} prompts (dev split beside it)",
+                 command=command, split=f"test split, first {args.num_prompts} prompts"
+                 + (" (dev split beside it)" if "dev" in args.splits else ""),
                  baseline="none (acceptance, not speed)", columns=COLUMNS, rows=[row(p) for p in points],
                  notes=" ".join(notes), machine=points[0]["machine"] if points else None, data={"points": points},
                  **extra)

@@ -806,3 +806,20 @@ def _check_repo_id(repo_id: str) -> None:
         validate_repo_id(repo_id)
     except HFValidationError as err:
         raise ConfigError(f"export.repo_id: {str(err).splitlines()[0]}") from None
+
+
+def check_side_by_side(cfgs: dict[str, EvalConfig]) -> None:
+    """Decoders timed against one plain decoding (evaluation.evaluate_side_by_side, drafter-compare) must decode it
+    alike: one line naming the first setting that differs. Greedy verifiers (greedy, specdec) share greedy plain
+    decoding; sampling ones (sample, spectr) share it at the same temperature, top_k and top_p."""
+    (first, base), *rest = cfgs.items()
+    plain = ["max_new_tokens", "seed", "warmup", "baseline_kernels"]
+    for name, cfg in rest:
+        keys = plain + (["temperature", "top_k", "top_p"] if base.samples and cfg.samples else [])
+        if cfg.samples != base.samples:
+            raise ConfigError(f"{name}: eval.verify={cfg.verify} against {first}'s {base.verify}: decoders side by "
+                              "side share one plain decoding, so they must all sample or all decode greedily")
+        for key in keys:
+            if getattr(cfg, key) != getattr(base, key):
+                raise ConfigError(f"{name}: eval.{key}={getattr(cfg, key)} differs from {first}'s "
+                                  f"({getattr(base, key)}): decoders side by side share one plain decoding")

@@ -1,6 +1,7 @@
 """Plain and speculative decoding of the same prompts, side by side in one process: the one implementation of the
 headline numbers (tau, acceptance, per-position acceptance, speedup). `drafter-eval` (recipes/evaluate.py), every
-training checkpoint and layer-skip's search call `evaluate_decoding`.
+training checkpoint and layer-skip's search call `evaluate_decoding`; `drafter-compare` calls
+`evaluate_side_by_side`, several speculative decoders against one plain decoding.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from rich.table import Table
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from drafter_train.config import EvalConfig
+from drafter_train.config import EvalConfig, check_side_by_side
 from drafter_train.decoding.autoregressive import DecodeResult, generate_autoregressive
 from drafter_train.decoding.draft_exit import DraftExit, supports_draft_exit
 from drafter_train.decoding.drafter import Drafter
@@ -144,17 +145,28 @@ def baseline_states(target: PreTrainedModel, baseline_kernels: str,
 
 def time_interleaved(i: int, settings: Sequence[str], ready_spec: Callable[[], Callable[[], DecodeResult]],
                      ready_ar: Callable[[str], Callable[[], DecodeResult]], device: torch.device):
-    """Request i timed as (spec (result, seconds), {setting: plain decoding's (result, seconds)}), interleaved so that
-    load changes hit every decoder alike: which decoder goes first alternates request by request, and the
-    plain-decoding settings take turns going first. `ready_*` switch the target's kernels (untimed) and return the
-    decode to time."""
+    """Request i timed as (spec (result, seconds), {setting: plain decoding's (result, seconds)}): time_side_by_side
+    with one speculative decoder."""
+    (spec,), ar = time_side_by_side(i, settings, [ready_spec], ready_ar, device)
+    return spec, ar
+
+
+def time_side_by_side(i: int, settings: Sequence[str], ready_specs: Sequence[Callable[[], Callable[[], DecodeResult]]],
+                      ready_ar: Callable[[str], Callable[[], DecodeResult]], device: torch.device):
+    """Request i timed as ([each speculative decoder's (result, seconds)], {setting: plain decoding's (result,
+    seconds)}), interleaved so that load changes hit every decoder alike: whether the speculative decoders or plain
+    decoding go first alternates request by request, and the speculative decoders and the plain-decoding settings
+    each take turns going first. `ready_*` switch the target's kernels (untimed) and return the decode to time."""
     order = tuple(settings[i % len(settings):]) + tuple(settings[:i % len(settings)])
+    n = len(ready_specs)
+    turn = [(j + i) % n for j in range(n)]
+    spec = {}
     if i % 2:
-        spec = _timed(ready_spec(), device)
+        spec = {j: _timed(ready_specs[j](), device) for j in turn}
     ar = {k: _timed(ready_ar(k), device) for k in order}
     if not i % 2:
-        spec = _timed(ready_spec(), device)
-    return spec, ar
+        spec = {j: _timed(ready_specs[j](), device) for j in turn}
+    return [spec[j] for j in range(n)], ar
 
 
 @dataclass
@@ -205,9 +217,45 @@ def evaluate_decoding(
     Returns the metrics defined in docs/evaluate.md ("Definitions"): tau, acceptance_rate, per_position_acceptance,
     speedup, baseline, ... and, when prompts have task categories, the same headline numbers per category.
     """
-    params = sampling_params(cfg)
-    drafter = lookup_first(drafter, cfg.lookup)
-    kernels, states = baseline_states(target, cfg.baseline_kernels, kernels)
+    return evaluate_side_by_side(target, {"": (drafter, cfg)}, prompt_ids, eos_token_ids, progress, categories,
+                                 kernels)[""]
+
+
+@dataclass
+class _Decoder:
+    """One speculative decoder of a side-by-side evaluation and what it has counted so far."""
+
+    drafter: Drafter
+    cfg: EvalConfig
+    run: Callable
+    total: Tally
+    new_stats: Callable[[], DecodeStats]
+    draft_exit: Optional[DraftExit] = None
+    by_category: dict = field(default_factory=dict)
+    matches: int = 0
+    margins: list = field(default_factory=list)
+    outside: int = 0  # tokens of plain decoding outside a reduced draft vocabulary (EAGLE-3's)
+    logprob: dict = field(default_factory=lambda: {"spec": 0.0, "ar": 0.0})  # verify=specdec
+
+
+def evaluate_side_by_side(
+    target: PreTrainedModel,
+    decoders: dict[str, tuple[Drafter, EvalConfig]],
+    prompt_ids: Sequence[Sequence[int]],
+    eos_token_ids: Sequence[int],
+    progress: bool = True,
+    categories: Optional[Sequence[Optional[str]]] = None,
+    kernels: Optional[str] = None,
+) -> dict[str, dict]:
+    """evaluate_decoding for several speculative decoders (name -> (drafter, its eval config)) on the same prompts
+    against one plain decoding: per prompt, plain decoding runs once per CPU kernel setting and every decoder once,
+    interleaved (time_side_by_side), so their speedups are ratios measured side by side and plain decoding is paid once
+    instead of once per decoder. The configs must agree on what plain decoding depends on (check_side_by_side).
+    Returns each decoder's metrics, as evaluate_decoding returns them."""
+    check_side_by_side({name: cfg for name, (_, cfg) in decoders.items()})
+    base = next(iter(decoders.values()))[1]
+    params = sampling_params(base)
+    kernels, states = baseline_states(target, base.baseline_kernels, kernels)
     settings = tuple(states)
 
     # ready_*: switch the target to the decoder's kernels (untimed), return the decode to time
@@ -215,55 +263,70 @@ def evaluate_decoding(
         apply_kernel_state(target, states[setting])
         gen = torch.Generator(device=target.device).manual_seed(seed)
         # The baseline decodes with the same params: AR greedy for greedy/specdec, AR sampling for sample/spectr.
-        return lambda: generate_autoregressive(target, prompt, cfg.max_new_tokens, params, eos_token_ids, gen)
+        return lambda: generate_autoregressive(target, prompt, base.max_new_tokens, params, eos_token_ids, gen)
 
-    spec_runner, new_stats = speculative_runner(target, drafter, cfg, eos_token_ids)
-
-    def ready_spec(prompt, seed, exit: Optional[DraftExit]):
+    def ready_spec(one: _Decoder, prompt, seed):
         apply_kernel_state(target, states[kernels])
-        return lambda: spec_runner(prompt, seed, exit)
+        return lambda: one.run(prompt, seed, one.draft_exit)
 
-    def time_prompt(i: int, prompt, exit: Optional[DraftExit]) -> tuple[tuple[DecodeResult, float], dict]:
-        seed = cfg.seed + i
-        spec, ar = time_interleaved(i, settings, lambda: ready_spec(prompt, seed, exit),
-                                    lambda k: ready_ar(prompt, seed, k), target.device)
-        apply_kernel_state(target, states[kernels])  # what follows (margins, log-likelihoods) is on the own kernels
-        return spec, ar
-
+    runs = {}
+    for name, (drafter, cfg) in decoders.items():
+        drafter = lookup_first(drafter, cfg.lookup)
+        run, new_stats = speculative_runner(target, drafter, cfg, eos_token_ids)
+        runs[name] = _Decoder(drafter, cfg, run, Tally(new_stats()), new_stats)
     try:
-        for _ in range(cfg.warmup):  # untimed, every decoder: first calls pay allocator and kernel-selection costs
+        for _ in range(base.warmup):  # untimed, every decoder: first calls pay allocator and kernel-selection costs
             for setting in settings:
-                ready_ar(prompt_ids[0], cfg.seed, setting)()
-            ready_spec(prompt_ids[0], cfg.seed, make_draft_exit(cfg, drafter))()
-        # One adaptive threshold for the whole run (as a server would keep it), fresh after the warm-up.
-        draft_exit = make_draft_exit(cfg, drafter)
-        total = Tally(new_stats())
-        by_category: dict[str, Tally] = {}
-        matches, margins = 0, []
-        # Drafters with a reduced draft vocabulary (EAGLE-3) can never propose a token outside it: count those tokens.
-        draft_vocab, outside = getattr(drafter, "draft_vocab", None), 0
-        logprob = {"spec": 0.0, "ar": 0.0}  # verify=specdec: how far the relaxed output moves from AR greedy
-        shape = tree_spec(cfg).describe() if cfg.tree.enabled else f"draft_len={cfg.draft_len}"
-        bar = tqdm(prompt_ids, desc=f"eval {shape} {cfg.verify}", disable=not progress, unit="prompt")
+                ready_ar(prompt_ids[0], base.seed, setting)()
+            for one in runs.values():
+                one.draft_exit = make_draft_exit(one.cfg, one.drafter)
+                ready_spec(one, prompt_ids[0], base.seed)()
+        for one in runs.values():  # one adaptive threshold per decoder for the whole run (as a server would keep
+            one.draft_exit = make_draft_exit(one.cfg, one.drafter)  # it), fresh after the warm-up
+        shapes = " | ".join(tree_spec(o.cfg).describe() if o.cfg.tree.enabled else f"draft_len={o.cfg.draft_len}"
+                            for o in runs.values())
+        bar = tqdm(prompt_ids, desc=f"eval {shapes} {base.verify}", disable=not progress, unit="prompt")
         for i, prompt in enumerate(bar):
-            (spec, t_spec), ar_runs = time_prompt(i, prompt, draft_exit)
-            total.add((spec, t_spec), ar_runs)
-            if categories is not None and categories[i] is not None:
-                by_category.setdefault(categories[i], Tally(new_stats())).add((spec, t_spec), ar_runs)
-            ar = ar_runs[kernels][0]  # losslessness is judged against plain decoding on the same kernels
-            matches += spec.tokens == ar.tokens
-            if draft_vocab is not None:
-                outside += int((~draft_vocab[torch.tensor(ar.tokens, device=draft_vocab.device)]).sum())
-            if spec.tokens != ar.tokens and cfg.verify == "greedy":
-                margins.append(divergence_margin(target, prompt, ar.tokens, spec.tokens))
-            if cfg.verify == "specdec":
-                logprob["spec"] += target_logprob_sum(target, prompt, spec.tokens)
-                logprob["ar"] += target_logprob_sum(target, prompt, ar.tokens)
-            fastest_tps = max(total.ar_tokens_per_s().values())
-            bar.set_postfix(tau=f"{total.spec.tau:.2f}", speedup=f"{total.spec_tokens_per_s / fastest_tps:.2f}")
+            seed = base.seed + i
+            specs, ar_runs = time_side_by_side(i, settings, [lambda o=o: ready_spec(o, prompt, seed)
+                                                             for o in runs.values()],
+                                               lambda k: ready_ar(prompt, seed, k), target.device)
+            apply_kernel_state(target, states[kernels])  # what follows (margins, log-likelihoods): the own kernels
+            for one, (spec, t_spec) in zip(runs.values(), specs):
+                _count(one, target, prompt, (spec, t_spec), ar_runs, ar_runs[kernels][0],
+                       None if categories is None else categories[i])
+            fastest_tps = max(next(iter(runs.values())).total.ar_tokens_per_s().values())
+            bar.set_postfix(tau="/".join(f"{o.total.spec.tau:.2f}" for o in runs.values()),
+                            speedup="/".join(f"{o.total.spec_tokens_per_s / fastest_tps:.2f}" for o in runs.values()))
     finally:
         apply_kernel_state(target, states[kernels])
+    return {name: _metrics(one, kernels, settings, len(prompt_ids)) for name, one in runs.items()}
+
+
+def _count(one: _Decoder, target: PreTrainedModel, prompt, spec: tuple[DecodeResult, float], ar_runs: dict,
+           ar: DecodeResult, category: Optional[str]) -> None:
+    """Add one prompt's runs to a decoder's tally; `ar`: plain decoding on the speculative run's own kernels, which
+    losslessness is judged against."""
+    one.total.add(spec, ar_runs)
+    if category is not None:
+        one.by_category.setdefault(category, Tally(one.new_stats())).add(spec, ar_runs)
+    result = spec[0]
+    one.matches += result.tokens == ar.tokens
+    draft_vocab = getattr(one.drafter, "draft_vocab", None)  # a reduced draft vocabulary can never propose the rest
+    if draft_vocab is not None:
+        one.outside += int((~draft_vocab[torch.tensor(ar.tokens, device=draft_vocab.device)]).sum())
+    if result.tokens != ar.tokens and one.cfg.verify == "greedy":
+        one.margins.append(divergence_margin(target, prompt, ar.tokens, result.tokens))
+    if one.cfg.verify == "specdec":
+        one.logprob["spec"] += target_logprob_sum(target, prompt, result.tokens)
+        one.logprob["ar"] += target_logprob_sum(target, prompt, ar.tokens)
+
+
+def _metrics(one: _Decoder, kernels: str, settings: Sequence[str], num_prompts: int) -> dict:
+    """A decoder's metrics (docs/evaluate.md "Definitions")."""
+    cfg, total = one.cfg, one.total
     spec_stats, fastest, own_ar = total.spec, total.fastest(), total.ar[kernels]
+    draft_vocab = getattr(one.drafter, "draft_vocab", None)
     return {
         **spec_stats.summary(),
         # The most drafts one verify pass can accept along a path = len(per_position_acceptance): a chain's
@@ -274,25 +337,26 @@ def evaluate_decoding(
         "verify": cfg.verify,
         # Adaptive draft exit: the threshold γ at the start and at the end of the run (None: off). Without
         # eval.draft_exit a drafter may carry its own fixed γ (a searched layerskip folder).
-        "draft_exit": cfg.draft_exit or getattr(drafter, "exit_below", 0.0) or None,
-        "draft_exit_final": None if draft_exit is None else draft_exit.threshold,
-        "num_prompts": len(prompt_ids),
+        "draft_exit": cfg.draft_exit or getattr(one.drafter, "exit_below", 0.0) or None,
+        "draft_exit_final": None if one.draft_exit is None else one.draft_exit.threshold,
+        "num_prompts": num_prompts,
         **baseline_fields(total, kernels, settings),
         # Share of prompts whose speculative output is token-identical to plain decoding's on the same kernels: must
         # be 1.0 for greedy (lossless); for specdec it measures how far the relaxation moves the output; not defined
         # when sampling (two independent samples).
-        "greedy_match": None if cfg.samples else matches / len(prompt_ids),
+        "greedy_match": None if cfg.samples else one.matches / num_prompts,
         # For each greedy mismatch: the target's top-1 minus top-2 logit where the outputs part (near 0 = a tie
         # broken differently by rounding; see divergence_margin).
-        "greedy_mismatch_margins": margins,
+        "greedy_mismatch_margins": one.margins,
         # Share of the AR output's tokens outside the drafter's draft vocabulary (None: it drafts the full vocabulary).
-        "out_of_draft_vocab": None if draft_vocab is None else outside / own_ar.tokens_generated,
+        "out_of_draft_vocab": None if draft_vocab is None else one.outside / own_ar.tokens_generated,
         # The headline numbers per task category of the prompts, against the same (overall fastest) kernel setting.
-        "per_category": {name: _headline(group, fastest) for name, group in sorted(by_category.items())},
+        "per_category": {name: _headline(group, fastest) for name, group in sorted(one.by_category.items())},
         # verify=specdec only: the target's mean log-likelihood per generated token of the speculative output and of
         # the AR greedy output (the relaxation accepts tokens the target ranks lower: the first falls below the second).
-        "spec_target_logprob": logprob["spec"] / spec_stats.tokens_generated if cfg.verify == "specdec" else None,
-        "ar_target_logprob": logprob["ar"] / own_ar.tokens_generated if cfg.verify == "specdec" else None,
+        "spec_target_logprob": (one.logprob["spec"] / spec_stats.tokens_generated if cfg.verify == "specdec"
+                                else None),
+        "ar_target_logprob": one.logprob["ar"] / own_ar.tokens_generated if cfg.verify == "specdec" else None,
     }
 
 
@@ -325,8 +389,8 @@ def _headline(group: Tally, baseline: str) -> dict:
             "tokens_generated": group.spec.tokens_generated}
 
 
-def print_table(metrics: dict, console: Optional[Console] = None) -> None:
-    table = Table(title="drafter-eval")
+def print_table(metrics: dict, console: Optional[Console] = None, title: str = "drafter-eval") -> None:
+    table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key in ("tau", "acceptance_rate", "speedup", "spec_tokens_per_s", "ar_tokens_per_s", "speedup_same_kernels",

@@ -4,6 +4,7 @@ file, with training and evaluation stubbed (made-up figures, no model)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -62,8 +63,11 @@ def test_each_point_trains_once_and_the_result_file_says_where_the_curve_goes(tm
 
     def fake_train(cfg):
         trained.append((cfg.train.max_records, cfg.train.max_steps, cfg.drafter.ttt_steps))
+        # saved every 100 steps and at the end (a stopped point resumes), the last save the point's drafter
+        assert cfg.train.save_every == 100 and cfg.train.resume == "auto"
 
     def fake_eval(cfg):
+        assert cfg.drafter.path.endswith(("r250/step-188/drafter", "r500/step-375/drafter"))
         records = int(cfg.drafter.path.split("/")[-3].split("-r")[-1])
         first = 0.1 * (records // 250) + (0.05 if "ttt3" in cfg.drafter.path else 0)
         metrics = {"tau": 1 + first, "acceptance_rate": first, "per_position_acceptance": [first, first / 2],
@@ -162,3 +166,30 @@ def test_another_target_trains_and_decodes_on_it_and_its_points_are_its_own(tmp_
     assert title == "EAGLE-3's acceptance against training data on Qwen2.5-Coder-1.5B-Instruct"
     with pytest.raises(lc.ConfigError, match="another recipe"):  # the same folder, the main job's target
         lc.main(argv)
+
+
+def test_a_test_only_curve_in_bf16_decodes_once_and_a_point_decoded_otherwise_is_decoded_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(lc, "load_distill_dataset", lambda data: {"response_ids": [[0] * 100] * 300})
+    trained, decoded = [], []
+    monkeypatch.setattr(lc, "train", lambda cfg: trained.append(cfg.train.max_records))
+
+    def fake_eval(cfg):
+        decoded.append((cfg.eval.prompts, cfg.target.dtype))
+        out = {"tau": 1.2, "acceptance_rate": 0.2, "per_position_acceptance": [0.2], "speedup": 1.0,
+               "machine": MACHINE, "config": {"target": {"dtype": cfg.target.dtype}}}
+        Path(cfg.eval.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg.eval.output).write_text(json.dumps(out))
+        return out
+
+    monkeypatch.setattr(lc, "run_eval_job", fake_eval)
+    argv = ["--data", "d", "--points", "10000", "--out", str(tmp_path / "runs"), "--results-dir",
+            str(tmp_path / "results")]
+    lc.main([*argv, "--splits", "test", "--eval-dtype", "bfloat16"])
+    assert trained == [100] and decoded == [("test", "bfloat16")]  # no dev split: one variant chooses nothing
+    result = json.loads((tmp_path / "results" / "learning_curve.json").read_text())
+    assert result["rows"][0][5] is None and "decodes in bfloat16" in result["notes"]
+    assert "dev split beside it" not in result["split"]
+    lc.main([*argv, "--splits", "test", "--eval-dtype", "bfloat16"])  # done: nothing again
+    lc.main(argv)  # asked in float32 with dev: both decoded again, the training kept
+    assert trained == [100] and decoded[1:] == [("dev", "float32"), ("test", "float32")]
+    assert json.loads((tmp_path / "results" / "learning_curve.json").read_text())["rows"][0][5] == 0.2

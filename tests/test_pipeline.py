@@ -228,14 +228,11 @@ def test_the_main_job_runs_the_same_jobs_as_before():
                      f"eval.prompts=dev {settings} {tree} {lookups}")
     best = "drafter.path=checkpoints/quickstart-smollm2/best/drafter"
     out = "eval.output=checkpoints/quickstart-smollm2"
-    assert line["product"] == (f"drafter-eval drafter=path {best} eval.prompts=test {settings} {tree} {lookups} "
-                               f"{out}/product.json")
-    assert line["drafter-alone"] == (f"drafter-eval drafter=path {best} eval.prompts=test {settings} {tree} "
-                                     f"{out}/drafter-alone.json")
-    assert line["drafter-chain"] == (f"drafter-eval drafter=path {best} eval.prompts=test {settings} "
-                                     f"{out}/drafter-chain.json")  # the top-1 chain (issue 54)
-    assert line["prompt-lookup"] == (f"drafter-eval drafter=ngram drafter.min_ngram=2 eval.prompts=test {settings} "
-                                     f"{out}/prompt-lookup.json")
-    assert line["corpus-lookup"] == ("drafter-eval drafter=ngram drafter.min_ngram=2 "
-                                     f"drafter.corpus.path=data/quickstart-smollm2 eval.prompts=test {settings} "
-                                     f"{out}/corpus-lookup.json")
+    # the five test-split decoders side by side against one plain decoding, each job as drafter-eval ran it alone
+    assert line["test"] == (f"drafter-compare eval.prompts=test {settings} "
+                            f"product: drafter=path {best} {tree} {lookups} {out}/product.json "
+                            f"drafter-alone: drafter=path {best} {tree} {out}/drafter-alone.json "
+                            f"drafter-chain: drafter=path {best} {out}/drafter-chain.json "  # the top-1 chain (issue 54)
+                            f"prompt-lookup: drafter=ngram drafter.min_ngram=2 {out}/prompt-lookup.json "
+                            "corpus-lookup: drafter=ngram drafter.min_ngram=2 drafter.corpus.path=data/quickstart-smollm2 "
+                            f"{out}/corpus-lookup.json")

@@ -22,7 +22,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from drafter_train.config import (CONF_DIR, DatagenJobConfig, DrafterConfig, EvalJobConfig, ExportJobConfig,
-                                  ReportJobConfig, TrainJobConfig)
+                                  ReportJobConfig, TrainJobConfig, check_side_by_side)
 from drafter_train.drafters.registry import kind_schemas
 from drafter_train.errors import ConfigError, DrafterTrainError
 from drafter_train.preflight import check_inputs
@@ -124,6 +124,87 @@ def eval_main() -> None:
     console("drafter-eval", "eval", "drafter_train.recipes.evaluate", check_inputs)
 
 
+COMPARE_USAGE = """usage: drafter-compare [COMMON OVERRIDES] NAME: OVERRIDES [NAME: OVERRIDES ...]
+
+Several drafter-eval jobs' decoders on the same prompts against one plain decoding, side by side: the target loads
+once, plain decoding is timed once per prompt, every decoder interleaved with it. Each NAME: starts a decoder; its
+OVERRIDES are drafter-eval's, after the COMMON ones; each sets its own eval.output (its metrics.json). The jobs must
+share the target, the prompts and what plain decoding depends on (max_new_tokens, seed, warm-up, baseline kernels,
+sampling); eval.engine=ours, no calibration. Ending the line with --cfg job prints each job's config instead.
+
+    drafter-compare eval.prompts=test eval.num_prompts=24 \\
+        chain: drafter=path drafter.path=RUN/best/drafter eval.draft_len=3 eval.output=RUN/chain.json \\
+        lookup: drafter=ngram eval.draft_len=3 eval.output=RUN/lookup.json"""
+
+
+def compare_jobs(argv: list[str], paths: bool = True) -> dict[str, EvalJobConfig]:
+    """drafter-compare's command line -> {name: the typed drafter-eval job}, every check that needs no model done:
+    each job's own, its paths (preflight; `paths` False: not those), and that the jobs can share one plain
+    decoding."""
+    common, decoders, name = [], {}, None
+    for arg in argv:
+        if arg.endswith(":") and "=" not in arg:
+            name = arg[:-1]
+            if not name or name in decoders:
+                raise ConfigError(f"decoder names must be given once and not be empty, got {arg!r}")
+            decoders[name] = []
+        elif name is None:
+            common.append(arg)
+        else:
+            decoders[name].append(arg)
+    if not decoders:
+        raise ConfigError("no decoder given (NAME: OVERRIDES ...)\n" + COMPARE_USAGE)
+    register_configs()
+    jobs = {n: job_config(_compose_eval([*common, *options]), "drafter-compare") for n, options in decoders.items()}
+    (first, base), outputs = next(iter(jobs.items())), {}
+    for n, job in jobs.items():
+        if not job.eval.output:
+            raise ConfigError(f"{n}: eval.output must be set (each decoder writes its own metrics)")
+        if job.eval.output in outputs:
+            raise ConfigError(f"{n}: eval.output={job.eval.output} is {outputs[job.eval.output]}'s too")
+        outputs[job.eval.output] = n
+        if job.eval.engine != "ours" or job.eval.calibration.enabled:
+            raise ConfigError(f"{n}: drafter-compare runs our decoder without calibration (eval.engine=ours, "
+                              "eval.calibration.enabled=false): use drafter-eval for the rest")
+        for field, mine, theirs in (("target", job.target, base.target), ("eval.prompts", job.eval.prompts,
+                                    base.eval.prompts), ("eval.num_prompts", job.eval.num_prompts, base.eval.num_prompts),
+                                    ("eval.prompt_field", job.eval.prompt_field, base.eval.prompt_field)):
+            if mine != theirs:
+                raise ConfigError(f"{n}: its {field} differs from {first}'s: decoders side by side decode the same "
+                                  "prompts on the same target (set it among the common overrides)")
+        if paths:
+            check_inputs(job)
+    check_side_by_side({n: job.eval for n, job in jobs.items()})
+    return jobs
+
+
+def _compose_eval(overrides: list[str]) -> DictConfig:
+    """drafter-eval's config with `overrides`; an override Hydra cannot apply is one line."""
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            return compose("eval", overrides=list(overrides))
+    except HydraException as err:
+        raise ConfigError(str(err).splitlines()[0]) from None
+
+
+def compare_main(argv: list[str] | None = None) -> None:
+    """drafter-compare (recipes/evaluate.py's compare): the jobs composed and checked here, then the recipe."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(COMPARE_USAGE)
+        return
+    show = argv[-2:] == ["--cfg", "job"]  # as Hydra's --cfg job: each job's config printed, nothing run or checked
+    with one_line_errors("drafter-compare"):
+        jobs = compare_jobs(argv[:-2] if show else argv, paths=not show)
+        if show:
+            for name, job in jobs.items():
+                print(f"# {name}\n{OmegaConf.to_yaml(OmegaConf.structured(job))}")
+            return
+        importlib.import_module("drafter_train.recipes.evaluate").compare(jobs)
+
+
 def datagen_main() -> None:
     """drafter-datagen (recipes/datagen.py)."""
     console("drafter-datagen", "datagen", "drafter_train.recipes.datagen", check_inputs)
@@ -145,7 +226,7 @@ def seq2seq_main() -> None:
 
 
 MAINS = {"train": train_main, "eval": eval_main, "datagen": datagen_main, "export": export_main,
-         "report": report_main, "seq2seq": seq2seq_main}
+         "report": report_main, "seq2seq": seq2seq_main, "compare": compare_main}
 
 if __name__ == "__main__":  # python -m drafter_train.recipes.cli JOB ARGS: the console script drafter-JOB
     job = sys.argv.pop(1)

@@ -1,4 +1,5 @@
-"""`drafter-eval`: the AR baseline and the speculative decoder on the same prompts, in the same process.
+"""`drafter-eval`: the AR baseline and the speculative decoder on the same prompts, in the same process; and
+`drafter-compare`: several drafter-eval jobs' decoders against one plain decoding, side by side.
 
 The evaluation itself is drafter_train/evaluation.py (`evaluate_decoding`, shared with training); this entry point
 checks the paths, loads what the config names, optionally calibrates, and writes metrics.json.
@@ -17,7 +18,8 @@ from omegaconf import OmegaConf
 
 from drafter_train.calibrate import calibrate, calibration_record, engine_costs, engine_predictions
 from drafter_train.checkpoint import verify_drafter_folder
-from drafter_train.evaluation import calibration_decoder, check_decoder, evaluate_decoding, print_calibration, print_table
+from drafter_train.evaluation import (calibration_decoder, check_decoder, evaluate_decoding, evaluate_side_by_side,
+                                      print_calibration, print_table)
 from drafter_train.config import EvalConfig, EvalJobConfig
 from drafter_train.recipes.cli import eval_main
 from drafter_train.cpu_kernels import row_policy
@@ -87,13 +89,7 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
         if cfg.eval.engine == "vllm":
             engine.eos = sorted(eos)
         metrics["engine"] = evaluate_in_engine(engine, prompt_ids[:num], eval_cfg, metrics)
-    policy = row_policy(target)
-    metrics.update(split=split_name(cfg.eval.prompts), overlap=overlap)
-    metrics.update(target=model_identity(cfg.target), drafter=cfg.drafter.path, drafter_kind=model_kind(model).name,
-                   torch_threads=torch.get_num_threads(),
-                   machine={**machine_info(target.device, cfg.target.dtype), "cpu_kernels": cfg.target.cpu_kernels,
-                            "target_kernels_by_rows": policy.describe() if policy else None})
-    metrics["config"] = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    describe(metrics, cfg, target, model, overlap)
     if cal.enabled:
         info = {"machine": machine_info(target.device, cfg.target.dtype), "target": model_identity(cfg.target),
                 "drafter": str(Path(cfg.drafter.path).resolve()) if Path(cfg.drafter.path).exists() else
@@ -108,6 +104,55 @@ def run_eval_job(cfg: EvalJobConfig) -> dict:
         print_calibration(record)
     write_atomic(output, json.dumps(metrics, indent=2))  # a kill mid-write leaves the old file or none
     return metrics
+
+
+def describe(metrics: dict, cfg: EvalJobConfig, target, model, overlap) -> None:
+    """What metrics.json records beside the figures: the split and its overlap with the training data, the target,
+    the drafter, the machine and the job's config."""
+    policy = row_policy(target)
+    metrics.update(split=split_name(cfg.eval.prompts), overlap=overlap)
+    metrics.update(target=model_identity(cfg.target), drafter=cfg.drafter.path, drafter_kind=model_kind(model).name,
+                   torch_threads=torch.get_num_threads(),
+                   machine={**machine_info(target.device, cfg.target.dtype), "cpu_kernels": cfg.target.cpu_kernels,
+                            "target_kernels_by_rows": policy.describe() if policy else None})
+    metrics["config"] = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def run_compare(jobs: dict[str, EvalJobConfig]) -> dict[str, dict]:
+    """`drafter-compare`: the decoders of several drafter-eval jobs on the same prompts against one plain decoding
+    (evaluation.evaluate_side_by_side): the target loaded once, plain decoding timed once per prompt and kernel
+    setting, every decoder interleaved with it. recipes/cli.py has checked that the jobs share the target, the prompts
+    and what plain decoding depends on. Each job's metrics go to its own eval.output, as drafter-eval writes them,
+    with `side_by_side` naming the decoders timed together; returns {name: metrics}."""
+    first = next(iter(jobs.values()))
+    for cfg in jobs.values():
+        check_writable(metrics_path(cfg.eval))
+        _check_intact(cfg.drafter.path)
+    target, tokenizer = load_target(first.target)
+    models, decoders = {}, {}
+    for name, cfg in jobs.items():
+        check_decoder(target, cfg.eval)
+        check_corpus(cfg.eval.lookup.corpus, tokenizer, "eval.lookup.corpus.path")
+        models[name] = load_drafter(cfg.drafter, target, tokenizer, cfg.target.dtype)
+        decoders[name] = (make_drafter(models[name], cfg.target.cpu_kernels), cfg.eval)
+    records = load_prompt_records(first.eval.prompts, first.eval.num_prompts, first.eval.prompt_field)
+    texts = [text for text, _ in records]
+    prompt_ids = [encode_prompt(tokenizer, text, first.target.chat_template) for text in texts]
+    results = evaluate_side_by_side(target, decoders, prompt_ids, eos_token_ids(target, tokenizer),
+                                    categories=[c for _, c in records], kernels=first.target.cpu_kernels)
+    for name, cfg in jobs.items():
+        overlap = check_eval_overlap(texts, cfg, tokenizer, recorded_data_dir(cfg.drafter.path))
+        describe(results[name], cfg, target, models[name], overlap)
+        results[name]["side_by_side"] = list(jobs)
+        write_atomic(metrics_path(cfg.eval), json.dumps(results[name], indent=2))
+    return results
+
+
+def compare(jobs: dict[str, EvalJobConfig]) -> None:
+    """drafter-compare once recipes/cli.py has checked the jobs: evaluate, print each table and where it went."""
+    for name, metrics in run_compare(jobs).items():
+        print_table(metrics, title=f"drafter-compare: {name}")
+        print(f"{name}: metrics written to {metrics_path(jobs[name].eval).resolve()}", file=sys.stderr)
 
 
 def engine_curves(path: Optional[str]) -> list[dict]:
