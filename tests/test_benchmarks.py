@@ -30,7 +30,9 @@ def fake_run(root):
                       ("drafter-chain", 1.15)):
         (run / f"{name}.json").write_text(json.dumps({"tau": tau, "acceptance_rate": tau - 1, "speedup": tau - 0.05,
                                                       "per_position_acceptance": [0.25] if name == "product" else [0.25, 0.5],
-                                                      "machine": MACHINE, "config": config}))
+                                                      "machine": MACHINE, "config": config,
+                                                      "side_by_side": ["product", "drafter-alone", "drafter-chain",
+                                                                       "prompt-lookup", "corpus-lookup"]}))
     return run
 
 
@@ -58,6 +60,7 @@ def test_main_job_summary_prints_the_quickstart_table_and_writes_its_result_file
     assert result["split"] == "test split, first 16 prompts"
     assert "plain decoding" in result["baseline"] and "cpu_kernels=auto" in result["baseline"]
     assert "picked on the dev split" in result["notes"] and "choose" not in result["notes"]  # test: no dev caveat
+    assert "the 5 decoders decoded side by side against one plain decoding" in result["notes"]
     assert result["command"] == "bash scripts/quickstart.sh" and result["machine"] == MACHINE
     assert result["title"] and result["question"] and result["date"]
     (run / "drafter-chain.json").unlink()  # a run from before the chain's evaluation: the table without its row
