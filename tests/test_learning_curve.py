@@ -184,12 +184,13 @@ def test_a_test_only_curve_in_bf16_decodes_once_and_a_point_decoded_otherwise_is
     monkeypatch.setattr(lc, "run_eval_job", fake_eval)
     argv = ["--data", "d", "--points", "10000", "--out", str(tmp_path / "runs"), "--results-dir",
             str(tmp_path / "results")]
-    lc.main([*argv, "--splits", "test", "--eval-dtype", "bfloat16"])
-    assert trained == [100] and decoded == [("test", "bfloat16")]  # no dev split: one variant chooses nothing
+    lc.main([*argv, "--splits", "test", "--eval-dtype", "bfloat16", "--points", "10000", "20000", "--aims", "0.5"])
+    assert trained == [100, 200] and decoded == [("test", "bfloat16")] * 2  # no dev split: one variant chooses nothing
     result = json.loads((tmp_path / "results" / "learning_curve.json").read_text())
     assert result["rows"][0][5] is None and "decodes in bfloat16" in result["notes"]
-    assert "dev split beside it" not in result["split"]
+    assert "dev split beside it" not in result["split"] and "would 0.5 take?" in result["question"]
+    assert "0.5 at ~" in result["notes"] and "0.6 at" not in result["notes"]  # the aims asked for
     lc.main([*argv, "--splits", "test", "--eval-dtype", "bfloat16"])  # done: nothing again
     lc.main(argv)  # asked in float32 with dev: both decoded again, the training kept
-    assert trained == [100] and decoded[1:] == [("dev", "float32"), ("test", "float32")]
+    assert trained == [100, 200] and decoded[2:] == [("dev", "float32"), ("test", "float32")]
     assert json.loads((tmp_path / "results" / "learning_curve.json").read_text())["rows"][0][5] == 0.2
