@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from datasets import load_from_disk
 from omegaconf import OmegaConf
 
 from drafter_train.data.llamacpp_backend import JOURNAL, BackendError, request_body
@@ -131,11 +132,22 @@ def test_a_killed_server_resumes_per_record_and_a_cut_journal_line_is_regenerate
     before = len(requested(fake_env))  # answered before the kill; slots in flight at the kill may have answered too
     assert before == 7 and 5 <= len(journal) <= 7
     (out / JOURNAL).write_text("\n".join(journal[:-1]) + "\n" + journal[-1][:9])  # the last line cut by the kill
+    whole = {json.loads(line)["prompt_index"] for line in journal[:-1]}
+    # the first shard (5 prompts) was written before the kill; whether the kill left any of the second shard's answers
+    # in the journal depends on which in-flight requests the dying server answered, so the cut line may be the first
+    # shard's (kept in its shard folder) or the second's (asked again)
+    shards = sorted(p for p in (out / "shards").glob("shard-*"))
+    finished = {i for shard in shards for i in load_from_disk(str(shard))["prompt_index"]}
+    assert len(shards) == 1 and len(finished) == 5
     monkeypatch.delenv("FAKE_LLAMA_DIE_AFTER")
     run_datagen(job(folders, out), progress=False)
-    # Only the prompts without a whole journal line were asked again.
-    assert len(requested(fake_env)) == before + 12 - (len(journal) - 1)
+    # Exactly the prompts in no finished shard and without a whole journal line were asked again (the cut line's
+    # prompt among them unless its shard was finished).
     prompts = {row["prompt_index"]: row["prompt_ids"] for row in load_distill_dataset(str(out))}
+    again = sorted(set(prompts) - finished - whole)
+    assert sorted(requested(fake_env)[before:]) == sorted(prompts[i] for i in again)
+    cut = json.loads(journal[-1])["prompt_index"]
+    assert (cut in again) == (cut not in finished)
     assert responses(out) == {i: fake_response(p) for i, p in prompts.items()}
 
 
