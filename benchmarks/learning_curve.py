@@ -308,7 +308,7 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
              f"{args.data} ({sum(lengths)} response tokens in {len(lengths)} records); the target decodes in "
              f"{args.eval_dtype}{BF16_NOTE if args.eval_dtype == 'bfloat16' else ''}. "
              + ("Variants are compared on the dev split; the test split reports." if "dev" in args.splits else
-                "The test split only (one variant: nothing is chosen, the dev split is not decoded).")]
+                "The test split only (the dev split is not decoded: nothing is chosen here).")]
     variants = list(dict.fromkeys(p["variant"] for p in points))
     if len(variants) > 1 and all(p["dev"] for p in points):
         for tokens in sorted({p["response_tokens"] for p in points}):
@@ -331,7 +331,9 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
     answers = "the source's own answers (ShareGPT's, not the target's)" if reference else "the target's own answers"
     on = args.title_target
     write_result(args.result_name, title=(f"EAGLE-3's acceptance against training data on {on}" if curve else
-                                          f"EAGLE-3 recipe ablations on {on} (chosen on dev, reported on test)")
+                                          f"EAGLE-3 recipe ablations on {on} "
+                                          + ("(chosen on dev, reported on test)" if "dev" in args.splits else
+                                             "(test split only: a diagnosis, nothing chosen)"))
                  + source,
                  question=f"How does the first-position acceptance of the main job's EAGLE-3 grow with {answers} "
                           f"as training data, and how much data would {' and '.join(f'{a:g}' for a in args.aims)} take?"

@@ -189,6 +189,7 @@ def test_a_test_only_curve_in_bf16_decodes_once_and_a_point_decoded_otherwise_is
     result = json.loads((tmp_path / "results" / "learning_curve.json").read_text())
     assert result["rows"][0][5] is None and "decodes in bfloat16" in result["notes"]
     assert "dev split beside it" not in result["split"] and "would 0.5 take?" in result["question"]
+    assert "nothing is chosen here" in result["notes"]
     assert "0.5 at ~" in result["notes"] and "0.6 at" not in result["notes"]  # the aims asked for
     lc.main([*argv, "--splits", "test", "--eval-dtype", "bfloat16"])  # done: nothing again
     lc.main(argv)  # asked in float32 with dev: both decoded again, the training kept
