@@ -126,8 +126,9 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
         return None
     began = time.perf_counter()
     trained = run_dir / "trained.json"  # the training's wall seconds once it ended: a rerun decodes, never retrains
-    if trained.is_file() and json.loads(trained.read_text())["steps"] == steps:
-        seconds = json.loads(trained.read_text())["train_s"]
+    kept = json.loads(trained.read_text()) if trained.is_file() else {}
+    if kept.get("steps") == steps:
+        seconds = kept["train_s"]
     else:
         train(compose_config("train", [
             *recipe, f"train.data_dir={args.data}", f"train.max_records={records}", f"train.output_root={args.out}",

@@ -160,7 +160,6 @@ def time_side_by_side(i: int, settings: Sequence[str], ready_specs: Sequence[Cal
     order = tuple(settings[i % len(settings):]) + tuple(settings[:i % len(settings)])
     n = len(ready_specs)
     turn = [(j + i) % n for j in range(n)]
-    spec = {}
     if i % 2:
         spec = {j: _timed(ready_specs[j](), device) for j in turn}
     ar = {k: _timed(ready_ar(k), device) for k in order}

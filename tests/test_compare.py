@@ -13,7 +13,7 @@ from drafter_train.errors import DrafterTrainError
 from drafter_train.evaluation import time_side_by_side
 from drafter_train.recipes.cli import compare_jobs
 from drafter_train.recipes.evaluate import run_eval_job
-from tests.test_evaluate import drafter_eval, folders, job, reference_counts  # noqa: F401 (folders: a fixture)
+from tests.test_evaluate import folders, job, reference_counts  # noqa: F401 (folders: a fixture)
 from tests.stubs import run_cli
 
 COUNTS = ("tokens_generated", "target_forward_passes", "proposed_draft_tokens", "accepted_draft_tokens")

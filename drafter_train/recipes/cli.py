@@ -73,8 +73,13 @@ def compose_config(name: str, overrides: list[str]) -> Any:
     """The typed, validated job config of entry point `name` (train, eval, datagen, export, report) with Hydra
     `overrides`, composed from the package's conf/ as the command line composes it: for scripts and notebooks."""
     register_configs()
+    return OmegaConf.to_object(_compose(name, overrides))
+
+
+def _compose(name: str, overrides: list[str]) -> DictConfig:
+    """Entry point `name`'s Hydra config with `overrides`, untyped (the schemas registered by the caller)."""
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-        return OmegaConf.to_object(compose(name, overrides=list(overrides)))
+        return compose(name, overrides=list(overrides))
 
 
 def job_config(cfg: DictConfig, prog: str) -> Any:
@@ -183,8 +188,7 @@ def _compose_eval(overrides: list[str]) -> DictConfig:
     from hydra.errors import HydraException
 
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
-            return compose("eval", overrides=list(overrides))
+        return _compose("eval", overrides)
     except HydraException as err:
         raise ConfigError(str(err).splitlines()[0]) from None
 
