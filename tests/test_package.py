@@ -58,6 +58,10 @@ def test_the_wheel_runs_from_outside_the_checkout(wheel_venv, tmp_path):
                "eval.max_new_tokens=6", "eval.warmup=0", f"eval.output={tmp_path / 'metrics.json'}"], tmp_path)
     assert job.returncode == 0, job.stderr[-2000:]
     assert (tmp_path / "metrics.json").is_file()
+    # drafter-compare from the wheel: its jobs composed from the packaged configs, refused in one line before loading
+    refused = run([str(bin_dir / "drafter-compare"), f"target.path={tmp_path / 'target'}", "a:", "drafter=ngram",
+                   "eval.output=a.json", "b:", "drafter=ngram", "eval.output=b.json", "eval.seed=1"], tmp_path)
+    assert refused.returncode == 2 and "b: eval.seed=1 differs" in refused.stderr, refused.stderr[-2000:]
 
 
 def test_import_contracts_hold():
