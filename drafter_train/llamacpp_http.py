@@ -4,9 +4,12 @@ the engines, and the llama.cpp engine (engines/llamacpp_server.py)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
+import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -20,6 +23,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when the thread that started it dies (Linux)
+
+
+def _death_signal():
+    """A preexec_fn that has the server die with the process that started it (Linux): a drafter-datagen or engine
+    check ended by SIGTERM or SIGKILL skips its finally blocks, and the server it started would live on, holding its
+    cores and port. None where prctl is not there. prctl is looked up here, in the parent: the child, forked from a
+    process with threads, only calls it before exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM))
+
+
 BIND_FAILED = "couldn't bind HTTP server socket"  # llama-server's line when its port was taken (server-http.cpp)
 
 
@@ -28,12 +48,14 @@ def running_server(command: list[str], log: Path, startup_s: float = 180, attemp
     """Start llama-server, wait for /health, yield its URL; stopped (by its own pid) on exit. free_port() only
     names a port that was free when asked: if another process binds it first, llama-server says so and exits, and
     it is started again on another free port (up to `attempts` starts). A /health answer counts only while our own
-    process lives (else another server answered on that port)."""
+    process lives (else another server answered on that port). The server dies with the thread that started it
+    (_death_signal), so start it from a thread that outlives its use."""
     command = list(command)
+    preexec = _death_signal()
     at = command.index("--port") + 1
     for attempt in range(attempts):
         with log.open("w") as sink:
-            proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, preexec_fn=preexec)
         try:
             url = _wait_ready(proc, f"http://127.0.0.1:{command[at]}", log, startup_s)
             if url is None and attempt + 1 < attempts:  # the port was taken: try another

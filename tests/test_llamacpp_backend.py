@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -273,3 +274,38 @@ def test_a_taken_port_starts_the_server_again_on_another(tmp_path, fake_env):
         with pytest.raises(RuntimeError, match="could not bind a port in 1 starts"):
             with running_server(command, tmp_path / "s.log", startup_s=30, attempts=1):
                 pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the death signal is Linux's prctl")
+def test_a_server_dies_with_the_process_that_started_it_even_when_that_one_is_killed(tmp_path, fake_env):
+    """A drafter-datagen ended by SIGKILL (or SIGTERM, whose default skips finally blocks) leaves no llama-server
+    behind holding its cores and port: the server is started with a death signal."""
+    import signal
+    import subprocess
+    import time
+    import urllib.request
+
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import sys, time\nfrom pathlib import Path\nfrom drafter_train.llamacpp_http import free_port, running_server\n"
+        f"command = [{str(FAKE / 'build' / 'bin' / 'llama-server')!r}, '-m', 't.gguf', '--port', str(free_port())]\n"
+        f"with running_server(command, Path({str(tmp_path / 's.log')!r}), startup_s=30) as url:\n"
+        "    print(url, flush=True)\n    time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+    try:
+        url = parent.stdout.readline().strip()
+        assert url.startswith("http://127.0.0.1:"), url
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+            assert reply.status == 200
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=1).close()
+        except OSError:
+            return  # nothing answers: the server is gone
+        time.sleep(0.2)
+    pytest.fail(f"llama-server still answers at {url} after its parent was killed")
