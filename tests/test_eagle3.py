@@ -351,6 +351,40 @@ def test_a_feature_cache_grows_with_train_max_records_and_serves_a_prefix(tiny_d
     assert total > 5 and seen == [4, total, total]
 
 
+def test_a_feature_cache_is_extracted_again_for_records_datagen_made_anew(tiny_data, tmp_path, capfd):
+    """The same target and layers over other records (drafter-datagen run again, here with shorter answers, into the
+    folder the cache belongs to): the shards made from the old records are dropped and extracted again, never served
+    as the new records' features."""
+    from omegaconf import OmegaConf
+
+    from drafter_train.data import feature_cache
+    from drafter_train.data.store import load_distill_dataset
+    from drafter_train.drafters.common.conditioned import feature_root, feature_spec
+    from drafter_train.recipes.datagen import run_datagen
+    from tests.stubs import compose_cfg
+
+    cache = tmp_path / "cache"
+    train(eagle3_cfg(tiny_data, tmp_path / "a", "drafter.features=offline", "train.max_steps=1",
+                     f"drafter.feature_cache={cache}"))
+    run_datagen(OmegaConf.to_object(compose_cfg("datagen", [
+        f"target.path={tiny_data / 'target'}", "target.chat_template=false", f"datagen.prompts={tiny_data / 'prompts.jsonl'}",
+        "datagen.num_prompts=32", "datagen.num_eval_prompts=4", "datagen.max_new_tokens=5",
+        f"datagen.output_dir={tmp_path / 'again'}", "datagen.store_topk=8"])), progress=False)
+    capfd.readouterr()
+    cfg = eagle3_cfg(tiny_data, tmp_path / "b", "drafter.features=offline", "train.max_steps=1",
+                     f"drafter.feature_cache={cache}", f"train.data_dir={tmp_path / 'again'}")
+    train(cfg)
+    assert "were made from other records than the data holds now" in capfd.readouterr().err
+    data = load_distill_dataset(tmp_path / "again")
+    spec = feature_spec(cfg, load_causal_lm(str(tiny_data / "target")), "response_ids", [0, 1, 2])
+    cached = feature_cache.load_cache(feature_root(cfg, spec), spec, len(data))
+    width = 2 * 3 * spec.hidden_size  # bytes per position: three layers in 16 bits
+    assert [len(row["features"]) // width for row in cached] == [
+        min(len(r["prompt_ids"]) + len(r["response_ids"]), cfg.train.max_seq_len) for r in data]
+    assert [len(row["target_hidden"]) // (2 * spec.hidden_size) for row in cached] == [
+        len(r["response_ids"]) for r in data]
+
+
 def test_a_feature_cache_made_by_another_target_or_layer_set_is_refused(tiny_data, tmp_path):
     cache = tmp_path / "cache"
     train(eagle3_cfg(tiny_data, tmp_path / "a", "drafter.features=offline", "train.max_steps=1",

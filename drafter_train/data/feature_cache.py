@@ -9,7 +9,9 @@ Per training record (same order as the distillation dataset) it stores, in 16-bi
 
 Layout: <data_dir>/features/<key>/{features.json, shards/shard-NNNNN/}. The key hashes what the features depend on
 (target identity, layers, response column, max_seq_len, dtype), and features.json repeats it readably: a cache made
-by another target or layer set is refused in one line. Shards appear by an atomic rename of a complete temporary
+by another target or layer set is refused in one line. Each shard keeps a digest of every record it was made from
+(digests.json: prompt, response and its mask): shards whose records the data no longer holds (datagen run again into
+the same folder) are dropped and extracted again, never served for other records. Shards appear by an atomic rename of a complete temporary
 folder, so a killed extraction resumes after its last complete shard; under several processes each rank writes its
 own shards (shard s belongs to rank s % world_size) and the main process writes features.json.
 
@@ -33,12 +35,13 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from drafter_train.data.batches import Batch, collate
+from drafter_train.data.batches import Batch, collate, mask_key
 from drafter_train.data.store import quiet_datasets
 from drafter_train.io import write_atomic
 from drafter_train.errors import ConfigError
 
 MANIFEST = "features.json"
+DIGESTS = "digests.json"  # in each shard: the digests of the records it was made from, in order
 FORMAT = "drafter-features/1"
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 _COLUMNS = datasets.Features({"features": datasets.Value("binary"), "target_hidden": datasets.Value("binary")})
@@ -80,6 +83,33 @@ def _to_bytes(tensor: Tensor, dtype: torch.dtype) -> bytes:
 
 def _from_bytes(raw: bytes, dtype: torch.dtype, width: int) -> Tensor:
     return torch.frombuffer(bytearray(raw), dtype=torch.int16).view(dtype).view(-1, width)
+
+
+def record_digests(data: datasets.Dataset, response_key: str) -> list[str]:
+    """A digest per record of what its features are computed from: its prompt, its response and the response's mask."""
+    columns = [c for c in ("prompt_ids", response_key, mask_key(response_key)) if c in data.column_names]
+    digests = []
+    for row in data.select_columns(columns).iter(batch_size=1024):
+        for values in zip(*(row[c] for c in columns)):
+            digests.append(hashlib.sha256(json.dumps(values).encode()).hexdigest()[:16])
+    return digests
+
+
+def drop_stale(root: Path, spec: CacheSpec, digests: Sequence[str]) -> int:
+    """Delete the shards made from other records than the data's now (or from unknown ones: no digests.json), and
+    the manifest with them, so that they are extracted again; returns how many. Records beyond the data (a cache over
+    more serves a prefix) are not compared."""
+    dropped = 0
+    for path in sorted(p for p in (root / "shards").glob("shard-*") if p.is_dir()):
+        start = int(path.name.split("-")[1]) * spec.shard_size
+        made_from = json.loads((path / DIGESTS).read_text()) if (path / DIGESTS).is_file() else None
+        now = list(digests[start:start + spec.shard_size])
+        if made_from is None or made_from[:len(now)] != now:
+            shutil.rmtree(path)
+            dropped += 1
+    if dropped:
+        (root / MANIFEST).unlink(missing_ok=True)
+    return dropped
 
 
 def check_manifest(root: Path, spec: CacheSpec) -> None:
@@ -135,7 +165,7 @@ def build_cache(
                            "target_hidden": _to_bytes(hidden[row, :resp_lengths[row]], _DTYPES[spec.dtype])}
             bar.update(len(chunk))
             bar.set_postfix({"tok/s": f"{tokens / max(seconds, 1e-9):.0f}"})
-        _write_shard(root, shard, rows)
+        _write_shard(root, shard, rows, record_digests(data.select(indices), spec.response_key))
     bar.close()
 
 
@@ -157,11 +187,12 @@ def needs_building(root: Path, num_records: int) -> bool:
     return not path.is_file() or json.loads(path.read_text())["records"] < num_records
 
 
-def _write_shard(root: Path, shard: int, rows: list[dict]) -> None:
+def _write_shard(root: Path, shard: int, rows: list[dict], digests: list[str]) -> None:
     tmp = root / "shards" / f".{_shard_name(shard)}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     with quiet_datasets():
         datasets.Dataset.from_list(rows, features=_COLUMNS).save_to_disk(str(tmp))
+    (tmp / DIGESTS).write_text(json.dumps(digests))
     os.rename(tmp, root / "shards" / _shard_name(shard))
 
 

@@ -224,6 +224,12 @@ def data_preparer(layers_for: LayersFor) -> Callable:
         spec = feature_spec(cfg, target, response_key, layers_for(cfg.drafter, target))
         root = feature_root(cfg, spec)
         feature_cache.check_manifest(root, spec)
+        if accelerator.is_main_process:
+            dropped = feature_cache.drop_stale(root, spec, feature_cache.record_digests(data, response_key))
+            if dropped:
+                print(f"feature cache: {dropped} shard(s) of {root} were made from other records than the data holds "
+                      "now (datagen run again?): extracted again", file=sys.stderr)
+        accelerator.wait_for_everyone()
         if feature_cache.needs_building(root, len(data)):
             def extract(batch: Batch) -> tuple[Tensor, Tensor]:
                 with target_precision(accelerator.device, cfg):
