@@ -116,6 +116,10 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
             raise ConfigError(f"{saved} was trained with another recipe than the main job's ({point.get('recipe')} "
                               f"against {recipe}): pass another --out")
         if point.get("eval_dtype", "float32") == args.eval_dtype and (point["dev"] or "dev" not in args.splits):
+            for split in ("dev", "test"):  # figures added since the point was kept (per_position_tested)
+                chain = run_dir / f"{split}-chain.json"
+                if point[split] and chain.is_file():
+                    point[split] = _figures(json.loads(chain.read_text()))
             return point  # else decoded otherwise than asked: decoded again, the training kept (trained.json)
     epochs = float(_last_value(overrides, "epochs", args.epochs))
     overrides = [o for o in overrides if not o.startswith("epochs=")]
@@ -189,7 +193,27 @@ def _last_value(options: Sequence[str], key: str, default=None):
 
 
 def _figures(metrics: dict) -> dict:
-    return {k: metrics[k] for k in ("tau", "acceptance_rate", "per_position_acceptance", "speedup")}
+    return {k: metrics[k] for k in ("tau", "acceptance_rate", "per_position_acceptance", "per_position_tested",
+                                    "speedup") if k in metrics}
+
+
+def choice_note(at: Sequence[dict]) -> str:
+    """The dev split's choice among the variants at one point, and whether its margin over the runner-up exceeds two
+    standard errors of the difference of two first-position acceptances (binomial over the first drafts each tested;
+    a lower bound on the noise: drafts within one prompt are not independent)."""
+    ranked = sorted(at, key=lambda p: -p["dev"]["per_position_acceptance"][0])
+    best, first = ranked[0], ranked[0]["dev"]["per_position_acceptance"][0]
+    note = f"the dev split's best first-position acceptance is {best['variant']}'s ({first:.3f})"
+    tested = [p["dev"].get("per_position_tested", [0])[0] for p in ranked[:2]]
+    if len(ranked) < 2 or not all(tested):
+        return note
+    second = ranked[1]["dev"]["per_position_acceptance"][0]
+    two_se = 2 * math.sqrt(first * (1 - first) / tested[0] + second * (1 - second) / tested[1])
+    margin = first - second
+    verdict = ("more than" if margin > two_se else "less than") + f" two standard errors of the difference ({two_se:.3f}"
+    return (f"{note}, {margin:.3f} above the runner-up {ranked[1]['variant']}'s: {verdict}; binomial over "
+            f"{tested[0]} and {tested[1]} first drafts, a lower bound on the noise)"
+            + ("" if margin > two_se else ", so no variant is measurably better there"))
 
 
 def row(point: dict) -> list:
@@ -314,9 +338,7 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
     if len(variants) > 1 and all(p["dev"] for p in points):
         for tokens in sorted({p["response_tokens"] for p in points}):
             at = [p for p in points if p["response_tokens"] == tokens]
-            best = max(at, key=lambda p: p["dev"]["per_position_acceptance"][0])
-            notes.append(f"At {_tokens(tokens)} response tokens the dev split's best first-position acceptance is "
-                         f"{best['variant']}'s ({best['dev']['per_position_acceptance'][0]:.3f}).")
+            notes.append(f"At {_tokens(tokens)} response tokens {choice_note(at)}.")
     if missing:
         notes.append(f"Not reached (the data is too small): {', '.join(_tokens(t) for t in missing)} response tokens.")
     if late:

@@ -96,6 +96,26 @@ def test_each_point_trains_once_and_the_result_file_says_where_the_curve_goes(tm
         ablations["notes"]
 
 
+def test_the_dev_choice_says_whether_its_margin_exceeds_two_standard_errors():
+    """0.30 against 0.29 over 450 first drafts each is noise (2 SE of the difference ~0.061); 0.40 against 0.29 is
+    not. Points kept before the counts were recorded name the best alone."""
+    def point(variant, first, tested):
+        dev = {"per_position_acceptance": [first]}
+        if tested:
+            dev["per_position_tested"] = [tested]
+        return {"variant": variant, "dev": dev}
+
+    close = lc.choice_note([point("a", 0.29, 450), point("b", 0.30, 450)])
+    assert close.startswith("the dev split's best first-position acceptance is b's (0.300), 0.010 above the runner-up "
+                            "a's: less than two standard errors of the difference (0.061")
+    assert close.endswith("so no variant is measurably better there")
+    clear = lc.choice_note([point("a", 0.29, 450), point("b", 0.40, 450), point("c", 0.1, 450)])
+    assert "b's (0.400), 0.110 above the runner-up a's: more than two standard errors" in clear
+    assert "measurably" not in clear
+    assert lc.choice_note([point("a", 0.29, 0), point("b", 0.30, 0)]) == \
+        "the dev split's best first-position acceptance is b's (0.300)"
+
+
 def test_a_variant_sets_its_own_epochs_and_reference_data_counts_the_sources_answers(tmp_path, monkeypatch):
     data = {"response_ids": [[]] * 1000, "reference_ids": [[0] * 100] * 1000}  # a datagen.generate=false folder
     monkeypatch.setattr(lc, "load_distill_dataset", lambda path: data)
