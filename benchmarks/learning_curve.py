@@ -57,6 +57,8 @@ BF16_NOTE = (" (where a verify pass and a 1-token pass round a near-tie differen
 # A point's training saves every this many steps (and at its end), so a stopped point resumes where it was (a 1.5B
 # point runs ~5 s a step on 2 cores); the last checkpoint is the point's drafter.
 SAVE_EVERY = 100
+# how points are decoded unless asked otherwise (points kept without their "eval" settings were decoded so)
+DECODE_DEFAULTS = {"num_prompts": 16, "max_new_tokens": 48, "draft_len": 3}
 COLUMNS = ["variant", "response tokens", "records", "steps", "train s", "dev acceptance 1", "test acceptance 1",
            "test acceptance 2", "test acceptance 3", "test tau"]
 
@@ -86,14 +88,21 @@ def tokens_for(fit: tuple[float, float], acceptance: float) -> Optional[float]:
     return 10 ** ((acceptance - a) / b) if b > 0 else None
 
 
+def eval_settings(args) -> dict:
+    """How a point is decoded; a point or an evaluation kept from a run that decoded otherwise is decoded again."""
+    return {"dtype": args.eval_dtype, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
+            "draft_len": args.draft_len}
+
+
 def evaluate(drafter: Path, split: str, args, output: Path) -> dict:
     """Our decoder, the drafter's top-1 chain, greedy: the same call for every point, variant and split. Only
     acceptance is read, so plain decoding is timed once per prompt, without warm-up (eval.baseline_kernels=same):
     greedy acceptance does not depend on it, and the evaluation takes a third of the time. A kept evaluation is
-    reused only when its target ran in the dtype asked for (--eval-dtype)."""
+    reused only when it was decoded as asked (eval_settings: --eval-dtype, --num-prompts, ...)."""
     if output.is_file():
         kept = json.loads(output.read_text())
-        if kept["config"]["target"]["dtype"] == args.eval_dtype:
+        config = kept["config"]
+        if dict(config["eval"], dtype=config["target"]["dtype"]).items() >= eval_settings(args).items():
             return kept
     return run_eval_job(compose_config("eval", [
         *args.target_options, f"target.dtype={args.eval_dtype}", "drafter=path", f"drafter.path={drafter}",
@@ -115,7 +124,8 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
         if point.get("recipe") != recipe:
             raise ConfigError(f"{saved} was trained with another recipe than the main job's ({point.get('recipe')} "
                               f"against {recipe}): pass another --out")
-        if point.get("eval_dtype", "float32") == args.eval_dtype and (point["dev"] or "dev" not in args.splits):
+        decoded = point.get("eval", dict(DECODE_DEFAULTS, dtype=point.get("eval_dtype", "float32")))
+        if decoded == eval_settings(args) and (point["dev"] or "dev" not in args.splits):
             for split in ("dev", "test"):  # figures added since the point was kept (per_position_tested)
                 chain = run_dir / f"{split}-chain.json"
                 if point[split] and chain.is_file():
@@ -150,7 +160,8 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     args.pace.record(steps, seconds, time.perf_counter() - began)
     point = {"variant": variant, "recipe": recipe, "overrides": overrides, "records": records, "steps": steps,
              "train_s": seconds, "response_tokens": args.tokens_in(records), "dev": dev and _figures(dev),
-             "test": _figures(test), "eval_dtype": args.eval_dtype, "machine": test["machine"]}
+             "test": _figures(test), "eval_dtype": args.eval_dtype, "eval": eval_settings(args),
+             "machine": test["machine"]}
     run_dir.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(point, indent=2) + "\n")
     return point
@@ -282,9 +293,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                              "faster on a CPU with bf16 matmuls, its greedy answers rounded otherwise than float32's")
     parser.add_argument("--aims", type=float, nargs="+", default=list(AIMS),
                         help="first-position acceptances the fit says the data for (the 1.5B's aim is 0.5)")
-    parser.add_argument("--draft-len", type=int, default=3)
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--max-new-tokens", type=int, default=48)
+    parser.add_argument("--draft-len", type=int, default=DECODE_DEFAULTS["draft_len"])
+    parser.add_argument("--num-prompts", type=int, default=DECODE_DEFAULTS["num_prompts"])
+    parser.add_argument("--max-new-tokens", type=int, default=DECODE_DEFAULTS["max_new_tokens"])
     parser.add_argument("--out", default="checkpoints/learning-curve")
     parser.add_argument("--result-name", default="learning_curve")
     parser.add_argument("--results-dir", default=None)

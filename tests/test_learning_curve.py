@@ -196,7 +196,8 @@ def test_a_test_only_curve_in_bf16_decodes_once_and_a_point_decoded_otherwise_is
     def fake_eval(cfg):
         decoded.append((cfg.eval.prompts, cfg.target.dtype))
         out = {"tau": 1.2, "acceptance_rate": 0.2, "per_position_acceptance": [0.2], "speedup": 1.0,
-               "machine": MACHINE, "config": {"target": {"dtype": cfg.target.dtype}}}
+               "machine": MACHINE, "config": {"target": {"dtype": cfg.target.dtype},
+                                              "eval": {k: getattr(cfg.eval, k) for k in lc.DECODE_DEFAULTS}}}
         Path(cfg.eval.output).parent.mkdir(parents=True, exist_ok=True)
         Path(cfg.eval.output).write_text(json.dumps(out))
         return out
@@ -215,3 +216,7 @@ def test_a_test_only_curve_in_bf16_decodes_once_and_a_point_decoded_otherwise_is
     lc.main(argv)  # asked in float32 with dev: both decoded again, the training kept
     assert trained == [100, 200] and decoded[2:] == [("dev", "float32"), ("test", "float32")]
     assert json.loads((tmp_path / "results" / "learning_curve.json").read_text())["rows"][0][5] == 0.2
+    lc.main([*argv, "--num-prompts", "8"])  # decoded on other prompts than asked: decoded again, not reused
+    assert trained == [100, 200] and decoded[4:] == [("dev", "float32"), ("test", "float32")]
+    lc.main([*argv, "--num-prompts", "8"])
+    assert len(decoded) == 6
