@@ -146,13 +146,17 @@ def evaluate(folder: Path, target_dir: str, target, eos, prompts, args, out: Pat
 
 
 def plain_decode(engine, name: str, prompts, args):
-    """The engine's plain decoding of the prompts: decoded once per output folder and engine, then read back (greedy
-    decoding of one target is the same for every drafter; the rows use its tokens, not its speed)."""
+    """The engine's plain decoding of the prompts: decoded once per output folder, engine, target and prompts, then
+    read back (greedy decoding of one target is the same for every drafter; the rows use its tokens, not its speed).
+    The file's name carries a digest of the target and the prompts file, so another target's is never read back."""
+    import hashlib
     from dataclasses import asdict
 
     from drafter_train.engines.base import Served
 
-    kept = args.output / f"plain-{name}-{Path(args.prompts).stem}-{args.num_prompts}x{args.max_new_tokens}.json"
+    prompts = Path(args.prompts).resolve() if Path(args.prompts).is_file() else args.prompts  # a file or a set's name
+    which = hashlib.sha256(json.dumps([str(args.target), str(prompts)]).encode()).hexdigest()[:12]
+    kept = args.output / f"plain-{name}-{Path(args.prompts).stem}-{args.num_prompts}x{args.max_new_tokens}-{which}.json"
     if kept.is_file():
         return Served(**json.loads(kept.read_text()))
     plain = engine.decode(prompts, args.max_new_tokens, speculative=False)

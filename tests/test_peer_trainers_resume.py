@@ -148,12 +148,14 @@ def test_plain_decoding_runs_once_per_engine_and_prompt_set_and_reads_back_the_s
             Engine.calls += 1
             return Served(tokens=[[5, 6, 7]], tokens_per_s=9.5, steps=[(0, 0)])
 
-    args = argparse.Namespace(output=tmp_path, prompts="dev", num_prompts=24, max_new_tokens=64)
+    args = argparse.Namespace(output=tmp_path, prompts="dev", num_prompts=24, max_new_tokens=64, target="smollm2")
     first = pt.plain_decode(Engine(), "ours", [[1]], args)
     again = pt.plain_decode(Engine(), "ours", [[1]], args)
     other = pt.plain_decode(Engine(), "vLLM-cpu", [[1]], args)
     assert Engine.calls == 2 and again.tokens == first.tokens == other.tokens == [[5, 6, 7]]
-    assert again.tokens_per_s == 9.5 and (tmp_path / "plain-ours-dev-24x64.json").is_file()
+    assert again.tokens_per_s == 9.5 and len(list(tmp_path.glob("plain-ours-dev-24x64-*.json"))) == 1
+    pt.plain_decode(Engine(), "ours", [[1]], argparse.Namespace(**dict(vars(args), target="qwen")))
+    assert Engine.calls == 3  # another target's plain decoding is never read back
 
 
 def test_settings_apply_to_each_trainer_that_has_them_or_to_the_one_named():
