@@ -1,16 +1,19 @@
-"""Learning curve: EAGLE-3's acceptance against the training data's size (issue 54), and recipe ablations.
+"""Learning curve: a drafter's acceptance against the training data's size (issue 54), and recipe ablations.
 
     python -m benchmarks.learning_curve --data /work/data/smollm2-lc --points 25000 100000 400000 1600000
     python -m benchmarks.learning_curve --data /work/data/smollm2-lc --points 100000 --result-name ablations \
         --variant main-job= --variant ttt3="drafter.ttt_steps=3"
     python -m benchmarks.learning_curve --target qwen2.5-coder-1.5b --data DATA --response reference \
         --points 10000 30000 100000 --result-name learning_curve_qwen1.5b
+    python -m benchmarks.learning_curve --recipe served_qwen:ar --data DATA --response reference \
+        --points 10000 30000 --result-name learning_curve_qwen1.5b_ar
 
 --target names the target (a conf/target config: the main job's SmolLM2-135M by default); DATA must hold its token
 ids (drafter-datagen target=NAME ..., or datagen.generate=false for the source's answers).
 
-For each variant (default: the main job's recipe, scripts/quickstart.sh's drafter-train options) and each point (a
-number of training response tokens), an EAGLE-3 is trained on the first records of `--data` (train.max_records: the
+For each variant (default: the main job's EAGLE-3 recipe, scripts/quickstart.sh's drafter-train options; --recipe
+PIPELINE:STAGE: another pipeline stage's, such as served_qwen:ar, the AR drafter cut from the 0.5B) and each point (a
+number of training response tokens), a drafter is trained on the first records of `--data` (train.max_records: the
 fewest that hold that many response tokens, so every point shares one datagen folder and one feature cache, which
 grows with the points) for `--epochs` passes over them, then decoded by our speculative decoder as a
 chain of its top-1 tokens (`--draft-len`) on the dev split (for choosing) and on the test split (for reporting),
@@ -47,6 +50,29 @@ def main_job_recipe() -> list[str]:
     from drafter_train.recipes.pipeline import compose_pipeline
 
     return list(compose_pipeline(["pipeline=quickstart"]).shared["recipe"])
+
+
+# what a point's training sets itself (its data, run, steps and saves, a small checkpoint evaluation): left out of a
+# --recipe stage's options
+MANAGED = ("train.data_dir=", "train.output_root=", "train.run_name=", "train.max_steps=", "train.save_every=",
+           "train.keep_last=", "train.log_every=", "train.eval_at_start=", "eval.")
+KIND_NAMES = {"eagle3": "EAGLE-3", "ar": "the AR drafter", "dflash": "DFlash", "nar": "the Spec-Drafter"}
+
+
+def stage_recipe(spec: str) -> list[str]:
+    """--recipe PIPELINE:STAGE: the drafter-train options of that stage of that pipeline (conf/pipeline/), less those
+    a point sets itself (MANAGED); e.g. served_qwen:ar, the AR drafter cut from the 0.5B."""
+    from drafter_train.pipeline.runner import flat
+    from drafter_train.recipes.pipeline import compose_pipeline
+
+    name, _, stage = spec.partition(":")
+    known = compose_pipeline([f"pipeline={name}"]).known
+    if stage not in known:
+        raise ConfigError(f"--recipe {spec}: pipeline {name} has no stage {stage!r} ({', '.join(known)})")
+    run = [str(option) for option in flat(known[stage].run)]
+    if run[:1] != ["drafter-train"]:
+        raise ConfigError(f"--recipe {spec}: that stage runs {run[0] if run else 'nothing'}, not drafter-train")
+    return [option for option in run[1:] if not option.startswith(MANAGED)]
 
 
 AIMS = (0.6, 0.7)  # the main job's aims (issue 54); --aims for another target's
@@ -122,7 +148,7 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     if saved.is_file():
         point = json.loads(saved.read_text())
         if point.get("recipe") != recipe:
-            raise ConfigError(f"{saved} was trained with another recipe than the main job's ({point.get('recipe')} "
+            raise ConfigError(f"{saved} was trained with another recipe than this run's ({point.get('recipe')} "
                               f"against {recipe}): pass another --out")
         decoded = point.get("eval", dict(DECODE_DEFAULTS, dtype=point.get("eval_dtype", "float32")))
         if decoded == eval_settings(args) and (point["dev"] or "dev" not in args.splits):
@@ -277,8 +303,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "(default: the main job's, SmolLM2-135M-Instruct); points trained on another are refused")
     parser.add_argument("--points", type=int, nargs="+", default=[25_000, 100_000, 400_000, 1_600_000],
                         help="training response tokens per point")
-    parser.add_argument("--variant", action="append", help="NAME=OVERRIDES (drafter-train options added to the main "
-                        "job's recipe, space-separated; epochs=N sets the variant's passes); repeatable; default: "
+    parser.add_argument("--recipe", default=None, help="PIPELINE:STAGE: train with that pipeline stage's drafter-train "
+                        "options (e.g. served_qwen:ar, the AR drafter cut from the 0.5B; served_qwen:eagle3); default: "
+                        "the main job's EAGLE-3 recipe")
+    parser.add_argument("--variant", action="append", help="NAME=OVERRIDES (drafter-train options added to the "
+                        "recipe, space-separated; epochs=N sets the variant's passes); repeatable; default: "
                         "main-job= (the recipe as it is)")
     parser.add_argument("--epochs", type=float, default=6, help="passes over each point's records (the main job: "
                         "1200 steps of 8 over 1600 records = 6)")
@@ -309,8 +338,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args.splits = sorted({*args.splits, "test"})
     args.target_options = [f"target={args.target}"] if args.target else []
     # the target is part of the recipe: a point.json trained on another target is refused like another recipe's
-    args.recipe = [*main_job_recipe(), *args.target_options]
-    args.title_target = model_name(compose_config("train", args.recipe).target.path)
+    recipe = stage_recipe(args.recipe) if args.recipe else main_job_recipe()
+    if args.target:  # --target names the target, whatever the stage's was
+        recipe = [option for option in recipe if not option.startswith("target=")]
+    args.recipe_label = ("the {} pipeline's {} stage".format(*args.recipe.split(":", 1)) if args.recipe else
+                         "the main job's recipe")
+    args.recipe = [*recipe, *args.target_options]
+    composed = compose_config("train", args.recipe)
+    args.title_target = model_name(composed.target.path)
+    args.kind_name = KIND_NAMES.get(composed.drafter.kind, composed.drafter.kind)
     args.pace = Pace(args.deadline)
     column = "reference_ids" if args.response == "reference" else "response_ids"
     lengths = [len(r) for r in load_distill_dataset(args.data)[column]]
@@ -338,8 +374,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 def write(points: list[dict], missing: list[int], lengths: list[int], args, command: str,
           late: Sequence[int] = ()) -> None:
     notes = [f"Our decoder, greedy, the drafter's top-1 tokens as a chain of {args.draft_len}, {args.max_new_tokens} new "
-             f"tokens per prompt; acceptance i = P(draft i accepted | drafts before it accepted). Training: the main "
-             f"job's recipe ({' '.join(args.recipe)}) plus each variant's options, {_epochs(points, args)} of each "
+             f"tokens per prompt; acceptance i = P(draft i accepted | drafts before it accepted). Training: "
+             f"{args.recipe_label} ({' '.join(args.recipe)}) plus each variant's options, {_epochs(points, args)} of each "
              f"point's records; data: "
              f"{args.data} ({sum(lengths)} response tokens in {len(lengths)} records); the target decodes in "
              f"{args.eval_dtype}{BF16_NOTE if args.eval_dtype == 'bfloat16' else ''}. "
@@ -364,15 +400,17 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
     source = " (trained on the source's answers)" if reference else ""
     answers = "the source's own answers (ShareGPT's, not the target's)" if reference else "the target's own answers"
     on = args.title_target
-    write_result(args.result_name, title=(f"EAGLE-3's acceptance against training data on {on}" if curve else
-                                          f"EAGLE-3 recipe ablations on {on} "
+    kind = args.kind_name
+    write_result(args.result_name, title=(f"{kind[0].upper() + kind[1:]}'s acceptance against training data on {on}"
+                                          if curve else f"{kind[0].upper() + kind[1:]} recipe ablations on {on} "
                                           + ("(chosen on dev, reported on test)" if "dev" in args.splits else
                                              "(test split only: a diagnosis, nothing chosen)"))
                  + source,
-                 question=f"How does the first-position acceptance of the main job's EAGLE-3 grow with {answers} "
-                          f"as training data, and how much data would {' and '.join(f'{a:g}' for a in args.aims)} take?"
+                 question=f"How does the first-position acceptance of {kind} ({args.recipe_label}) grow with "
+                          f"{answers} as training data, and how much data would "
+                          f"{' and '.join(f'{a:g}' for a in args.aims)} take?"
                  if curve else
-                          "Which change to the main job's EAGLE-3 recipe raises its acceptance at equal data?",
+                          f"Which change to {kind}'s recipe ({args.recipe_label}) raises its acceptance at equal data?",
                  command=command, split=f"test split, first {args.num_prompts} prompts"
                  + (" (dev split beside it)" if "dev" in args.splits else ""),
                  baseline="none (acceptance, not speed)", columns=COLUMNS, rows=[row(p) for p in points],

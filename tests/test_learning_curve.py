@@ -32,6 +32,37 @@ def test_the_recipe_is_the_main_jobs_train_stage(monkeypatch):
     assert recipe and recipe[0] == "drafter=eagle3" and all(option in train_stage for option in recipe)
 
 
+def test_a_recipe_is_a_pipeline_stages_drafter_train_options_less_what_a_point_sets(tmp_path, monkeypatch):
+    """--recipe served_qwen:ar trains the AR drafter cut from the 0.5B with that stage's own options (its loss, lr,
+    batch, layers), each point setting its data, run, steps and saves; the title names the kind and the stage; a
+    stage that is not drafter-train, or none, is refused in one line."""
+    from drafter_train.pipeline.runner import flat
+    from drafter_train.recipes.pipeline import compose_pipeline
+
+    monkeypatch.undo()
+    stage = [str(o) for o in flat(compose_pipeline(["pipeline=served_qwen"]).known["ar"].run)]
+    recipe = lc.stage_recipe("served_qwen:ar")
+    assert recipe == [o for o in stage[1:] if not o.startswith(lc.MANAGED)]
+    assert {"drafter=ar", "loss=ce", "drafter.cut_from=qwen2.5-coder-0.5b", "train.lr=5e-4"} <= set(recipe)
+    assert not any(o.startswith(("train.data_dir=", "train.max_steps=", "eval.")) for o in recipe)
+    for bad, says in (("served_qwen:exports", "no stage 'exports'"), ("served_qwen:datagen", "runs drafter-datagen")):
+        with pytest.raises(lc.ConfigError, match=says):
+            lc.stage_recipe(bad)
+
+    monkeypatch.setattr(lc, "load_distill_dataset", lambda data: {"reference_ids": [[0] * 100] * 300})
+    trained = []
+    monkeypatch.setattr(lc, "train", lambda cfg: trained.append((cfg.drafter.kind, cfg.train.max_records,
+                                                                 cfg.train.max_steps, cfg.train.lr, cfg.loss.name)))
+    monkeypatch.setattr(lc, "run_eval_job", lambda cfg: {"tau": 1.2, "acceptance_rate": 0.2, "speedup": 1.0,
+                                                         "per_position_acceptance": [0.2], "machine": MACHINE})
+    lc.main(["--recipe", "served_qwen:ar", "--data", "d", "--response", "reference", "--points", "10000",
+             "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path), "--splits", "test"])
+    assert trained == [("ar", 100, 150, 5e-4, "ce")]  # 6 epochs of 100 records at the stage's batch of 4
+    result = json.loads((tmp_path / "learning_curve.json").read_text())
+    assert result["title"].startswith("The AR drafter's acceptance against training data on Qwen2.5-Coder-1.5B")
+    assert "Training: the served_qwen pipeline's ar stage (target=qwen2.5-coder-1.5b drafter=ar" in result["notes"]
+
+
 def test_a_point_trained_with_another_recipe_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(lc, "load_distill_dataset", lambda data: {"response_ids": [[0] * 100] * 300})
     monkeypatch.setattr(lc, "train", lambda cfg: None)
