@@ -247,7 +247,8 @@ def choice_note(at: Sequence[dict]) -> str:
     second = ranked[1]["dev"]["per_position_acceptance"][0]
     two_se = 2 * math.sqrt(first * (1 - first) / tested[0] + second * (1 - second) / tested[1])
     margin = first - second
-    verdict = ("more than" if margin > two_se else "less than") + f" two standard errors of the difference ({two_se:.3f}"
+    verdict = ("more than" if margin > two_se else "less than") + \
+        f" two standard errors of the difference ({two_se:.3f}"
     return (f"{note}, {margin:.3f} above the runner-up {ranked[1]['variant']}'s: {verdict}; binomial over "
             f"{tested[0]} and {tested[1]} first drafts, a lower bound on the noise)"
             + ("" if margin > two_se else ", so no variant is measurably better there"))
@@ -375,8 +376,8 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
           late: Sequence[int] = ()) -> None:
     notes = [f"Our decoder, greedy, the drafter's top-1 tokens as a chain of {args.draft_len}, {args.max_new_tokens} new "
              f"tokens per prompt; acceptance i = P(draft i accepted | drafts before it accepted). Training: "
-             f"{args.recipe_label} ({' '.join(args.recipe)}) plus each variant's options, {_epochs(points, args)} of each "
-             f"point's records; data: "
+             f"{args.recipe_label} ({' '.join(args.recipe)}) plus each variant's options, {_epochs(points, args)} "
+             f"of each point's records; data: "
              f"{args.data} ({sum(lengths)} response tokens in {len(lengths)} records); the target decodes in "
              f"{args.eval_dtype}{BF16_NOTE if args.eval_dtype == 'bfloat16' else ''}. "
              + ("Variants are compared on the dev split; the test split reports." if "dev" in args.splits else

@@ -367,7 +367,8 @@ def test_a_feature_cache_is_extracted_again_for_records_datagen_made_anew(tiny_d
     train(eagle3_cfg(tiny_data, tmp_path / "a", "drafter.features=offline", "train.max_steps=1",
                      f"drafter.feature_cache={cache}"))
     run_datagen(OmegaConf.to_object(compose_cfg("datagen", [
-        f"target.path={tiny_data / 'target'}", "target.chat_template=false", f"datagen.prompts={tiny_data / 'prompts.jsonl'}",
+        f"target.path={tiny_data / 'target'}", "target.chat_template=false",
+        f"datagen.prompts={tiny_data / 'prompts.jsonl'}",
         "datagen.num_prompts=32", "datagen.num_eval_prompts=4", "datagen.max_new_tokens=5",
         f"datagen.output_dir={tmp_path / 'again'}", "datagen.store_topk=8"])), progress=False)
     capfd.readouterr()

@@ -11,9 +11,9 @@ Layout: <data_dir>/features/<key>/{features.json, shards/shard-NNNNN/}. The key 
 (target identity, layers, response column, max_seq_len, dtype), and features.json repeats it readably: a cache made
 by another target or layer set is refused in one line. Each shard keeps a digest of every record it was made from
 (digests.json: prompt, response and its mask): shards whose records the data no longer holds (datagen run again into
-the same folder) are dropped and extracted again, never served for other records. Shards appear by an atomic rename of a complete temporary
-folder, so a killed extraction resumes after its last complete shard; under several processes each rank writes its
-own shards (shard s belongs to rank s % world_size) and the main process writes features.json.
+the same folder) are dropped and extracted again, never served for other records. Shards appear by an atomic rename
+of a complete temporary folder, so a killed extraction resumes after its last complete shard; under several processes
+each rank writes its own shards (shard s belongs to rank s % world_size) and the main process writes features.json.
 
 Tensors are stored as raw bytes (datasets' `binary`): Arrow has no bfloat16, and this keeps them bit-exact.
 """
