@@ -235,23 +235,23 @@ def _figures(metrics: dict) -> dict:
 
 
 def choice_note(at: Sequence[dict]) -> str:
-    """The dev split's choice among the variants at one point, and whether its margin over the runner-up exceeds two
-    standard errors of the difference of two first-position acceptances (binomial over the first drafts each tested;
-    a lower bound on the noise: drafts within one prompt are not independent)."""
+    """The dev split's choice among the variants at one point, and for each other variant whether the choice's margin
+    over it exceeds two standard errors of the difference of two first-position acceptances (binomial over the first
+    drafts each tested; a lower bound on the noise: drafts within one prompt are not independent)."""
     ranked = sorted(at, key=lambda p: -p["dev"]["per_position_acceptance"][0])
     best, first = ranked[0], ranked[0]["dev"]["per_position_acceptance"][0]
     note = f"the dev split's best first-position acceptance is {best['variant']}'s ({first:.3f})"
-    tested = [p["dev"].get("per_position_tested", [0])[0] for p in ranked[:2]]
+    tested = [p["dev"].get("per_position_tested", [0])[0] for p in ranked]
     if len(ranked) < 2 or not all(tested):
         return note
-    second = ranked[1]["dev"]["per_position_acceptance"][0]
-    two_se = 2 * math.sqrt(first * (1 - first) / tested[0] + second * (1 - second) / tested[1])
-    margin = first - second
-    verdict = ("more than" if margin > two_se else "less than") + \
-        f" two standard errors of the difference ({two_se:.3f}"
-    return (f"{note}, {margin:.3f} above the runner-up {ranked[1]['variant']}'s: {verdict}; binomial over "
-            f"{tested[0]} and {tested[1]} first drafts, a lower bound on the noise)"
-            + ("" if margin > two_se else ", so no variant is measurably better there"))
+    parts = []
+    for other, n in zip(ranked[1:], tested[1:]):
+        second = other["dev"]["per_position_acceptance"][0]
+        two_se = 2 * math.sqrt(first * (1 - first) / tested[0] + second * (1 - second) / n)
+        margin = first - second
+        parts.append(f"{margin:.3f} above {other['variant']}'s (two standard errors of the difference {two_se:.3f}: "
+                     + ("beyond noise)" if margin > two_se else "within noise)"))
+    return f"{note}: {', '.join(parts)}; binomial over the first drafts each tested, a lower bound on the noise"
 
 
 def row(point: dict) -> list:
