@@ -154,8 +154,8 @@ def plain_decode(engine, name: str, prompts, args):
 
     from drafter_train.engines.base import Served
 
-    prompts = Path(args.prompts).resolve() if Path(args.prompts).is_file() else args.prompts  # a file or a set's name
-    which = hashlib.sha256(json.dumps([str(args.target), str(prompts)]).encode()).hexdigest()[:12]
+    source = Path(args.prompts).resolve() if Path(args.prompts).is_file() else args.prompts  # a file or a set's name
+    which = hashlib.sha256(json.dumps([str(args.target), str(source)]).encode()).hexdigest()[:12]
     kept = args.output / f"plain-{name}-{Path(args.prompts).stem}-{args.num_prompts}x{args.max_new_tokens}-{which}.json"
     if kept.is_file():
         return Served(**json.loads(kept.read_text()))

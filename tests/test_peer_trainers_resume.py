@@ -145,6 +145,7 @@ def test_plain_decoding_runs_once_per_engine_and_prompt_set_and_reads_back_the_s
         calls = 0
 
         def decode(self, prompts, new_tokens, speculative):
+            assert prompts == [[1]] and new_tokens == 64 and not speculative  # the prompts' tokens, as given
             Engine.calls += 1
             return Served(tokens=[[5, 6, 7]], tokens_per_s=9.5, steps=[(0, 0)])
 

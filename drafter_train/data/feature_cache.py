@@ -136,9 +136,11 @@ def build_cache(
     rank: int = 0,
     world_size: int = 1,
     progress: bool = True,
+    digests: Optional[Sequence[str]] = None,
 ) -> None:
     """Write this rank's missing shards. `extract(batch)` -> (features [B, T, n*H], target_hidden [B, R, H]) from
-    one no-grad target forward over a collated batch."""
+    one no-grad target forward over a collated batch. `digests`: record_digests(data), when the caller has them."""
+    digests = list(digests) if digests is not None else record_digests(data, spec.response_key)
     (root / "shards").mkdir(parents=True, exist_ok=True)
     check_manifest(root, spec)
     num_shards = -(-len(data) // spec.shard_size)
@@ -165,7 +167,7 @@ def build_cache(
                            "target_hidden": _to_bytes(hidden[row, :resp_lengths[row]], _DTYPES[spec.dtype])}
             bar.update(len(chunk))
             bar.set_postfix({"tok/s": f"{tokens / max(seconds, 1e-9):.0f}"})
-        _write_shard(root, shard, rows, record_digests(data.select(indices), spec.response_key))
+        _write_shard(root, shard, rows, digests[indices[0]:indices[-1] + 1])
     bar.close()
 
 

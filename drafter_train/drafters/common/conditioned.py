@@ -224,8 +224,9 @@ def data_preparer(layers_for: LayersFor) -> Callable:
         spec = feature_spec(cfg, target, response_key, layers_for(cfg.drafter, target))
         root = feature_root(cfg, spec)
         feature_cache.check_manifest(root, spec)
+        digests = feature_cache.record_digests(data, response_key)
         if accelerator.is_main_process:
-            dropped = feature_cache.drop_stale(root, spec, feature_cache.record_digests(data, response_key))
+            dropped = feature_cache.drop_stale(root, spec, digests)
             if dropped:
                 print(f"feature cache: {dropped} shard(s) of {root} were made from other records than the data holds "
                       "now (datagen run again?): extracted again", file=sys.stderr)
@@ -237,7 +238,7 @@ def data_preparer(layers_for: LayersFor) -> Callable:
 
             feature_cache.build_cache(root, spec, data, extract, tokenizer.pad_token_id, cfg.train.batch_size,
                                       accelerator.process_index, accelerator.num_processes,
-                                      progress=accelerator.is_main_process)
+                                      progress=accelerator.is_main_process, digests=digests)
             accelerator.wait_for_everyone()
             if accelerator.is_main_process:
                 manifest = feature_cache.finish_cache(root, spec, len(data))
