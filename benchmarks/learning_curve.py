@@ -337,11 +337,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                              "as not reached in time")
     args = parser.parse_args(argv)
     args.splits = sorted({*args.splits, "test"})
-    args.target_options = [f"target={args.target}"] if args.target else []
     # the target is part of the recipe: a point.json trained on another target is refused like another recipe's
     recipe = stage_recipe(args.recipe) if args.recipe else main_job_recipe()
-    if args.target:  # --target names the target, whatever the stage's was
-        recipe = [option for option in recipe if not option.startswith("target=")]
+    # --target names the target, whatever the stage's was; without it a stage's own target trains and decodes
+    stage_target = [option for option in recipe if option.startswith("target=")][-1:]
+    args.target_options = [f"target={args.target}"] if args.target else stage_target
+    recipe = [option for option in recipe if not option.startswith("target=")]
     args.recipe_label = ("the {} pipeline's {} stage".format(*args.recipe.split(":", 1)) if args.recipe else
                          "the main job's recipe")
     args.recipe = [*recipe, *args.target_options]

@@ -53,14 +53,24 @@ def test_a_recipe_is_a_pipeline_stages_drafter_train_options_less_what_a_point_s
     trained = []
     monkeypatch.setattr(lc, "train", lambda cfg: trained.append((cfg.drafter.kind, cfg.train.max_records,
                                                                  cfg.train.max_steps, cfg.train.lr, cfg.loss.name)))
-    monkeypatch.setattr(lc, "run_eval_job", lambda cfg: {"tau": 1.2, "acceptance_rate": 0.2, "speedup": 1.0,
-                                                         "per_position_acceptance": [0.2], "machine": MACHINE})
+    decoded = []
+
+    def fake_eval(cfg):
+        decoded.append(cfg.target.path)
+        return {"tau": 1.2, "acceptance_rate": 0.2, "speedup": 1.0, "per_position_acceptance": [0.2],
+                "machine": MACHINE}
+
+    monkeypatch.setattr(lc, "run_eval_job", fake_eval)
     lc.main(["--recipe", "served_qwen:ar", "--data", "d", "--response", "reference", "--points", "10000",
              "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path), "--splits", "test"])
     assert trained == [("ar", 100, 150, 5e-4, "ce")]  # 6 epochs of 100 records at the stage's batch of 4
+    # the stage's own target decodes the drafter it trained, not the default one (no --target given)
+    qwen = lc.compose_config("train", ["target=qwen2.5-coder-1.5b"]).target.path
+    assert decoded == [qwen] and qwen != lc.compose_config("train", []).target.path
     result = json.loads((tmp_path / "learning_curve.json").read_text())
     assert result["title"].startswith("The AR drafter's acceptance against training data on Qwen2.5-Coder-1.5B")
-    assert "Training: the served_qwen pipeline's ar stage (target=qwen2.5-coder-1.5b drafter=ar" in result["notes"]
+    assert "Training: the served_qwen pipeline's ar stage (drafter=ar" in result["notes"]
+    assert "train.warmup_steps=10 target=qwen2.5-coder-1.5b)" in result["notes"]
 
 
 def test_a_point_trained_with_another_recipe_is_refused(tmp_path, monkeypatch):
