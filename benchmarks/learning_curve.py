@@ -289,9 +289,10 @@ def _tokens(value: Optional[float]) -> str:
     return f"{value / 1e6:.1f}M" if value >= 1e6 else f"{value / 1e3:.0f}k"
 
 
-def parse_variants(specs: Sequence[str]) -> dict[str, list[str]]:
+def parse_variants(specs: Sequence[str], default: str = "main-job") -> dict[str, list[str]]:
+    """NAME=OVERRIDES specs; none: the recipe as it is, named `default` (a point's folder is NAME-r<records>)."""
     variants = {}
-    for spec in specs or ["main-job="]:
+    for spec in specs or [f"{default}="]:
         name, _, overrides = spec.partition("=")
         variants[name] = shlex.split(overrides)
     return variants
@@ -309,7 +310,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "the main job's EAGLE-3 recipe")
     parser.add_argument("--variant", action="append", help="NAME=OVERRIDES (drafter-train options added to the "
                         "recipe, space-separated; epochs=N sets the variant's passes); repeatable; default: "
-                        "main-job= (the recipe as it is)")
+                        "main-job= (the recipe as it is; with --recipe P:S, P-S=, so its points are kept apart "
+                        "from the main job's)")
     parser.add_argument("--epochs", type=float, default=6, help="passes over each point's records (the main job: "
                         "1200 steps of 8 over 1600 records = 6)")
     parser.add_argument("--response", choices=["target", "reference"], default="target",
@@ -343,6 +345,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     stage_target = [option for option in recipe if option.startswith("target=")][-1:]
     args.target_options = [f"target={args.target}"] if args.target else stage_target
     recipe = [option for option in recipe if not option.startswith("target=")]
+    args.recipe_name = args.recipe.replace(":", "-") if args.recipe else "main-job"
     args.recipe_label = ("the {} pipeline's {} stage".format(*args.recipe.split(":", 1)) if args.recipe else
                          "the main job's recipe")
     args.recipe = [*recipe, *args.target_options]
@@ -354,7 +357,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     lengths = [len(r) for r in load_distill_dataset(args.data)[column]]
     args.tokens_in = lambda records: sum(lengths[:records])
     points, missing, late = [], [], []
-    variants = parse_variants(args.variant)
+    variants = parse_variants(args.variant, args.recipe_name)
     for variant, overrides in variants.items():
         for tokens in args.points:
             records = records_for(lengths, tokens)

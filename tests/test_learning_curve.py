@@ -64,6 +64,8 @@ def test_a_recipe_is_a_pipeline_stages_drafter_train_options_less_what_a_point_s
     lc.main(["--recipe", "served_qwen:ar", "--data", "d", "--response", "reference", "--points", "10000",
              "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path), "--splits", "test"])
     assert trained == [("ar", 100, 150, 5e-4, "ce")]  # 6 epochs of 100 records at the stage's batch of 4
+    # named after the stage, so its points never meet the main job's recipe's points in one --out folder
+    assert (tmp_path / "runs" / "served_qwen-ar-r100" / "point.json").is_file()
     # the stage's own target decodes the drafter it trained, not the default one (no --target given)
     qwen = lc.compose_config("train", ["target=qwen2.5-coder-1.5b"]).target.path
     assert decoded == [qwen] and qwen != lc.compose_config("train", []).target.path
