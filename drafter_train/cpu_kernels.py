@@ -309,8 +309,15 @@ GROUPED_ATTENTION = "sdpa_grouped_cpu"  # the attention implementation name it i
 def grouped_sdpa_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                            attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
     """transformers' sdpa attention, except for masked passes of grouped-query heads on the CPU: those attend with
-    SDPA's `enable_gqa` instead of transformers' copies of the key/value heads. Returns [B, q, heads, D], None."""
-    plain = (not on_cpu(query.device) or attention_mask is None or getattr(module, "num_key_value_groups", 1) == 1
+    SDPA's `enable_gqa` instead of transformers' copies of the key/value heads. Returns [B, q, heads, D], None.
+
+    Inside stock_kernels() it is transformers' own path, as the linear layers are: training data must not depend on
+    a kernel choice. It is also the faster one there: on datagen's left-padded batches of 1-token steps transformers
+    folds each key/value head's query heads into one SDPA call (`pack_gqa`), which `enable_gqa` does not (SmolLM2-135M
+    in bf16, 64 rows, 24 new tokens on an AVX-512 EPYC: the attention kernel's time 1.6 s against 4.1 s;
+    docs/lab-notes/acceptance.md, eleventh session)."""
+    plain = (_stock_depth or not on_cpu(query.device) or attention_mask is None
+             or getattr(module, "num_key_value_groups", 1) == 1
              or any(kwargs.get(k) is not None for k in ("position_bias", "softcap", "cache")))
     if plain:  # transformers' own path (it already uses enable_gqa where no mask is given)
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -300,6 +300,43 @@ def test_stock_kernels_run_pytorchs_kernel_inside_and_the_policy_again_after():
         assert "mkldnn::_linear_pointwise" in ops_run(lambda: model(x))
 
 
+@torch.inference_mode()
+def test_padded_batched_generation_inside_stock_kernels_is_transformers_sdpa(make_tiny_llama):
+    """datagen's left-padded batches (a padding mask on every step) run transformers' own sdpa path inside
+    stock_kernels(), grouped attention on or not: the same tokens, and no `enable_gqa` pass with a mask (another
+    rounding, and on batched 1-token steps the slower kernel)."""
+    from drafter_train.data.generation import left_pad
+
+    model = make_tiny_llama(vocab_size=64, num_layers=2)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
+    ids, mask = left_pad([[5, 6, 7, 8, 9, 10], [11, 12], [13, 14, 15]], 0, torch.device("cpu"))
+
+    def generate():
+        return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                              eos_token_id=None)
+
+    reference = generate()
+    assert use_grouped_attention(model)
+    calls = []
+    real_sdpa = cpu_kernels.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):  # F is torch.nn.functional: transformers' calls come through here too
+        calls.append(kwargs.get("enable_gqa", False) and kwargs.get("attn_mask") is not None)
+        return real_sdpa(*args, **kwargs)
+
+    cpu_kernels.F.scaled_dot_product_attention = spy
+    try:
+        generate()
+        assert True in calls  # outside, the grouped path runs on these masked passes
+        calls.clear()
+        with cpu_kernels.stock_kernels():
+            assert torch.equal(generate(), reference)
+        assert calls and True not in calls  # inside, transformers' own sdpa
+    finally:
+        cpu_kernels.F.scaled_dot_product_attention = real_sdpa
+        use_grouped_attention(model, "default")
+
+
 def _onednn_everywhere(model):
     """`model` on oneDNN at every row count, however small its layers (tiny models are below the size limit)."""
     assert use_onednn_linears(model, "onednn", min_elements=0) > 0
