@@ -283,9 +283,14 @@ def _epochs(points: list[dict], args) -> str:
     return " / ".join(f"{c:g}" for c in counts) + (" epochs" if counts != [1] else " epoch")
 
 
+BEYOND_TOKENS = 1e12  # a fit that needs more than this (a trillion response tokens) says only "not in sight"
+
+
 def _tokens(value: Optional[float]) -> str:
     if value is None:
         return "never (no gain with data)"
+    if value > BEYOND_TOKENS:  # a near-flat fit: its figure would be a hundred digits of noise
+        return "more than 1,000,000M (the fit is nearly flat: not in sight)"
     return f"{value / 1e6:.1f}M" if value >= 1e6 else f"{value / 1e3:.0f}k"
 
 

@@ -98,6 +98,10 @@ def test_the_fit_is_a_line_in_log_tokens():
     assert fit == pytest.approx((-0.2, 0.1))
     assert lc.tokens_for(fit, 0.6) == pytest.approx(1e8)
     assert lc.tokens_for((0.3, 0.0), 0.6) is None and lc.fit_log_tokens([(1e4, 0.2)]) is None
+    # a nearly flat fit (0.176 at 10k and 20k: the AR curve's) says so instead of printing a 150-digit figure
+    flat = lc.fit_log_tokens([(10_183, 0.1757), (20_099, 0.1764)])
+    assert lc._tokens(lc.tokens_for(flat, 0.5)).startswith("more than 1,000,000M")
+    assert lc._tokens(2.5e7) == "25.0M"
 
 
 def test_each_point_trains_once_and_the_result_file_says_where_the_curve_goes(tmp_path, monkeypatch):
