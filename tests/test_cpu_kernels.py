@@ -301,7 +301,7 @@ def test_stock_kernels_run_pytorchs_kernel_inside_and_the_policy_again_after():
 
 
 @torch.inference_mode()
-def test_padded_batched_generation_inside_stock_kernels_is_transformers_sdpa(make_tiny_llama):
+def test_padded_batched_generation_inside_stock_kernels_is_transformers_sdpa(make_tiny_llama, monkeypatch):
     """datagen's left-padded batches (a padding mask on every step) run transformers' own sdpa path inside
     stock_kernels(), grouped attention on or not: the same tokens, and no `enable_gqa` pass with a mask (another
     rounding, and on batched 1-token steps the slower kernel)."""
@@ -324,17 +324,13 @@ def test_padded_batched_generation_inside_stock_kernels_is_transformers_sdpa(mak
         calls.append(kwargs.get("enable_gqa", False) and kwargs.get("attn_mask") is not None)
         return real_sdpa(*args, **kwargs)
 
-    cpu_kernels.F.scaled_dot_product_attention = spy
-    try:
-        generate()
-        assert True in calls  # outside, the grouped path runs on these masked passes
-        calls.clear()
-        with cpu_kernels.stock_kernels():
-            assert torch.equal(generate(), reference)
-        assert calls and True not in calls  # inside, transformers' own sdpa
-    finally:
-        cpu_kernels.F.scaled_dot_product_attention = real_sdpa
-        use_grouped_attention(model, "default")
+    monkeypatch.setattr(cpu_kernels.F, "scaled_dot_product_attention", spy)
+    generate()
+    assert True in calls  # outside, the grouped path runs on these masked passes
+    calls.clear()
+    with cpu_kernels.stock_kernels():
+        assert torch.equal(generate(), reference)
+    assert calls and True not in calls  # inside, transformers' own sdpa
 
 
 def _onednn_everywhere(model):
