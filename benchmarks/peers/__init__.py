@@ -22,20 +22,28 @@ def peer_python(name: str) -> Path:
     return Path(os.environ.get(variable) or REPO / default) / "bin" / "python"
 
 
-def write_rows(records: Iterable[dict], out: Path, max_seq_len: int, response_tokens: Optional[int] = None) -> int:
-    """Our datagen records (prompt_ids, response_ids) -> the rows every trainer reads: JSONL {"input_ids",
-    "loss_mask"} (1 on response tokens), cut at max_seq_len, until `response_tokens` response tokens are in.
-    Returns the response tokens written."""
+def trains(record: dict, column: str, max_seq_len: int) -> bool:
+    """Whether a datagen record gives a row with response tokens: a non-empty `column` after a prompt shorter than
+    max_seq_len."""
+    return bool(record[column]) and len(record["prompt_ids"]) < max_seq_len
+
+
+def write_rows(records: Iterable[dict], out: Path, max_seq_len: int, response_tokens: Optional[int] = None,
+               column: str = "response_ids") -> int:
+    """Our datagen records (prompt_ids and the response in `column`: response_ids, the target's answers, or
+    reference_ids, the source's own, as datagen.generate=false stores them) -> the rows every trainer reads: JSONL
+    {"input_ids", "loss_mask"} (1 on response tokens), cut at max_seq_len, until `response_tokens` response tokens are
+    in. Records without response tokens are skipped. Returns the response tokens written."""
     seen = 0
     with out.open("w") as f:
         for record in records:
             if response_tokens is not None and seen >= response_tokens:
                 break
-            prompt, response = list(record["prompt_ids"]), list(record["response_ids"])
+            if not trains(record, column, max_seq_len):
+                continue
+            prompt, response = list(record["prompt_ids"]), list(record[column])
             ids = (prompt + response)[:max_seq_len]
             mask = ([0] * len(prompt) + [1] * len(response))[:max_seq_len]
-            if sum(mask) == 0:
-                continue
             seen += sum(mask)
             f.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
     return seen
