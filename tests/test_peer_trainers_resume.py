@@ -25,7 +25,8 @@ def test_a_finished_trainer_is_not_run_again_and_the_result_file_grows_after_eac
     monkeypatch.setattr(pt, "evaluate", fake_evaluate)
     args = argparse.Namespace(output=tmp_path / "runs", result=tmp_path / "results" / "peer_trainers.json",
                               prompts="test", num_prompts=24, max_new_tokens=64, draft_len=3, target="t",
-                              layers=[2, 15, 27], draft_vocab_size=0, max_seq_len=512, data="d")
+                              layers=[2, 15, 27], draft_vocab_size=0, max_seq_len=512, data="d",
+                              response="target")
     found = []
     for name in ("defaults", "matched"):
         found += pt.run_one("ours", name, args, "t", None, [0], [], tmp_path / "rows", tmp_path / "subset", 152,
@@ -54,7 +55,8 @@ def test_hidden_states_made_apart_count_in_the_wall_and_old_rows_take_them_from_
                                                      "output_identical_to_plain": True}])
     args = argparse.Namespace(output=tmp_path / "runs", result=tmp_path / "results" / "peer_trainers.json",
                               prompts="test", num_prompts=24, max_new_tokens=64, draft_len=3, target="t",
-                              layers=[2, 15, 27], draft_vocab_size=0, max_seq_len=512, data="d")
+                              layers=[2, 15, 27], draft_vocab_size=0, max_seq_len=512, data="d",
+                              response="target")
     rows = pt.run_one("speculators", "defaults", args, "t", None, [0], [], tmp_path / "r", tmp_path / "s", 152, 25000)
     assert rows[0]["features_wall_s"] == 40.0
     kept = tmp_path / "runs" / "speculators-defaults"
@@ -81,12 +83,14 @@ def test_ours_ablation_settings_reach_drafter_train_as_composed_options(tmp_path
 
     seen = []
     monkeypatch.setattr(train_recipe, "train", lambda cfg: seen.append(cfg))
-    args = argparse.Namespace(batch_size=8, layers=[2, 15, 27], draft_vocab_size=0, max_seq_len=512)
+    args = argparse.Namespace(batch_size=8, layers=[2, 15, 27], draft_vocab_size=0, max_seq_len=512,
+                              response="target")
     folder, info = pt.train_ours(args, "t", tmp_path / "rows", dict(pt.SETTINGS[("ours", "steps-muon-decay1")]),
                                  tmp_path / "out", 152)
     cfg = seen[0]
     assert (cfg.train.batch_size, cfg.train.max_steps, cfg.train.warmup_steps) == (2, 76, 1)
     assert cfg.train.optimizer == "muon" and cfg.drafter.ttt_decay == 1.0 and cfg.drafter.ttt_steps == 3
+    assert cfg.train.response == "target"  # --response's default: the target's answers
     assert info["optimizer_steps"] == 76 and folder == tmp_path / "out" / "ours" / "latest" / "drafter"
     pt.train_ours(args, "t", tmp_path / "rows", dict(pt.SETTINGS[("ours", "matched")]), tmp_path / "out", 152)
     pt.train_ours(args, "t", tmp_path / "rows", dict(pt.SETTINGS[("ours", "steps-muon-decay1-linear")]),
