@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks.common import command_line, write_result
+from drafter_train.config import RESPONSE_COLUMNS
 from drafter_train.data.store import load_distill_dataset
 from drafter_train.errors import ConfigError
 from drafter_train.recipes.cli import compose_config
@@ -319,7 +320,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "from the main job's)")
     parser.add_argument("--epochs", type=float, default=6, help="passes over each point's records (the main job: "
                         "1200 steps of 8 over 1600 records = 6)")
-    parser.add_argument("--response", choices=["target", "reference"], default="target",
+    parser.add_argument("--response", choices=list(RESPONSE_COLUMNS), default="target",
                         help="train on the target's own answers, or on the source's (a datagen.generate=false folder: "
                              "train.response=reference; the target's features and distributions over given text)")
     parser.add_argument("--splits", nargs="+", choices=["dev", "test"], default=["dev", "test"],
@@ -358,7 +359,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args.title_target = model_name(composed.target.path)
     args.kind_name = KIND_NAMES.get(composed.drafter.kind, composed.drafter.kind)
     args.pace = Pace(args.deadline)
-    column = "reference_ids" if args.response == "reference" else "response_ids"
+    column = RESPONSE_COLUMNS[args.response]
     lengths = [len(r) for r in load_distill_dataset(args.data)[column]]
     args.tokens_in = lambda records: sum(lengths[:records])
     points, missing, late = [], [], []

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import RESULTS_DIR, add_prompt_args, command_line, describe_machine
+from drafter_train.config import RESPONSE_COLUMNS
 from drafter_train.io import write_atomic
 from benchmarks.peers import train_modelopt, train_speculators, trains, write_rows
 
@@ -40,7 +41,6 @@ _AUTO = dict(_DECAY1, mixed_precision="auto")
 _SPECULATORS = {"optimizer": "muon", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True, "norm_output": True,
                 "loss_fn": "kl_div", "ttt_decay": 1.0}
 
-RESPONSE_COLUMNS = {"target": "response_ids", "reference": "reference_ids"}  # --response -> the datagen column
 SETTINGS = {
     ("ours", "defaults"): dict(_OURS_MATCHED, lr=5e-4, norm_output=False),
     ("ours", "matched"): _OURS_MATCHED,

@@ -601,6 +601,11 @@ class LossConfig:
         return self.teacher == "offline" and self.name != "ce"
 
 
+# train.response -> the datagen column a drafter learns to draft: the target's own continuations, or the source's
+# own answers (what datagen.generate=false stores)
+RESPONSE_COLUMNS = {"target": "response_ids", "reference": "reference_ids"}
+
+
 @dataclass
 class TrainConfig:
     """The training loop (`drafter-train`)."""
@@ -658,7 +663,7 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_field(self.response in ("target", "reference"), "train.response", "must be target or reference")
+        check_field(self.response in RESPONSE_COLUMNS, "train.response", "must be target or reference")
         check_field(self.optimizer in ("adamw", "muon"), "train.optimizer", f"must be adamw or muon, got {self.optimizer!r}")
         for name in ("max_steps", "batch_size", "grad_accum", "save_every", "keep_last", "max_seq_len", "log_every"):
             check_field(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")

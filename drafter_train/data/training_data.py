@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from drafter_train.config import TrainJobConfig
+from drafter_train.config import RESPONSE_COLUMNS, TrainJobConfig
 from drafter_train.data.prompts import load_prompt_records
 from drafter_train.data.store import check_tokenizer, load_distill_dataset
 from drafter_train.errors import ConfigError
@@ -21,7 +21,7 @@ def load_training_data(cfg: TrainJobConfig, tokenizer):
     data = load_distill_dataset(cfg.train.data_dir)
     if 0 < cfg.train.max_records < len(data):
         data = data.select(range(cfg.train.max_records))  # a prefix: a grown folder keeps its first records
-    column = "response_ids" if cfg.train.response == "target" else "reference_ids"
+    column = RESPONSE_COLUMNS[cfg.train.response]
     if column == "reference_ids":
         data = data.filter(lambda r: len(r["reference_ids"]) > 0)
     if len(data) == 0:
