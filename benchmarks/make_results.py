@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from benchmarks.common import RESULTS_DIR, cell, markdown_table
+from benchmarks.standing import standing_table
 from drafter_train.calibrate import acceptance_needed, break_even_tau, cost_at
 from drafter_train.io import write_atomic
 from drafter_train.machine import describe_usable
@@ -88,8 +89,15 @@ def section(name: str, result: dict) -> str:
 
 
 def results_page(results: dict[str, dict]) -> str:
-    """Every section; results that share a title (the same benchmark on two kinds of CPU) are headed apart by their
-    machine's kind, and by their file's name where that is shared too."""
+    """The standing table (benchmarks/standing.py), then every section."""
+    titles = section_titles(results)
+    return (HEADER + "\n## Where things stand\n\n" + standing_table(results, titles) + "\n\n"
+            + "\n".join(section(name, dict(result, title=titles[name])) for name, result in results.items()))
+
+
+def section_titles(results: dict[str, dict]) -> dict[str, str]:
+    """Result name -> its section's heading: results that share a title (the same benchmark on two kinds of CPU) are
+    headed apart by their machine's kind, and by their file's name where that is shared too."""
     titles = Counter(result["title"] for result in results.values())
     kinds = Counter((result["title"], machine_kind(result.get("machine") or {})) for result in results.values())
 
@@ -98,8 +106,7 @@ def results_page(results: dict[str, dict]) -> str:
         if titles[result["title"]] == 1:
             return result["title"]
         return f"{result['title']} ({kind}{'; ' + name if kinds[(result['title'], kind)] > 1 else ''})"
-    return HEADER + "\n" + "\n".join(section(name, dict(result, title=title(name, result)))
-                                      for name, result in results.items())
+    return {name: title(name, result) for name, result in results.items()}
 
 
 def machine_kind(machine: dict) -> str:
