@@ -76,10 +76,12 @@ def subset_store(source: Path, out: Path, indices: list[int]) -> None:
     data = load_distill_dataset(source)
     manifest = json.loads((source / "datagen.json").read_text())
     store = DatagenStore.open(str(out))
-    store.start(dict(manifest, shards=[]), [])
+    counts = dict(manifest.get("counts", {}), train_prompts=len(indices), shards_total=1)
+    store.start(dict(manifest, shards=[], counts=counts), [])
     generation = manifest.get("generation", {})
     store.write_shard(0, [data[i] for i in indices], generation.get("store_topk", 0),
                       "response_mask" in manifest.get("columns", []))
+    store.finish()  # a finished folder of one shard: drafter-train refuses one still being written
 
 
 def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, records: int) -> tuple[Path, dict]:

@@ -612,6 +612,9 @@ class TrainConfig:
 
     # Output folder of drafter-datagen (shards + eval_prompts.jsonl).
     data_dir: str = "data/default"
+    # Train on a datagen folder that is not finished (still being written, or stopped), on the shards it holds;
+    # false: refused in one line saying how many prompts are done.
+    allow_partial_data: bool = False
     # Which answers to train on: target (the target's own continuations) or reference (the data's original text).
     response: str = "target"
     # Run folder name under output_root; resume=auto continues a run of the same name.
