@@ -312,6 +312,18 @@ def test_cli(folders, tmp_path):
     )
 
 
+def test_a_batch_above_the_shard_size_is_refused_in_one_line():
+    """A batch never spans two shards: datagen.batch_size above datagen.shard_size used to run as the shard size,
+    silently. backend=hf only: vLLM and llama.cpp take a whole shard per call and do not use it."""
+    with pytest.raises(ConfigError) as refused:
+        OmegaConf.to_object(compose_cfg("datagen", ["datagen.batch_size=96", "datagen.shard_size=64"]))
+    assert str(refused.value) == ("datagen.batch_size: 96 is above datagen.shard_size=64, and a batch never spans two "
+                                  "shards (it would run as 64); lower it or raise datagen.shard_size")
+    for ok in (["datagen.batch_size=64"], ["datagen.batch_size=96", "datagen.shard_size=96"],
+               ["datagen.batch_size=96", "datagen.backend=vllm"], ["datagen.batch_size=96", "datagen.backend=llamacpp"]):
+        OmegaConf.to_object(compose_cfg("datagen", ok))
+
+
 def test_stories260k_on_sharegpt(stories_path, tmp_path):
     try:
         open_source(job(tmp_path, tmp_path, "datagen.prompts=null").datagen)
