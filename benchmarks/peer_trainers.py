@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS_DIR, add_prompt_args, command_line, describe_machine
 from drafter_train.config import RESPONSE_COLUMNS
 from drafter_train.io import write_atomic
-from benchmarks.peers import train_modelopt, train_speculators, trains, write_rows
+from benchmarks.peers import VENVS, check_venv, train_modelopt, train_speculators, trains, write_rows
 
 # Each trainer's own recommended settings, and the matched ones (ours' recipe, expressed in each trainer's terms).
 # Ours' rows name ttt_decay 0.8 where they were measured with it: drafter-train's default until the ablations below
@@ -224,6 +224,9 @@ def main(argv=None) -> int:
     from benchmarks.common import load_target_and_prompts
 
     args = parse(argv)
+    for trainer in sorted({t for t, name in runs(args.trainers, args.settings)  # before any data or model loads
+                           if t in VENVS and not rows_file(args, args.output / f"{t}-{name}").is_file()}):
+        check_venv(trainer)
     args.output.mkdir(parents=True, exist_ok=True)
     rows, column = args.output / "rows.jsonl", RESPONSE_COLUMNS[args.response]
     data, used = load_distill_dataset(args.data), []  # used: the source's indices of the rows written, in order
