@@ -320,7 +320,8 @@ def test_a_batch_above_the_shard_size_is_refused_in_one_line():
     assert str(refused.value) == ("datagen.batch_size: 96 is above datagen.shard_size=64, and a batch never spans two "
                                   "shards (it would run as 64); lower it or raise datagen.shard_size")
     for ok in (["datagen.batch_size=64"], ["datagen.batch_size=96", "datagen.shard_size=96"],
-               ["datagen.batch_size=96", "datagen.backend=vllm"], ["datagen.batch_size=96", "datagen.backend=llamacpp"]):
+               ["datagen.batch_size=96", "datagen.backend=vllm"],
+               ["datagen.batch_size=96", "datagen.backend=llamacpp"]):
         OmegaConf.to_object(compose_cfg("datagen", ok))
 
 

@@ -123,6 +123,26 @@ def test_a_group_goes_on_only_where_it_is_listed_and_its_probe_runs(tmp_path):
                              "F16C FMA AVX2 (needs AVX), AVX_VNNI AVX512 (needs AVX2)")
 
 
+AVX2_ONLY = "sse4_2 avx f16c fma avx2 bmi2"
+AVX512_EPYC = f"{AVX2_ONLY} avx_vnni avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi avx512_vnni avx512_bf16"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86-64 instruction groups")
+@pytest.mark.parametrize("listed, runs, on", [
+    (AVX2_ONLY, "SSE42 AVX F16C FMA AVX2 BMI2", GROUPS[:6]),  # an AVX2-only AMD EPYC
+    (AVX512_EPYC, " ".join(GROUPS[:11]), GROUPS[:11]),  # an AMD EPYC with AVX-512 and avx512_bf16
+    (EVERY_FLAG, " ".join(GROUPS), GROUPS),  # an Intel Xeon listing AMX whose probes run (setup's fallback is next)
+    (XEON_207, " ".join(GROUPS[:11]), ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512", "AVX512_VBMI",
+                                       "AVX512_VNNI")),  # runs AVX_VNNI and AVX512_BF16, lists neither
+])
+def test_each_cpu_kind_seen_gets_the_groups_it_lists_and_runs(tmp_path, listed, runs, on):
+    fake_tool(tmp_path, "cc", PICKY_CC)
+    got, report = flags(CC=str(tmp_path / "cc"), LOG=str(tmp_path / "probed"), RUNS=runs,
+                        LLAMACPP_CPUINFO=cpuinfo(tmp_path / "cpuinfo", listed))
+    assert got == ["-DGGML_NATIVE=OFF", *(f"-DGGML_{g}={'ON' if g in on else 'OFF'}" for g in GROUPS)]
+    assert report.startswith(f"llamacpp_flags: usable here: {' '.join(on)}; left out: ")
+
+
 @pytest.mark.parametrize("listed, ran, why", [
     ("avx512f avx512cd avx512vl avx512dq avx512bw", "runs", ""),  # listed and runs: on
     ("avx512f avx512cd avx512vl avx512dq avx512bw", "died", "listed, probe died"),
@@ -192,8 +212,9 @@ def test_a_crash_while_quantising_and_a_failing_tool_are_one_line_too(fake_build
 
 
 # scripts/setup_llamacpp.sh end to end with a fake toolchain: a CPU that lists every group and a `cc` whose probes
-# all run (the Xeon VM's case: the CPU lists AMX and a probe of the instructions passes), `cmake` that records its -D flags in CMakeCache.txt and a log,
-# `ninja` that "builds" tools reading that cache: llama-bench dies with SIGILL while the groups in $CRASH_ON are on.
+# all run (the Xeon VM's case: the CPU lists AMX and a probe of the instructions passes), `cmake` that records its
+# -D flags in CMakeCache.txt and a log, `ninja` that "builds" tools reading that cache: llama-bench dies with SIGILL
+# while the groups in $CRASH_ON are on.
 FAKE_CC = 'out=; while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done; echo probe >> "$LOG/probes"\n' \
           'printf "#!/bin/sh\\nexit 0\\n" > "$out"; chmod +x "$out"'
 FAKE_CMAKE = 'build=; for a; do case $prev in -B) build=$a;; esac; prev=$a; done; mkdir -p "$build"\n' \
