@@ -114,7 +114,7 @@ def throughput(args, common: list[str]) -> dict:
 def tau(args, common: list[str]) -> dict:
     root = Path(args.output_root)
     folders = {}
-    for backend, extra in (("hf", ["datagen.batch_size=16"]), ("vllm", vllm_overrides(args))):
+    for backend, extra in (("hf", [f"datagen.batch_size={min(16, args.num_prompts)}"]), ("vllm", vllm_overrides(args))):
         start = time.perf_counter()
         folders[backend] = run_datagen(compose_config("datagen", [
             *common, f"datagen.num_prompts={args.num_prompts}", f"datagen.output_dir={root / ('data-' + backend)}",

@@ -22,7 +22,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS_DIR, add_prompt_args, command_line, describe_machine
 from drafter_train.config import RESPONSE_COLUMNS
 from drafter_train.io import write_atomic
-from benchmarks.peers import train_modelopt, train_speculators, trains, write_rows
+from benchmarks.peers import VENVS, check_venv, train_modelopt, train_speculators, trains, write_rows
 
 # Each trainer's own recommended settings, and the matched ones (ours' recipe, expressed in each trainer's terms).
 # Ours' rows name ttt_decay 0.8 where they were measured with it: drafter-train's default until the ablations below
@@ -76,10 +76,12 @@ def subset_store(source: Path, out: Path, indices: list[int]) -> None:
     data = load_distill_dataset(source)
     manifest = json.loads((source / "datagen.json").read_text())
     store = DatagenStore.open(str(out))
-    store.start(dict(manifest, shards=[]), [])
+    counts = dict(manifest.get("counts", {}), train_prompts=len(indices), shards_total=1)
+    store.start(dict(manifest, shards=[], counts=counts), [])
     generation = manifest.get("generation", {})
     store.write_shard(0, [data[i] for i in indices], generation.get("store_topk", 0),
                       "response_mask" in manifest.get("columns", []))
+    store.finish()  # a finished folder of one shard: drafter-train refuses one still being written
 
 
 def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, records: int) -> tuple[Path, dict]:
@@ -222,6 +224,9 @@ def main(argv=None) -> int:
     from benchmarks.common import load_target_and_prompts
 
     args = parse(argv)
+    for trainer in sorted({t for t, name in runs(args.trainers, args.settings)  # before any data or model loads
+                           if t in VENVS and not rows_file(args, args.output / f"{t}-{name}").is_file()}):
+        check_venv(trainer)
     args.output.mkdir(parents=True, exist_ok=True)
     rows, column = args.output / "rows.jsonl", RESPONSE_COLUMNS[args.response]
     data, used = load_distill_dataset(args.data), []  # used: the source's indices of the rows written, in order

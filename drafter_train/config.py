@@ -489,7 +489,8 @@ class DatagenConfig:
     # backend=hf: prompts per batched (left-padded) generate call (vLLM batches on its own: datagen.vllm). 32 by
     # measurement: SmolLM2-135M on 2 CPU threads makes 92 / 142 / 201 / 200 tokens/s at 8 / 16 / 32 / 64
     # (docs/benchmarks.md, "The main job on the target's own answers"); GPUs gain from larger batches still, and
-    # so does bf16 on AMX (the main job: 64, benchmarks/README.md). A batch never spans two shards (shard_size).
+    # so does bf16 on AMX (the main job: 64, benchmarks/README.md). A batch never spans two shards: at most
+    # shard_size (a larger one is refused).
     batch_size: int = 32
     # backend=hf or vllm: the dtype the target generates in. target: target.dtype. auto: bfloat16 where a bf16
     # matmul measures >= 1.5x float32 on this device now (AMX: ~6x; emulated bf16 on AVX2: < 1), else float32; a
@@ -531,6 +532,9 @@ class DatagenConfig:
         for name in ("num_prompts", "max_prompt_tokens", "max_new_tokens", "batch_size", "shard_size"):
             check_field(getattr(self, name) >= 1, f"datagen.{name}", f"must be >= 1, got {getattr(self, name)}")
         check_field(self.num_eval_prompts >= 0, "datagen.num_eval_prompts", "must be >= 0")
+        check_field(self.backend != "hf" or self.batch_size <= self.shard_size, "datagen.batch_size",
+                    f"{self.batch_size} is above datagen.shard_size={self.shard_size}, and a batch never spans two "
+                    f"shards (it would run as {self.shard_size}); lower it or raise datagen.shard_size")
         check_field(self.temperature >= 0, "datagen.temperature", f"must be >= 0, got {self.temperature}")
         check_field(self.store_topk >= 0, "datagen.store_topk", f"must be >= 0, got {self.store_topk}")
         check_field(self.generate or not self.store_topk, "datagen.store_topk", "needs datagen.generate=true (logits "
@@ -612,6 +616,9 @@ class TrainConfig:
 
     # Output folder of drafter-datagen (shards + eval_prompts.jsonl).
     data_dir: str = "data/default"
+    # Train on a datagen folder that is not finished (still being written, or stopped), on the shards it holds;
+    # false: refused in one line saying how many prompts are done.
+    allow_partial_data: bool = False
     # Which answers to train on: target (the target's own continuations) or reference (the data's original text).
     response: str = "target"
     # Run folder name under output_root; resume=auto continues a run of the same name.

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
 
+from drafter_train.errors import DrafterTrainError
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -95,11 +97,34 @@ def _wait_ready(proc: subprocess.Popen, url: str, log: Path, startup_s: float) -
         time.sleep(0.5)
 
 
-def post(url: str, body: dict, timeout: float = 600) -> dict:
-    """POST a JSON body, return the JSON reply."""
+# How long a /completion may go without an answer before it counts as hung: REQUEST_S, plus time for each token
+# asked, so a long generation on a slow or busy CPU is not cut at a fixed time (a fixed 600 s was: 192 tokens of a
+# 1.5B target at nice 19 beside other work). Prompt tokens are evaluated in batches, so they cost far less.
+REQUEST_S, REQUEST_S_PER_NEW_TOKEN, REQUEST_S_PER_PROMPT_TOKEN = 120.0, 5.0, 0.5
+
+
+class ServerTimeout(DrafterTrainError, TimeoutError):
+    """llama-server gave no answer within the time a request was allowed."""
+
+
+def request_timeout(body: dict) -> float:
+    """The seconds a /completion of `body` may take: REQUEST_S, plus per prompt token (a text prompt counts its
+    characters, more than its tokens) and per token to generate (n_predict)."""
+    return (REQUEST_S + REQUEST_S_PER_PROMPT_TOKEN * len(body.get("prompt", ()))
+            + REQUEST_S_PER_NEW_TOKEN * max(int(body.get("n_predict", 0)), 0))
+
+
+def post(url: str, body: dict, timeout: Optional[float] = None) -> dict:
+    """POST a JSON body, return the JSON reply. `timeout`: seconds (None: request_timeout(body)); past it, one line."""
+    timeout = request_timeout(body) if timeout is None else timeout
     request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=timeout) as response:
-        return json.loads(response.read())
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except TimeoutError:
+        asked = f"{len(body.get('prompt', ()))} prompt tokens, n_predict {body.get('n_predict')}"
+        raise ServerTimeout(f"llama-server gave no answer within {timeout:.0f} s to {url} ({asked}); the limit grows "
+                            "with the tokens asked (llamacpp_http.request_timeout): is the machine busy?") from None
 
 
 def complete(url: str, prompt: list[int], max_new_tokens: int, ignore_eos: bool = False, n_probs: int = 0,

@@ -6,7 +6,8 @@ avx512_bf16 or usable AMX is there, and emulated (linear in the tokens, never ch
 (drafter-eval's and a checkpoint's metrics.json, datagen.json, the benchmarks' files) records both. The probe is
 cheap (no timing: /proc/cpuinfo, torch's dispatch level, one syscall) and done once per process. What a choice
 needs beyond it is measured, not inferred from the probe: bf16_matmul_speedup (train.mixed_precision=auto) times
-real matmuls, once per device and process.
+real matmuls, once per device and process. The record follows the rule llamacpp_flags builds by (docs/cpu-kernels.md,
+"Which CPU features pick what"): AMX is "usable" only where it is listed AND the kernel grants its state.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ def read_run_info(step_dir: Path) -> RunInfo:
     if not draft_len:
         raise ConfigError(f"export.checkpoint: {step_dir} records no draft length (no metrics.json, no run config)")
     step = int(m.group(1)) if (m := _STEP.match(step_dir.name)) else None
-    history = run_dir / "metrics.jsonl"
+    history = read_metrics(run_dir / "metrics.jsonl")  # read once: it holds every step a long run logged
     return RunInfo(step_dir, step, config, metrics, eval_history(history), int(draft_len),
                    ran_in=last_logged(history, "launch/mixed_precision"))
 
@@ -83,21 +83,23 @@ def _resolved(cfg: DictConfig, key):
         return OmegaConf.to_container(cfg, resolve=False)[key]
 
 
-def eval_history(path: Path) -> list[dict]:
-    """One row per evaluated step, in step order; a resumed run may log a step twice, the last entry wins."""
+def eval_history(records: list[dict]) -> list[dict]:
+    """One row per evaluated step of metrics.jsonl's `records`, in step order; a resumed run may log a step twice,
+    the last entry wins."""
     rows = {}
-    for record in _records(path):
+    for record in records:
         if "eval/tau" in record:
             rows[record["step"]] = {k.removeprefix("eval/"): v for k, v in record.items()}
     return [rows[step] for step in sorted(rows)]
 
 
-def last_logged(path: Path, key: str):
-    """The last value metrics.jsonl logged under `key` (a resumed run logs its launch again), else None."""
-    return next((r[key] for r in reversed(_records(path)) if key in r), None)
+def last_logged(records: list[dict], key: str):
+    """The last value metrics.jsonl's `records` logged under `key` (a resumed run logs its launch again), else None."""
+    return next((r[key] for r in reversed(records) if key in r), None)
 
 
-def _records(path: Path) -> list[dict]:
+def read_metrics(path: Path) -> list[dict]:
+    """metrics.jsonl's records, in order ([] without the file)."""
     if not path.is_file():
         return []
     records = []

@@ -42,6 +42,7 @@ def check_inputs(cfg) -> None:
             raise ConfigError(f"{option}: {folder}: no such folder")
     if hasattr(cfg, "train"):
         check_has_target_answers(cfg.train.data_dir, cfg.train.response)
+        check_data_finished(cfg.train)
     for option, prompts in (("eval", getattr(getattr(cfg, "eval", None), "prompts", None)),
                             ("datagen", getattr(getattr(cfg, "datagen", None), "prompts", None))):
         if prompts and (Path(prompts).suffix or Path(prompts).expanduser().is_absolute()):  # a file, not a hub id
@@ -68,6 +69,14 @@ def check_has_target_answers(data_dir: str, response: str) -> None:
     if json.loads(manifest.read_text()).get("generation", {}).get("generate") is False:
         raise ConfigError(f"train.response=target: {data_dir} holds no target answers (made with "
                           f"datagen.generate=false); train on its reference answers with train.response=reference")
+
+
+def check_data_finished(train) -> None:
+    """A datagen folder still being written (or stopped) is refused, unless train.allow_partial_data=true."""
+    from drafter_train.data.store import check_finished  # imports datasets: only once the folder is known to exist
+
+    if not train.allow_partial_data:
+        check_finished(train.data_dir, "train.data_dir", "train.allow_partial_data=true")
 
 
 def check_cut_from(value: str) -> None:

@@ -380,7 +380,33 @@ def test_peer_trainers_refuses_data_without_the_asked_answers_in_one_line_before
     _reference_only_store(tmp_path / "data")
     monkeypatch.setattr(common, "load_target_and_prompts", lambda *a, **k: pytest.fail("the target was loaded"))
     with pytest.raises(SystemExit, match=r"no records with response_ids \(.*--response reference\)"):
-        peer_trainers.main(["--data", str(tmp_path / "data"), "--output", str(tmp_path / "out")])
+        peer_trainers.main(["--data", str(tmp_path / "data"), "--output", str(tmp_path / "out"), "--trainers", "ours"])
+
+
+def test_peer_trainers_refuses_a_peer_whose_venv_is_not_built_in_one_line_before_reading_anything(tmp_path,
+                                                                                                 monkeypatch):
+    """The peers' venvs default to .venv-<peer> in this checkout, which another clone lacks: asked for, a missing one
+    is one line naming it, its variable and the set-up script, before the data is read; a peer whose rows are kept
+    (a finished comparison) needs no venv."""
+    from benchmarks import peer_trainers
+
+    monkeypatch.setenv("DRAFTER_TRAIN_SPECULATORS_VENV", str(tmp_path / "no-venv"))
+    monkeypatch.setattr(peer_trainers, "load_distill_dataset", lambda *a: pytest.fail("the data was read"),
+                        raising=False)
+    argv = ["--data", str(tmp_path / "no-data"), "--output", str(tmp_path / "out"), "--trainers", "ours,speculators",
+            "--settings", "defaults"]
+    with pytest.raises(SystemExit) as refused:
+        peer_trainers.main(argv)
+    assert str(refused.value) == (
+        f"peer_trainers: speculators runs in its own venv and {tmp_path}/no-venv/bin/python is not there: build it "
+        "with bash scripts/setup_peers.sh, or set $DRAFTER_TRAIN_SPECULATORS_VENV to one built elsewhere (or leave "
+        "speculators out of --trainers)")
+    kept = tmp_path / "out" / "speculators-defaults" / "rows.json"
+    kept.parent.mkdir(parents=True)
+    kept.write_text("[]")
+    with pytest.raises(Exception) as past:  # past the check: reading the (missing) data folder fails
+        peer_trainers.main(argv)
+    assert "runs in its own venv" not in str(past.value)
 
 
 def test_peer_trainers_reference_rows_and_our_subset_are_the_same_records(tmp_path, monkeypatch):
@@ -397,7 +423,7 @@ def test_peer_trainers_reference_rows_and_our_subset_are_the_same_records(tmp_pa
 
     monkeypatch.setattr(common, "load_target_and_prompts", lambda *a, **k: (_ for _ in ()).throw(Loaded()))
     argv = ["--data", str(tmp_path / "data"), "--output", str(tmp_path / "out"), "--response", "reference",
-            "--response-tokens", "10"]
+            "--response-tokens", "10", "--trainers", "ours"]
     with pytest.raises(Loaded):  # the rows and the subset are written before the target loads
         peer_trainers.main(argv)
     rows = [json.loads(line) for line in (tmp_path / "out" / "rows.jsonl").read_text().splitlines()]

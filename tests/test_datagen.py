@@ -124,6 +124,41 @@ def test_resume_after_crash_equals_uninterrupted_run(folders, tmp_path, monkeypa
     assert json.loads((tmp_path / "resumed" / "datagen.json").read_text())["complete"] is True
 
 
+def test_training_on_a_datagen_folder_not_finished_is_refused_in_one_line_unless_allowed(folders, greedy_run, tmp_path,
+                                                                                         monkeypatch):
+    """A folder still being written (here: killed after its first shard) is refused before anything loads, saying
+    how many prompts are done; train.allow_partial_data=true takes it; resumed to its end, and a finished one, pass."""
+    real_write = DatagenStore.write_shard
+
+    def crash_after_first(store, index, *args):
+        if index > 0:
+            raise RuntimeError("killed")
+        real_write(store, index, *args)
+
+    out = tmp_path / "partial"
+    monkeypatch.setattr(DatagenStore, "write_shard", crash_after_first)
+    with pytest.raises(RuntimeError, match="killed"):
+        run_datagen(job(folders, out), progress=False)
+    monkeypatch.undo()
+    train = [f"target.path={folders / 'target'}", "target.chat_template=false", f"train.data_dir={out}"]
+    with pytest.raises(ConfigError) as refused:
+        check_inputs(OmegaConf.to_object(compose_cfg("train", train)))
+    assert str(refused.value) == (
+        f"train.data_dir: {out} is a drafter-datagen folder not finished (still being written, or stopped): 4 of 10 "
+        "training prompts done (1 of 3 shards); finish it by rerunning drafter-datagen with the same settings, or take "
+        "what is there with train.allow_partial_data=true")
+    check_inputs(OmegaConf.to_object(compose_cfg("train", [*train, "train.allow_partial_data=true"])))
+    # a datagen.json that does not say complete=false, but plans more shards than the folder holds: refused too
+    manifest = json.loads((out / "datagen.json").read_text())
+    del manifest["complete"]
+    (out / "datagen.json").write_text(json.dumps(manifest))
+    with pytest.raises(ConfigError, match=r"4 of 10 training prompts done \(1 of 3 shards\)"):
+        check_inputs(OmegaConf.to_object(compose_cfg("train", train)))
+    run_datagen(job(folders, out), progress=False)  # resumed to its end
+    check_inputs(OmegaConf.to_object(compose_cfg("train", train)))
+    check_inputs(OmegaConf.to_object(compose_cfg("train", [*train[:2], f"train.data_dir={greedy_run}"])))
+
+
 def test_rerun_skips_finished_shards_and_refuses_other_settings(folders, greedy_run, monkeypatch):
     before = load_distill_dataset(greedy_run).to_list()
     monkeypatch.setattr(datagen, "generate_shard", lambda *a, **k: pytest.fail("a finished shard was redone"))
@@ -275,6 +310,19 @@ def test_cli(folders, tmp_path):
     assert failed.returncode == 2 and failed.stderr.strip().splitlines()[-1] == (
         "drafter-datagen: error: datagen.batch_size: must be >= 1, got 0"
     )
+
+
+def test_a_batch_above_the_shard_size_is_refused_in_one_line():
+    """A batch never spans two shards: datagen.batch_size above datagen.shard_size used to run as the shard size,
+    silently. backend=hf only: vLLM and llama.cpp take a whole shard per call and do not use it."""
+    with pytest.raises(ConfigError) as refused:
+        OmegaConf.to_object(compose_cfg("datagen", ["datagen.batch_size=96", "datagen.shard_size=64"]))
+    assert str(refused.value) == ("datagen.batch_size: 96 is above datagen.shard_size=64, and a batch never spans two "
+                                  "shards (it would run as 64); lower it or raise datagen.shard_size")
+    for ok in (["datagen.batch_size=64"], ["datagen.batch_size=96", "datagen.shard_size=96"],
+               ["datagen.batch_size=96", "datagen.backend=vllm"],
+               ["datagen.batch_size=96", "datagen.backend=llamacpp"]):
+        OmegaConf.to_object(compose_cfg("datagen", ok))
 
 
 def test_stories260k_on_sharegpt(stories_path, tmp_path):

@@ -260,10 +260,21 @@ def test_auto_mixed_precision_follows_the_measured_bf16_speedup(monkeypatch, spe
 
 
 def test_the_bf16_speedup_is_measured():
-    """bf16_matmul_speedup times real matmuls: a positive ratio, and bf16 faster where probe_cpu says bf16 is native."""
-    from drafter_train.machine import bf16_matmul_speedup, probe_cpu
+    """bf16_matmul_speedup times real matmuls: a positive ratio on any CPU (0.3x on a Xeon VM without avx512_bf16,
+    ~6x on AMX); what auto chooses from it is test_auto_mixed_precision_follows_the_measured_bf16_speedup's."""
+    from drafter_train.machine import bf16_matmul_speedup
 
-    speedup = bf16_matmul_speedup(torch.device("cpu"))
-    assert speedup > 0
-    if probe_cpu()["bf16_matmul"] == "native (AMX)":
-        assert speedup > 1.5
+    assert bf16_matmul_speedup(torch.device("cpu")) > 0
+
+
+def _usable_amx() -> bool:
+    from drafter_train.machine import probe_cpu
+
+    return probe_cpu()["bf16_matmul"] == "native (AMX)"
+
+
+@pytest.mark.skipif(not _usable_amx(), reason="needs AMX listed (amx_bf16, amx_tile) and its tile state granted")
+def test_bf16_on_usable_amx_measures_faster_than_float32():
+    from drafter_train.machine import bf16_matmul_speedup
+
+    assert bf16_matmul_speedup(torch.device("cpu")) > 1.5

@@ -306,3 +306,24 @@ def test_card_names_the_precision_auto_resolved_to(tiny_run, tmp_path):
         log.write(json.dumps({"step": 2, "launch/num_processes": 1, "launch/mixed_precision": "bf16"}) + "\n")
     export(ExportConfig(run_dir=str(run), output_dir=str(tmp_path / "out")))
     assert "mixed precision auto (bf16 as trained) |" in (tmp_path / "out" / "README.md").read_text()
+
+
+def test_the_run_info_reads_metrics_jsonl_once(tmp_path, monkeypatch):
+    """read_run_info takes the eval history and the launch's precision from one read of metrics.jsonl (it holds
+    every step of a long run; it was read and parsed twice); a resumed run's repeated step and launch: the last."""
+    from drafter_train import model_card
+
+    step_dir = tmp_path / "run" / "step-4"
+    step_dir.mkdir(parents=True)
+    (step_dir / "metrics.json").write_text(json.dumps({"draft_len": 3}))
+    lines = [{"step": 0, "launch/mixed_precision": "no"}, {"step": 2, "eval/tau": 1.1},
+             {"step": 2, "eval/tau": 1.2}, {"step": 2, "launch/mixed_precision": "bf16"}, {"step": 4, "eval/tau": 1.3}]
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 5, "ev')
+    reads = []
+    real_read_text = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: (reads.append(self.name), real_read_text(self, *a,
+                                                                                                        **k))[1])
+    info = model_card.read_run_info(step_dir)
+    assert reads.count("metrics.jsonl") == 1
+    assert [(row["step"], row["tau"]) for row in info.history] == [(2, 1.2), (4, 1.3)]
+    assert info.ran_in == "bf16" and info.step == 4 and info.draft_len == 3

@@ -276,6 +276,28 @@ def test_a_taken_port_starts_the_server_again_on_another(tmp_path, fake_env):
                 pass
 
 
+def test_an_engines_completion_waits_longer_the_more_tokens_it_asks_for(tmp_path, fake_env, monkeypatch):
+    """The engines' /completion had a fixed 600 s limit: a long generation on a slow CPU overran it. The limit grows
+    with the tokens asked (llamacpp_http.request_timeout), and past it the error is one line."""
+    from drafter_train import llamacpp_http
+    from drafter_train.llamacpp_http import ServerTimeout, complete, free_port, request_timeout, running_server
+
+    assert request_timeout({"prompt": [1] * 100, "n_predict": 200}) == 120 + 0.5 * 100 + 5 * 200
+    # scaled down: 0.5 s, plus 0.3 s a token to generate; the fake server answers after 1.5 s
+    monkeypatch.setattr(llamacpp_http, "REQUEST_S", 0.5)
+    monkeypatch.setattr(llamacpp_http, "REQUEST_S_PER_NEW_TOKEN", 0.3)
+    monkeypatch.setattr(llamacpp_http, "REQUEST_S_PER_PROMPT_TOKEN", 0.0)
+    monkeypatch.setenv("FAKE_LLAMA_DELAY", "1.5")
+    command = [str(FAKE / "build" / "bin" / "llama-server"), "-m", "t.gguf", "--port", str(free_port())]
+    with running_server(command, tmp_path / "s.log", startup_s=30) as url:
+        with pytest.raises(ServerTimeout) as err:
+            complete(url, [1, 2], 1)  # 0.8 s allowed
+        assert str(err.value) == (f"llama-server gave no answer within 1 s to {url}/completion (2 prompt tokens, "
+                                  "n_predict 1); the limit grows with the tokens asked "
+                                  "(llamacpp_http.request_timeout): is the machine busy?")
+        assert complete(url, [1, 2], 8)["tokens"] == fake_response([1, 2])  # 2.9 s allowed
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the death signal is Linux's prctl")
 def test_a_server_dies_with_the_process_that_started_it_even_when_that_one_is_killed(tmp_path, fake_env):
     """A drafter-datagen ended by SIGKILL (or SIGTERM, whose default skips finally blocks) leaves no llama-server

@@ -1,5 +1,6 @@
 """The llama.cpp build's guards, without building it: drafter_train.llamacpp_flags turns on only the instruction groups
-a probe executes here, and smoke_check (the end of scripts/setup_llamacpp.sh, and the opt-in llama.cpp tests' first
+/proc/cpuinfo lists AND a probe executes here (fake CPUs: a cpuinfo file and a compiler whose probes run or die as a
+test says), and smoke_check (the end of scripts/setup_llamacpp.sh, and the opt-in llama.cpp tests' first
 step) turns a tool that dies on this CPU into one line naming the fix. The tools are fake scripts that kill
 themselves with the signal a build for the wrong CPU dies with."""
 
@@ -18,7 +19,7 @@ import pytest
 
 from drafter_train import targets
 from drafter_train.llamacpp import SMOKE_FILE, LlamaCppError, smoke_check
-from drafter_train.llamacpp_flags import cmake_flags
+from drafter_train.llamacpp_flags import cmake_flags, left_out
 from tests.conftest import REPO
 
 GROUPS = ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX_VNNI", "AVX512", "AVX512_VBMI", "AVX512_VNNI",
@@ -27,6 +28,18 @@ GROUPS = ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX_VNNI", "AVX512", "
 CPUINFO = {"SSE42": "sse4_2", "AVX": "avx", "F16C": "f16c", "FMA": "fma", "AVX2": "avx2", "BMI2": "bmi2",
            "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi", "AVX512_VNNI": "avx512_vnni",
            "AVX512_BF16": "avx512_bf16", "AMX_TILE": "amx_tile", "AMX_INT8": "amx_int8", "AMX_BF16": "amx_bf16"}
+
+
+# every flag a group needs: a CPU listing them all (the probe alone decides)
+EVERY_FLAG = ("sse4_2 avx f16c fma avx2 bmi2 avx_vnni avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi "
+              "avx512_vnni avx512_bf16 amx_tile amx_int8 amx_bf16")
+
+
+def cpuinfo(path: Path, flags: str) -> str:
+    """A fake /proc/cpuinfo listing `flags` (two processors, as the real file has one block each): its path."""
+    path.write_text("".join(f"processor\t: {n}\nmodel name\t: Test CPU\nflags\t\t: fpu {flags}\n\n"
+                            for n in range(2)))
+    return str(path)
 
 
 def flags(**env: str) -> tuple[list[str], str]:
@@ -48,6 +61,8 @@ def test_flags_turn_on_only_groups_whose_probe_ran_here():
     assert {g for g in ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2") if CPUINFO[g] in listed} <= set(on)
     assert ("AVX512" in on) <= ("AVX2" in on) and ("AMX_INT8" in on) <= ("AVX512_VNNI" in on)  # what ggml needs
     assert f"usable here: {' '.join(on)};" in report
+    off = [g for g in GROUPS if g not in on]  # each named in the report with why (e.g. "runs but not listed")
+    assert all(f" {g} " in report.split("left out:")[1].replace("(", " ") for g in off)
     if "avx512f" not in listed:  # this machine: the AVX-512 probe died with SIGILL, so no group above AVX2 is on
         assert not any(g.startswith(("AVX512", "AMX")) for g in on)
 
@@ -71,15 +86,73 @@ def test_flags_follow_what_runs_and_what_ggml_needs_under_it(tmp_path):
     fake_tool(tmp_path, "cc", PICKY_CC)
     log = tmp_path / "probed"
     # AVX512_VNNI runs but AVX512 does not: ggml uses VNNI only inside AVX-512 code, and AMX only with VNNI
-    got, report = flags(CC=str(tmp_path / "cc"), LOG=str(log), RUNS="SSE42 AVX FMA AVX2 AVX512_VNNI AMX_TILE AMX_INT8")
+    got, report = flags(CC=str(tmp_path / "cc"), LOG=str(log), RUNS="SSE42 AVX FMA AVX2 AVX512_VNNI AMX_TILE AMX_INT8",
+                        LLAMACPP_CPUINFO=cpuinfo(tmp_path / "cpuinfo", EVERY_FLAG))
     on = ["SSE42", "AVX", "FMA", "AVX2"]
     assert got == ["-DGGML_NATIVE=OFF", *(f"-DGGML_{g}={'ON' if g in on else 'OFF'}" for g in GROUPS)]
     assert report == ("llamacpp_flags: usable here: SSE42 AVX FMA AVX2; left out: F16C BMI2 AVX_VNNI AVX512 "
-                      "AVX512_VBMI AVX512_VNNI AVX512_BF16 AMX_TILE AMX_INT8 AMX_BF16")
+                      "(listed, probe died), AVX512_VBMI AVX512_VNNI AVX512_BF16 (needs AVX512), AMX_TILE (needs "
+                      "AVX512_VNNI), AMX_INT8 AMX_BF16 (needs AMX_TILE)")
     # a group whose needed group is out is not even compiled
     assert log.read_text().split() == ["SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX_VNNI", "AVX512"]
     # no compiler at all: every group off, no crash
     assert flags(CC=str(tmp_path / "no-such-cc"))[0] == ["-DGGML_NATIVE=OFF", *(f"-DGGML_{g}=OFF" for g in GROUPS)]
+
+
+# The Xeon VM of issue 70 (family 6, model 207): it lists AVX-512 with VBMI and VNNI but neither avx_vnni,
+# avx512_bf16 nor AMX, and executes AVX_VNNI and AVX512_BF16 all the same
+XEON_207 = "sse4_2 avx f16c fma avx2 bmi2 avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi avx512_vnni"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86-64 instruction groups")
+def test_a_group_goes_on_only_where_it_is_listed_and_its_probe_runs(tmp_path):
+    fake_tool(tmp_path, "cc", PICKY_CC)
+    runs = "SSE42 AVX F16C FMA AVX2 BMI2 AVX_VNNI AVX512 AVX512_VNNI AVX512_BF16"  # AVX512_VBMI dies, AMX too
+    got, report = flags(CC=str(tmp_path / "cc"), LOG=str(tmp_path / "probed"), RUNS=runs,
+                        LLAMACPP_CPUINFO=cpuinfo(tmp_path / "cpuinfo", XEON_207))
+    on = ["SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512", "AVX512_VNNI"]  # listed and runs
+    assert got == ["-DGGML_NATIVE=OFF", *(f"-DGGML_{g}={'ON' if g in on else 'OFF'}" for g in GROUPS)]
+    assert report == (f"llamacpp_flags: usable here: {' '.join(on)}; left out: AVX_VNNI AVX512_BF16 (runs but not "
+                      "listed), AVX512_VBMI (listed, probe died), AMX_TILE (not listed), AMX_INT8 AMX_BF16 (needs "
+                      "AMX_TILE)")
+    # no cpuinfo to read: nothing is listed, so nothing goes on, whatever runs
+    got, report = flags(CC=str(tmp_path / "cc"), LOG=str(tmp_path / "probed"), RUNS=runs,
+                        LLAMACPP_CPUINFO=str(tmp_path / "no-such-file"))
+    assert got == ["-DGGML_NATIVE=OFF", *(f"-DGGML_{g}=OFF" for g in GROUPS)]
+    assert report.startswith("llamacpp_flags: usable here: none; left out: SSE42 AVX BMI2 (runs but not listed), "
+                             "F16C FMA AVX2 (needs AVX), AVX_VNNI AVX512 (needs AVX2)")
+
+
+AVX2_ONLY = "sse4_2 avx f16c fma avx2 bmi2"
+AVX512_EPYC = f"{AVX2_ONLY} avx_vnni avx512f avx512cd avx512vl avx512dq avx512bw avx512vbmi avx512_vnni avx512_bf16"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the x86-64 instruction groups")
+@pytest.mark.parametrize("listed, runs, on", [
+    (AVX2_ONLY, "SSE42 AVX F16C FMA AVX2 BMI2", GROUPS[:6]),  # an AVX2-only AMD EPYC
+    (AVX512_EPYC, " ".join(GROUPS[:11]), GROUPS[:11]),  # an AMD EPYC with AVX-512 and avx512_bf16
+    (EVERY_FLAG, " ".join(GROUPS), GROUPS),  # an Intel Xeon listing AMX whose probes run (setup's fallback is next)
+    (XEON_207, " ".join(GROUPS[:11]), ("SSE42", "AVX", "F16C", "FMA", "AVX2", "BMI2", "AVX512", "AVX512_VBMI",
+                                       "AVX512_VNNI")),  # runs AVX_VNNI and AVX512_BF16, lists neither
+])
+def test_each_cpu_kind_seen_gets_the_groups_it_lists_and_runs(tmp_path, listed, runs, on):
+    fake_tool(tmp_path, "cc", PICKY_CC)
+    got, report = flags(CC=str(tmp_path / "cc"), LOG=str(tmp_path / "probed"), RUNS=runs,
+                        LLAMACPP_CPUINFO=cpuinfo(tmp_path / "cpuinfo", listed))
+    assert got == ["-DGGML_NATIVE=OFF", *(f"-DGGML_{g}={'ON' if g in on else 'OFF'}" for g in GROUPS)]
+    assert report.startswith(f"llamacpp_flags: usable here: {' '.join(on)}; left out: ")
+
+
+@pytest.mark.parametrize("listed, ran, why", [
+    ("avx512f avx512cd avx512vl avx512dq avx512bw", "runs", ""),  # listed and runs: on
+    ("avx512f avx512cd avx512vl avx512dq avx512bw", "died", "listed, probe died"),
+    ("avx512f avx512cd avx512vl avx512dq", "runs", "runs but not listed"),  # one of its flags missing
+    ("", "died", "not listed"),
+    ("avx512f avx512cd avx512vl avx512dq avx512bw", "not built", "listed, probe not built")])
+def test_the_rule_for_one_group(listed, ran, why):
+    outcomes = left_out({"sse4_2", "avx", "avx2", *listed.split()}, lambda g: ran if g == "AVX512" else "runs")
+    assert outcomes["AVX512"] == why
+    assert outcomes["AVX512_VNNI"] == ("runs but not listed" if not why else "needs AVX512")  # avx512_vnni isn't
 
 
 def fake_tool(bin_dir: Path, name: str, body: str) -> None:
@@ -138,9 +211,10 @@ def test_a_crash_while_quantising_and_a_failing_tool_are_one_line_too(fake_build
         smoke_check(fake_build)
 
 
-# scripts/setup_llamacpp.sh end to end with a fake toolchain: `cc` whose probes all run (the Xeon VM's case: the CPU
-# lists AMX and a probe of the instructions passes), `cmake` that records its -D flags in CMakeCache.txt and a log,
-# `ninja` that "builds" tools reading that cache: llama-bench dies with SIGILL while the groups in $CRASH_ON are on.
+# scripts/setup_llamacpp.sh end to end with a fake toolchain: a CPU that lists every group and a `cc` whose probes
+# all run (the Xeon VM's case: the CPU lists AMX and a probe of the instructions passes), `cmake` that records its
+# -D flags in CMakeCache.txt and a log, `ninja` that "builds" tools reading that cache: llama-bench dies with SIGILL
+# while the groups in $CRASH_ON are on.
 FAKE_CC = 'out=; while [ $# -gt 0 ]; do [ "$1" = -o ] && out=$2; shift; done; echo probe >> "$LOG/probes"\n' \
           'printf "#!/bin/sh\\nexit 0\\n" > "$out"; chmod +x "$out"'
 FAKE_CMAKE = 'build=; for a; do case $prev in -B) build=$a;; esac; prev=$a; done; mkdir -p "$build"\n' \
@@ -171,7 +245,8 @@ def fake_toolchain(tmp_path):
         fake_tool(tools, name, body)
     log.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("LLAMACPP_CMAKE_FLAGS", "LLAMACPP_NATIVE", "CC")}
-    env.update(PATH=f"{tools}:{env['PATH']}", LOG=str(log), CC=str(tools / "cc"), PYTHONPATH=str(REPO), JOBS="1")
+    env.update(PATH=f"{tools}:{env['PATH']}", LOG=str(log), CC=str(tools / "cc"), PYTHONPATH=str(REPO), JOBS="1",
+               LLAMACPP_CPUINFO=cpuinfo(tmp_path / "cpuinfo", EVERY_FLAG))
     return root, log, env
 
 

@@ -4,6 +4,7 @@ its console scripts run from any directory, and the import-linter contracts (pyp
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -62,6 +63,14 @@ def test_the_wheel_runs_from_outside_the_checkout(wheel_venv, tmp_path):
     refused = run([str(bin_dir / "drafter-compare"), f"target.path={tmp_path / 'target'}", "a:", "drafter=ngram",
                    "eval.output=a.json", "b:", "drafter=ngram", "eval.output=b.json", "eval.seed=1"], tmp_path)
     assert refused.returncode == 2 and "b: eval.seed=1 differs" in refused.stderr, refused.stderr[-2000:]
+
+
+def test_the_readme_is_read_in_five_minutes():
+    """README.md stays <= 200 lines (docs/STYLE: detail goes to docs/), and every docs/ page it links exists."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= 200, f"README.md has {len(readme.splitlines())} lines: move detail to docs/"
+    linked = re.findall(r"\]\((docs/[^)#]+)", readme)
+    assert linked and [page for page in linked if not (REPO / page).exists()] == []
 
 
 def test_import_contracts_hold():

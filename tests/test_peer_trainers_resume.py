@@ -170,3 +170,20 @@ def test_settings_apply_to_each_trainer_that_has_them_or_to_the_one_named():
         ("ours", "steps-muon"), ("ours", "defaults"), ("speculators", "defaults")]
     assert pt.runs("ours,speculators,modelopt", "ours:steps-muon-decay1,speculators:defaults") == [
         ("ours", "steps-muon-decay1"), ("speculators", "defaults")]
+
+
+def test_the_subset_ours_trains_on_is_a_finished_datagen_folder(tmp_path):
+    """drafter-train refuses a datagen folder not finished: the subset of a finished 2-shard folder must be one."""
+    from drafter_train.data.store import DatagenStore, load_distill_dataset, unfinished
+
+    records = [{"prompt_index": i, "prompt": f"p{i}", "prompt_ids": [1, 2 + i], "response_ids": [3 + i] * 4,
+                "reference_ids": []} for i in range(6)]
+    source = DatagenStore.open(str(tmp_path / "data"))
+    source.start({"generation": {"store_topk": 0}, "counts": {"train_prompts": 6, "shards_total": 2}}, [])
+    source.write_shard(0, records[:3], 0)
+    source.write_shard(1, records[3:], 0)
+    source.finish()
+    pt.subset_store(tmp_path / "data", tmp_path / "subset", [4, 1])
+    assert unfinished(tmp_path / "subset") is None
+    assert load_distill_dataset(tmp_path / "subset")["prompt"] == ["p4", "p1"]
+    assert json.loads((tmp_path / "subset" / "datagen.json").read_text())["counts"]["train_prompts"] == 2

@@ -22,6 +22,17 @@ def peer_python(name: str) -> Path:
     return Path(os.environ.get(variable) or REPO / default) / "bin" / "python"
 
 
+def check_venv(name: str) -> None:
+    """Refuse in one line (SystemExit) a peer whose venv is not built: the default is .venv-<name> in THIS checkout,
+    which another clone does not have, and a missing interpreter would otherwise surface as a traceback mid-run."""
+    python = peer_python(name)
+    if not python.exists():
+        variable = VENVS[name][0]
+        raise SystemExit(f"peer_trainers: {name} runs in its own venv and {python} is not there: build it with "
+                         f"bash scripts/setup_peers.sh, or set ${variable} to one built elsewhere (or leave {name} "
+                         "out of --trainers)")
+
+
 def trains(record: dict, column: str, max_seq_len: int) -> bool:
     """Whether a datagen record gives a row with response tokens: a non-empty `column` after a prompt shorter than
     max_seq_len."""

@@ -155,7 +155,7 @@ class DatagenStore:
         return sum(entry.get(key, 0) for entry in self.manifest["shards"])
 
     def _shard_paths(self) -> list[Path]:
-        return sorted(p for p in (self.root / SHARDS).glob("shard-*") if p.is_dir() and _SHARD_NAME.match(p.name))
+        return shard_paths(self.root)
 
     def _save(self) -> None:
         self.manifest["shards"].sort(key=lambda entry: entry["name"])
@@ -172,7 +172,7 @@ def load_distill_dataset(data_dir: str | Path) -> datasets.Dataset:
     An interrupted run gives the shards it finished; datagen.json's ``complete`` says whether that is all.
     """
     root = _datagen_folder(data_dir, "empty dataset")
-    paths = DatagenStore(root)._shard_paths()
+    paths = shard_paths(root)
     if not paths:
         raise ConfigError(f"{data_dir}: empty dataset (no finished shards in {root / SHARDS})")
     return datasets.concatenate_datasets([datasets.load_from_disk(str(p)) for p in paths])
@@ -201,6 +201,39 @@ def check_tokenizer(data_dir: str | Path, tokenizer, option: str) -> None:
         made_for = manifest.get("target", {}).get("path", "another target")
         raise ConfigError(f"{option}: {data_dir} holds token ids of another tokenizer (made with {made_for}'s); "
                           f"make data for this target with drafter-datagen")
+
+
+def unfinished(data_dir: str | Path) -> Optional[str]:
+    """How far a datagen folder that is not finished got, e.g. '40 of 240 training prompts done (1 of 6 shards)';
+    None for a finished one, and for a folder without datagen.json or counts (nothing to tell it by). Unfinished:
+    datagen.json says complete=false (written at the start of every run, true only at its end) or it plans more
+    shards than are finished: a run still writing, or one that was stopped."""
+    root = Path(data_dir).expanduser()
+    try:
+        manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    planned, shards = manifest.get("counts", {}).get("shards_total"), len(shard_paths(root))
+    if manifest.get("complete") is not False and (planned is None or shards >= planned):
+        return None
+    done = sum(entry.get("prompts", 0) for entry in manifest.get("shards", []))
+    total = manifest.get("counts", {}).get("train_prompts", "?")
+    return f"{done} of {total} training prompts done ({shards} of {planned if planned is not None else '?'} shards)"
+
+
+def check_finished(data_dir: str | Path, option: str, allow: str) -> None:
+    """Refuse (one line) to read a datagen folder that is not finished: training on what happens to be there would
+    say nothing of it. `allow` is the setting that takes it as it is (e.g. train.allow_partial_data=true)."""
+    progress = unfinished(data_dir)
+    if progress is not None:
+        raise ConfigError(f"{option}: {data_dir} is a drafter-datagen folder not finished (still being written, or "
+                          f"stopped): {progress}; finish it by rerunning drafter-datagen with the same settings, or "
+                          f"take what is there with {allow}")
+
+
+def shard_paths(root: Path) -> list[Path]:
+    """The finished shard folders of a datagen folder, in order."""
+    return sorted(p for p in (root / SHARDS).glob("shard-*") if p.is_dir() and _SHARD_NAME.match(p.name))
 
 
 def _datagen_folder(data_dir: str | Path, problem: str) -> Path:

@@ -2,11 +2,11 @@
 
     python -m drafter_train.recipes.setup_llamacpp [DIR] [--build BUILD] [--jobs N]
 
-scripts/setup_llamacpp.sh runs it (its header says what DIR holds). The instruction groups come from a probe
-(drafter_train/llamacpp_flags.py: what this process executes, not what /proc/cpuinfo lists). A probe cannot decide
-everything: on an Intel Xeon VM that lists AMX, a C program runs the tile instructions in 4 threads, yet ggml's AMX
-kernels die with SIGILL in an OpenMP worker on the first pass over 2+ rows. So the build is judged by its smoke run
-(a 4-token llama-bench pass). When that run dies of a signal, the groups most likely at fault are left out, in
+scripts/setup_llamacpp.sh runs it (its header says what DIR holds). The instruction groups come from
+drafter_train/llamacpp_flags.py: a group is on where /proc/cpuinfo lists it AND a probe of it runs. A probe cannot
+decide everything: on an Intel Xeon VM that lists AMX, a C program runs the tile instructions in 4 threads, yet
+ggml's AMX kernels die with SIGILL in an OpenMP worker on the first pass over 2+ rows. So the build is judged by its
+smoke run (a 4-token llama-bench pass). When that run dies of a signal, the groups most likely at fault are left out, in
 FALLBACKS' order, ggml-cpu is rebuilt (about 30 s), and the smoke run is tried again; one line says what was left out
 and why. The flags that passed are recorded in the build folder (RECORD) with the CPU they passed on, so a rerun on
 the same CPU builds with them and never probes its way back into the crash; another CPU is probed afresh.
@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 from drafter_train.errors import DrafterTrainError
 from drafter_train.llamacpp import LlamaCppCrash, LlamaCppError, llamacpp_dir, smoke_check
-from drafter_train.llamacpp_flags import NATIVE, cmake_flags
+from drafter_train.llamacpp_flags import NATIVE, cmake_flags, listed_flags
 from drafter_train.machine import cpu_model
 from drafter_train.recipes.cli import one_line_errors
 
@@ -49,12 +49,7 @@ COMMON = ("-DLLAMA_OPENSSL=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_T
 def cpu_fingerprint() -> str:
     """The CPU a build passed on: its model and every flag /proc/cpuinfo lists (a VM moved to another host, or given
     other flags, is another CPU)."""
-    try:
-        flags = next((line.split(":", 1)[1] for line in Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), "")
-    except OSError:
-        flags = ""
-    digest = hashlib.sha256(" ".join(sorted(flags.split())).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join(sorted(listed_flags(os.environ))).encode()).hexdigest()[:16]
     return f"{cpu_model()} [{digest}]"
 
 
