@@ -32,6 +32,7 @@ import json
 import math
 import shlex
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -148,7 +149,7 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     recipe = args.recipe
     if saved.is_file():
         point = json.loads(saved.read_text())
-        if point.get("recipe") != recipe:
+        if settings(point.get("recipe") or []) != settings(recipe):
             raise ConfigError(f"{saved} was trained with another recipe than this run's ({point.get('recipe')} "
                               f"against {recipe}): pass another --out")
         decoded = point.get("eval", dict(DECODE_DEFAULTS, dtype=point.get("eval_dtype", "float32")))
@@ -221,8 +222,18 @@ class Pace:
 
 
 def _batch(recipe: Sequence[str], overrides: Sequence[str]) -> int:
-    """Rows per step: the variant's train.batch_size, else the main job's."""
-    return int(_last_value([*recipe, *overrides], "train.batch_size"))
+    """Rows per step: the variant's train.batch_size, else the recipe's."""
+    return compose_config("train", [*recipe, *overrides]).train.batch_size
+
+
+def settings(recipe: Sequence[str]) -> dict:
+    """What a recipe trains with, composed (the kind's conf/recipe defaults included): its drafter, loss and train
+    settings less those a point sets itself. Two recipes are the same when these are, however they are spelled (a
+    point kept before the recipe moved into conf/recipe/eagle3.yaml listed every option)."""
+    cfg = compose_config("train", list(recipe))
+    kept = {"drafter": asdict(cfg.drafter), "loss": asdict(cfg.loss), "target": asdict(cfg.target)}
+    kept["train"] = {k: v for k, v in asdict(cfg.train).items() if f"train.{k}=" not in MANAGED}
+    return kept
 
 
 def _last_value(options: Sequence[str], key: str, default=None):

@@ -170,3 +170,14 @@ def llamacpp_smoke() -> Path:
         return smoke_check(llamacpp_dir())
     except DrafterTrainError as error:
         pytest.fail(str(error), pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _auto_precision_is_float32(monkeypatch):
+    """train.mixed_precision=auto (the EAGLE-3 recipe's) measures a bf16 matmul at start and takes bf16 where it
+    pays: on an AMX Xeon or an avx512_bf16 EPYC but not on an AVX2-only one. Tests of what auto decides patch the
+    measurement themselves; every other test trains in float32 on every CPU kind, so its figures do not move with
+    the machine the suite runs on."""
+    from drafter_train import distributed
+
+    monkeypatch.setattr(distributed, "bf16_matmul_speedup", lambda device: 1.0)

@@ -39,7 +39,8 @@ NEW_TOKENS = 24
 KINDS = {
     "ar": ["drafter.path=truncated:1"],
     "nar": ["drafter=nar", "drafter.path=truncated:1", "drafter.blocks_per_sequence=2"],
-    "eagle3": ["drafter=eagle3", "drafter.draft_vocab_size=0", "drafter.ttt_steps=2"],
+    # online features: these batches are made here, not read from a feature cache (the recipe's offline)
+    "eagle3": ["drafter=eagle3", "drafter.draft_vocab_size=0", "drafter.ttt_steps=2", "drafter.features=online"],
     "dflash": ["drafter=dflash", "drafter.draft_vocab_size=0", "drafter.draft_len=4", "drafter.block_size=5",
                "drafter.blocks_per_sequence=2"],
     "layerskip": ["drafter=layerskip", "drafter.skip_attn=[2]", "drafter.skip_mlp=[1]"],

@@ -293,8 +293,12 @@ def test_loading_a_folder_whose_mapping_does_not_fit_the_head_is_refused(make_ti
 
 
 def eagle3_cfg(tiny_data, out, *overrides):
+    """A tiny EAGLE-3 job: the recipe (conf/recipe/eagle3.yaml) with online features unless a test asks for the
+    cache, and float32 named (the recipe's auto resolves only inside train(), and a test that reads a feature cache
+    back computes its key from this config)."""
     return train_cfg(tiny_data, out, "drafter=eagle3", "drafter.path=new", "drafter.draft_vocab_size=16",
-                     "drafter.target_layers=[0,1,2]", *overrides)
+                     "drafter.target_layers=[0,1,2]", "drafter.features=online", "train.mixed_precision=no",
+                     *overrides)
 
 
 @pytest.mark.parametrize("features", ["online", "offline"])

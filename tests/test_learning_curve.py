@@ -82,7 +82,10 @@ def test_a_point_trained_with_another_recipe_is_refused(tmp_path, monkeypatch):
                                                          "per_position_acceptance": [0.2], "machine": MACHINE})
     argv = ["--data", "d", "--points", "25000", "--out", str(tmp_path / "runs"), "--results-dir", str(tmp_path)]
     lc.main(argv)
-    monkeypatch.setattr(lc, "main_job_recipe", lambda: [*RECIPE, "train.optimizer=muon"])
+    # the same settings spelled otherwise (the recipe file's own values, an option equal to them): the kept point
+    monkeypatch.setattr(lc, "main_job_recipe", lambda: ["drafter=eagle3", "train.optimizer=muon"])
+    lc.main(argv)
+    monkeypatch.setattr(lc, "main_job_recipe", lambda: [*RECIPE, "train.optimizer=adamw"])
     with pytest.raises(lc.ConfigError, match="another recipe"):
         lc.main(argv)
 

@@ -94,9 +94,11 @@ def test_its_state_dict_resumes_the_same_steps():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-def test_muon_is_refused_where_matrices_are_partitioned_and_adamw_is_plain():
-    with pytest.raises(ConfigError, match="train.optimizer=muon needs each weight matrix whole"):
-        make_optimizer(Drafterish(), SETTINGS, partitioned=True)
+def test_muon_falls_back_to_adamw_in_one_line_where_matrices_are_partitioned(capsys):
+    fallback = make_optimizer(Drafterish(), SETTINGS, partitioned=True)
+    assert type(fallback) is torch.optim.AdamW and fallback.param_groups[0]["lr"] == SETTINGS.lr
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and said[0].startswith("train.optimizer=muon: DeepSpeed and FSDP partition")
     plain = make_optimizer(Drafterish(), SimpleNamespace(**dict(vars(SETTINGS), optimizer="adamw")), partitioned=True)
     assert type(plain) is torch.optim.AdamW
 
