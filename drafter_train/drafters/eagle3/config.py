@@ -27,6 +27,10 @@ class Eagle3DrafterConfig(TargetFeaturesDrafterConfig):
     # EAGLE 3.1 (speculators' default for eagle3): each drafting step hands the next its output after the final norm
     # (vLLM reads `norm_output` from the speculators config; llama.cpp's eagle3 has no such switch).
     norm_output: bool = False
+    # EAGLE's feature augmentation: U(-feature_noise, feature_noise) added to the target's features in training only
+    # (never when decoding or evaluating), after their norm (fc_norm or norm_before_fc, one of which it needs): the
+    # raw residual stream has no one scale (drafters/common/conditioned.py, feature_noise). EAGLE uses 0.2. 0 = off.
+    feature_noise: float = 0.0
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -34,3 +38,7 @@ class Eagle3DrafterConfig(TargetFeaturesDrafterConfig):
         check_field(0 < self.ttt_decay <= 1, "drafter.ttt_decay", f"must be in (0, 1], got {self.ttt_decay}")
         check_field(not (self.norm_before_fc and self.fc_norm), "drafter.norm_before_fc",
                     "replaces the per-layer fc_norm: set drafter.fc_norm=false with it")
+        check_field(self.feature_noise >= 0, "drafter.feature_noise", f"must be >= 0, got {self.feature_noise}")
+        check_field(not self.feature_noise or self.fc_norm or self.norm_before_fc, "drafter.feature_noise",
+                    "needs the features normalised (drafter.fc_norm=true or drafter.norm_before_fc=true): one scale "
+                    "means nothing on the raw residual stream")

@@ -144,7 +144,8 @@ def eagle3_loss(module: nn.Module, target: PreTrainedModel, batch: Batch, cfg: T
     with conditioned.target_precision(batch.input_ids.device, cfg):
         features, target_hidden = conditioned.target_signals(target, batch, model.config.target_layers)
         teacher = conditioned.draft_teacher(model, target, target_hidden)
-    student = module(batch.input_ids, features, batch.attention_mask, batch.resp_pos, cfg.drafter.ttt_steps)
+    student = module(batch.input_ids, features, batch.attention_mask, batch.resp_pos, cfg.drafter.ttt_steps,
+                     cfg.drafter.feature_noise)
     labels = conditioned.draft_labels(model, batch.labels)
     total = torch.zeros((), device=batch.input_ids.device)
     teacher = SharedTeacher(teacher, batch.resp_mask)  # every step learns the same positions: its softmax once

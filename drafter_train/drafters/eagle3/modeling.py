@@ -149,13 +149,14 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
     # ---- training ----
 
     def forward(self, input_ids: Tensor, features: Tensor, attention_mask: Tensor, gather_pos: Tensor,
-                steps: int) -> list[Tensor]:
+                steps: int, feature_noise: float = 0.0) -> list[Tensor]:
         """Training-time test: `steps` unrolled steps over whole sequences, in one module call (so DDP / DeepSpeed
         hooks run). input_ids/attention_mask [B, T], features [B, T, n*H_t], gather_pos [B, R] target positions p
         whose distribution is learned. Returns, per step j, the draft logits [B, R, Vd] of row p - 1 - j (the row
-        whose step j predicts the token after position p; rows < 0 are clamped, the loss masks them)."""
+        whose step j predicts the token after position p; rows < 0 are clamped, the loss masks them).
+        feature_noise: drafter.feature_noise, applied in training mode only (decoding calls fuse, never this)."""
         batch, length = input_ids.shape
-        hidden, outputs = self.fuse(features), []
+        hidden, outputs = self.fused_input(features, feature_noise if self.training else 0.0), []
         rows = torch.arange(length, device=input_ids.device).expand(batch, -1)  # step 0: every position
         cache = self.new_cache()
         for j in range(steps):

@@ -1,0 +1,96 @@
+"""EAGLE-3 recipe options (issue 71): feature noise, initialisation from the target, capacity; each against what it
+must change and what it must leave alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from drafter_train.data.batches import collate
+from drafter_train.drafters.common.conditioned import target_signals
+from drafter_train.errors import ConfigError
+from tests.stubs import compose_cfg
+from tests.test_eagle3 import random_eagle3
+
+
+def config_error(*overrides: str) -> None:
+    """The train config with these overrides is refused in one line (before anything loads)."""
+    with pytest.raises(ConfigError) as err:
+        OmegaConf.to_object(compose_cfg("train", ["drafter=eagle3", *overrides]))
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def tiny_features(target, model, length=10, seed=0):
+    ids = torch.randint(3, 64, (1, length), generator=torch.Generator().manual_seed(seed))
+    batch = collate([{"prompt_ids": ids[0, :4].tolist(), "response_ids": ids[0, 4:].tolist()}], "response_ids", 64, 0)
+    return ids, target_signals(target, batch, model.config.target_layers)[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Feature noise
+
+
+def fc_inputs(model, features, noise, seed):
+    """What fc reads in a training forward with this noise and seed."""
+    seen = []
+    hook = model.fc.register_forward_pre_hook(lambda module, args: seen.append(args[0].detach().clone()))
+    ids = torch.arange(3, 3 + features.shape[1])[None]
+    torch.manual_seed(seed)
+    try:
+        logits = model(ids, features, torch.ones_like(ids), torch.arange(1, ids.shape[1])[None], 2, noise)
+    finally:
+        hook.remove()
+    return seen[0], logits
+
+
+@pytest.mark.parametrize("norm_before_fc", [False, True])
+def test_feature_noise_is_uniform_at_its_scale_after_the_feature_norm_in_training_only(make_tiny_llama,
+                                                                                        norm_before_fc):
+    target = make_tiny_llama(num_layers=4)
+    model = random_eagle3(target, norm_before_fc=norm_before_fc).train()
+    _, features = tiny_features(target, model)
+    clean, clean_logits = fc_inputs(model, features, 0.0, seed=0)
+    noisy, noisy_logits = fc_inputs(model, features, 0.2, seed=0)
+    diff = noisy - clean
+    assert diff.abs().max() <= 0.2 + 1e-6 and diff.abs().max() > 0.19  # U(-0.2, 0.2) over ~2k values
+    assert abs(float(diff.mean())) < 0.01 and abs(float(diff.std()) - 0.2 / 3 ** 0.5) < 0.01
+    assert not torch.allclose(noisy_logits[0], clean_logits[0])
+    again, _ = fc_inputs(model, features, 0.2, seed=0)  # train.seed makes it reproducible ...
+    other, _ = fc_inputs(model, features, 0.2, seed=1)  # ... and another seed draws other noise
+    assert torch.equal(again, noisy) and not torch.equal(other, noisy)
+    model.eval()  # evaluation: no noise whatever is asked
+    torch.testing.assert_close(fc_inputs(model, features, 0.2, seed=0)[1], clean_logits, rtol=0, atol=0)
+
+
+@torch.no_grad()
+def test_decoding_reads_the_features_without_noise(make_tiny_llama):
+    """The decoder's path (fuse) takes no noise, in training mode too: a checkpoint evaluated mid-training drafts as
+    the saved drafter will."""
+    target = make_tiny_llama(num_layers=4)
+    model = random_eagle3(target).train()
+    _, features = tiny_features(target, model)
+    torch.testing.assert_close(model.fuse(features), model.fused_input(features), rtol=0, atol=0)
+
+
+def test_feature_noise_reaches_the_eagle3_loss(make_tiny_llama):
+    from drafter_train.drafters.eagle3.model import eagle3_loss
+
+    target = make_tiny_llama(num_layers=4)
+    model = random_eagle3(target).train()
+    ids, _ = tiny_features(target, model)
+    batch = collate([{"prompt_ids": ids[0, :4].tolist(), "response_ids": ids[0, 4:].tolist()}], "response_ids", 64, 0)
+    losses = {}
+    for noise in (0.0, 0.5):
+        cfg = OmegaConf.to_object(compose_cfg("train", ["drafter=eagle3", f"drafter.feature_noise={noise}"]))
+        torch.manual_seed(0)
+        losses[noise] = float(eagle3_loss(model, target, batch, cfg).loss_sum.detach())
+    assert losses[0.5] != losses[0.0]
+
+
+def test_bad_feature_noise_is_refused_in_one_line():
+    assert "drafter.feature_noise: must be >= 0, got -0.1" in config_error("drafter.feature_noise=-0.1")
+    assert "needs the features normalised" in config_error("drafter.feature_noise=0.1", "drafter.fc_norm=false")
+    OmegaConf.to_object(compose_cfg("train", ["drafter=eagle3", "drafter.feature_noise=0.1", "drafter.fc_norm=false",
+                                              "drafter.norm_before_fc=true"]))
