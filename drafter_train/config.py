@@ -582,9 +582,17 @@ class LossConfig:
     # Where target logits come from: online (a no-grad target forward on the same batch), offline (top-k logits
     # stored by drafter-datagen with datagen.store_topk > 0), none (ce only).
     teacher: str = "online"
+    # Distil on the target's top_k tokens only (HASS's harmonized objective distillation, arXiv 2408.15766): the
+    # teacher renormalised over its top k, the student's whole softmax read there (losses.keep_top_k). 0 = off (the
+    # whole distribution). Not with ce (no teacher), greedy_ce (its argmax is in every top k) or rkl (log p_k = -inf).
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         check_field(self.name in LOSS_NAMES, "loss.name", f"must be one of {LOSS_NAMES}, got {self.name!r}")
+        check_field(self.top_k >= 0, "loss.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        check_field(not self.top_k or self.name not in ("ce", "greedy_ce", "rkl"), "loss.top_k",
+                    f"not with loss={self.name} (ce has no teacher, greedy_ce's argmax is in every top k, rkl's "
+                    "q log(q / p) is infinite outside it): use fkl, tvd, jsd or an acceptance loss")
         check_field(self.teacher in TEACHERS, "loss.teacher", f"must be one of {TEACHERS}, got {self.teacher!r}")
         check_field(self.temperature > 0, "loss.temperature", f"must be > 0, got {self.temperature}")
         check_field(0 <= self.beta <= 1, "loss.beta", f"must be in [0, 1], got {self.beta}")
@@ -706,6 +714,13 @@ class TrainJobConfig:
     # Checkpoint evaluation (eval.prompts unset = the held-out prompts of train.data_dir).
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
+
+    def __post_init__(self) -> None:
+        # a kind with a reduced draft vocabulary distils over it: K must fit it (the target's whole vocabulary is
+        # checked against its config before it loads: preflight.check_top_k)
+        draft_vocab = getattr(self.drafter, "draft_vocab_size", 0)
+        check_field(not draft_vocab or self.loss.top_k <= draft_vocab, "loss.top_k",
+                    f"{self.loss.top_k} is larger than the draft vocabulary (drafter.draft_vocab_size={draft_vocab})")
 
 
 @dataclass

@@ -94,3 +94,38 @@ def test_bad_feature_noise_is_refused_in_one_line():
     assert "needs the features normalised" in config_error("drafter.feature_noise=0.1", "drafter.fc_norm=false")
     OmegaConf.to_object(compose_cfg("train", ["drafter=eagle3", "drafter.feature_noise=0.1", "drafter.fc_norm=false",
                                               "drafter.norm_before_fc=true"]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Top-K distillation (loss.top_k)
+
+
+def test_top_k_distillation_reaches_the_eagle3_loss(make_tiny_llama):
+    from drafter_train.drafters.eagle3.model import eagle3_loss
+
+    target = make_tiny_llama(num_layers=4)
+    model = random_eagle3(target, draft_ids=torch.arange(20) + 3).train()
+    ids, _ = tiny_features(target, model)
+    batch = collate([{"prompt_ids": ids[0, :4].tolist(), "response_ids": ids[0, 4:].tolist()}], "response_ids", 64, 0)
+    losses = {}
+    for k in (0, 4, 20):
+        cfg = OmegaConf.to_object(compose_cfg("train", ["drafter=eagle3", "drafter.draft_vocab_size=20",
+                                                        f"loss.top_k={k}"]))
+        losses[k] = float(eagle3_loss(model, target, batch, cfg).loss_sum.detach())
+    assert losses[20] == pytest.approx(losses[0], rel=1e-6) and losses[4] != pytest.approx(losses[0], rel=1e-3)
+
+
+def test_bad_top_k_is_refused_in_one_line(tiny_data):
+    from drafter_train.preflight import check_inputs
+
+    assert "loss.top_k: 9000 is larger than the draft vocabulary (drafter.draft_vocab_size=8192)" in config_error(
+        "loss.top_k=9000")
+    assert "must be >= 0" in config_error("loss.top_k=-1")
+    for loss in ("ce", "greedy_ce", "rkl"):
+        assert f"not with loss={loss}" in config_error(f"loss={loss}", "loss.top_k=4")
+    # the whole vocabulary (draft_vocab_size=0): against the target's config, before the target loads
+    cfg = OmegaConf.to_object(compose_cfg("train", ["drafter=eagle3", "drafter.draft_vocab_size=0", "loss.top_k=999",
+                                                    f"target.path={tiny_data / 'target'}",
+                                                    f"train.data_dir={tiny_data / 'data'}"]))
+    with pytest.raises(ConfigError, match=r"^loss.top_k: 999 is larger than the target's vocabulary \(\d+ tokens"):
+        check_inputs(cfg)

@@ -34,7 +34,7 @@ from drafter_train.decoding.draft_exit import draft_confidence
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.decoding.tree import TreePool, attention_mask
-from drafter_train.drafters.common.distill import apply_loss
+from drafter_train.drafters.common.distill import apply_loss, top_k_teacher
 from drafter_train.drafters.common import conditioned
 from drafter_train.drafters.eagle3 import export as eagle3_export, outside, outside_load
 from drafter_train.drafters.registry import BuildContext, DrafterKind, register
@@ -148,7 +148,8 @@ def eagle3_loss(module: nn.Module, target: PreTrainedModel, batch: Batch, cfg: T
                      cfg.drafter.feature_noise)
     labels = conditioned.draft_labels(model, batch.labels)
     total = torch.zeros((), device=batch.input_ids.device)
-    teacher = SharedTeacher(teacher, batch.resp_mask)  # every step learns the same positions: its softmax once
+    # every step learns the same positions: its softmax once (restricted to loss.top_k here, once, too)
+    teacher = SharedTeacher(top_k_teacher(teacher, cfg.loss), batch.resp_mask)
     for j, logits in enumerate(student):
         mask = batch.resp_mask & (batch.resp_pos - 1 - j >= 0)
         if cfg.loss.name == "ce":
