@@ -129,3 +129,72 @@ def test_bad_top_k_is_refused_in_one_line(tiny_data):
                                                     f"train.data_dir={tiny_data / 'data'}"]))
     with pytest.raises(ConfigError, match=r"^loss.top_k: 999 is larger than the target's vocabulary \(\d+ tokens"):
         check_inputs(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The draft layer initialised from the target's last layer (drafter.init_from_target)
+
+
+def new_eagle3(target, **fields):
+    from drafter_train.drafters.common.loading import load_drafter
+    from drafter_train.drafters.eagle3.config import Eagle3DrafterConfig
+    from tests.stubs import word_tokenizer
+
+    cfg = Eagle3DrafterConfig(path="new", draft_vocab_size=0, target_layers=[0, 1, 2], **fields)
+    return load_drafter(cfg, target, word_tokenizer(), "float32", for_training=True)
+
+
+def norms_not_at_one(target):
+    """The target with the norms of its layers away from their init (1), so that a copy shows."""
+    gen = torch.Generator().manual_seed(3)
+    for name, param in target.named_parameters():
+        if name.endswith("layernorm.weight"):
+            param.data.copy_(1 + 0.2 * torch.randn(param.shape, generator=gen))
+    return target
+
+
+def test_init_from_target_copies_the_targets_last_layer(make_tiny_llama):
+    target = norms_not_at_one(make_tiny_llama(num_layers=4, init=0.5))
+    last, width = target.model.layers[-1], target.config.hidden_size
+    layer = new_eagle3(target, init_from_target=True).layers[0]
+    for name in ("q_proj", "k_proj", "v_proj"):  # [embedding half: zeros; hidden half: the target's]
+        weight = getattr(layer.self_attn, name).weight
+        assert torch.equal(weight[:, width:], getattr(last.self_attn, name).weight)
+        assert torch.equal(weight[:, :width], torch.zeros_like(weight[:, :width]))
+    theirs = dict(last.named_parameters())
+    for name, param in layer.named_parameters():
+        if name.startswith(("self_attn.o_proj", "mlp.", "post_attention_layernorm")):
+            assert torch.equal(param, theirs[name]), name
+    assert torch.equal(layer.hidden_norm.weight, last.input_layernorm.weight)
+    random = new_eagle3(target).layers[0]  # off (the default): the layer is transformers' random init
+    assert not torch.equal(random.mlp.down_proj.weight, last.mlp.down_proj.weight)
+
+
+@torch.no_grad()
+def test_a_layer_from_the_target_drafts_what_the_targets_last_layer_computes(make_tiny_llama):
+    """With the embedding half at zero, the first step's attention and MLP are the target's last layer's on the
+    hidden input: fed the target's own residual stream before that layer, the step gives the target's output."""
+    target = norms_not_at_one(make_tiny_llama(num_layers=4, init=0.5))
+    model = new_eagle3(target, init_from_target=True).eval()
+    ids = torch.randint(3, 64, (1, 7))
+    out = target(input_ids=ids, output_hidden_states=True)
+    before, after = out.hidden_states[-2], out.hidden_states[-1]  # the last layer's input; final-normed output
+    causal = torch.full((7, 7), torch.finfo(torch.float32).min).triu(1)[None, None]
+    step = model.step(ids, before, torch.arange(7)[None], causal, model.new_cache())
+    torch.testing.assert_close(target.model.norm(step), after, rtol=1e-4, atol=1e-4)
+
+
+def test_init_from_a_target_of_another_width_or_layer_is_refused(make_tiny_llama):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    target = make_tiny_llama(num_layers=4)
+    model = random_eagle3(target)
+    wide = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=128, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2)).eval()
+    with pytest.raises(ConfigError, match="^drafter.init_from_target: the target's hidden size is 96, the drafter's 64$"):
+        model.copy_target_layers(wide)
+    biased = make_tiny_llama(num_layers=4)
+    biased.config.attention_bias = True
+    biased.model.layers[-1].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(64))
+    with pytest.raises(ConfigError, match=r"has \['self_attn.q_proj.bias'\], which the drafter's Llama layer"):
+        model.copy_target_layers(biased)

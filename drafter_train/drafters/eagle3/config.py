@@ -31,6 +31,10 @@ class Eagle3DrafterConfig(TargetFeaturesDrafterConfig):
     # (never when decoding or evaluating), after their norm (fc_norm or norm_before_fc, one of which it needs): the
     # raw residual stream has no one scale (drafters/common/conditioned.py, feature_noise). EAGLE uses 0.2. 0 = off.
     feature_noise: float = 0.0
+    # A new drafter's decoder layer starts as the target's own last layer (q/k/v on the hidden half, zeros on the
+    # embedding half: Eagle3Model.copy_target_layers) instead of random. A saved drafter (and a resumed run) keeps its
+    # own weights. Targets whose layer has what a Llama layer has not (biases, q/k norms) are refused.
+    init_from_target: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()

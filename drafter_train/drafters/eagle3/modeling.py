@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModel, DynamicCache, LlamaConfig, Pretr
 
 from drafter_train.drafters.common.backbone import plain_layer_config
 from drafter_train.drafters.common import conditioned
+from drafter_train.errors import ConfigError
 from drafter_train.features import num_layers
 
 
@@ -176,14 +177,56 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, layer_ids: Sequence[int], draft_ids: Tensor, fc_norm: bool,
-                    draft_len: int, norm_before_fc: bool = False, norm_output: bool = False) -> "Eagle3Model":
+                    draft_len: int, norm_before_fc: bool = False, norm_output: bool = False,
+                    init_from_target: bool = False) -> "Eagle3Model":
         """A new drafter for `target`: frozen copy of its embeddings, LM head rows and final norm of the draft
-        vocabulary; fc and the layer freshly initialised."""
+        vocabulary; fc freshly initialised, the layer too unless init_from_target (copy_target_layers)."""
         config = new_config(target, layer_ids, draft_ids.numel(), fc_norm, draft_len, norm_before_fc)
         config.norm_output = norm_output
         drafter = cls(config).to(target.dtype)
         drafter.copy_from_target(target, draft_ids)
+        if init_from_target:
+            drafter.copy_target_layers(target)
         return drafter.to(target.device)
+
+    @torch.no_grad()
+    def copy_target_layers(self, target: PreTrainedModel) -> None:
+        """drafter.init_from_target: the drafter's layers start as the target's last ones (one layer: its last).
+
+        The first layer's q/k/v read [normed embedding; normed hidden] (2H): the hidden half gets the target's
+        weights and the embedding half zeros, so at the start the layer is exactly the target's layer on the hidden
+        input (its residual stream), at the target's own attention scale; the same weights on both halves would
+        instead add two unrelated inputs and roughly double the attention logits. Zeros still learn (their gradient
+        is the embedding times the output's), so the token's contribution grows from there. hidden_norm gets the
+        target's input_layernorm (it normalises what the target's layer normalised); input_layernorm, on the token
+        embedding whose columns start at zero, keeps its init. o_proj, the MLP and post_attention_layernorm are copied
+        as they are, and any further layer is the next target layer whole."""
+        width, mine = target.config.get_text_config().hidden_size, self.config.layer_config().hidden_size
+        if width != mine:
+            raise ConfigError(f"drafter.init_from_target: the target's hidden size is {width}, the drafter's {mine}")
+        sources = target.get_decoder().layers[-len(self.layers):]
+        for i, (layer, source) in enumerate(zip(self.layers, sources)):
+            _copy_layer(layer, dict(source.named_parameters()), first=i == 0)
+
+
+def _copy_layer(layer: nn.Module, theirs: dict, first: bool) -> None:
+    """One target decoder layer's parameters `theirs` into a drafter layer (first: EAGLE-3's 2H-wide one, see
+    Eagle3Model.copy_target_layers); a parameter either side lacks, or of another shape, is refused in one line."""
+    mine = dict(layer.named_parameters())
+    extra = sorted(set(theirs) - set(mine))
+    if extra:  # q/k/v biases (Qwen2), q/k norms (Qwen3): the drafter's Llama layer would drop what they do
+        raise ConfigError(f"drafter.init_from_target: the target's layer has {extra}, which the drafter's Llama layer "
+                          "has no place for: leave drafter.init_from_target=false for this target")
+    for name, param in mine.items():
+        if first and name == "input_layernorm.weight":
+            continue
+        value = theirs["input_layernorm.weight" if first and name == "hidden_norm.weight" else name]
+        if first and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj") and name.endswith("weight"):
+            value = torch.cat([torch.zeros_like(value), value], dim=1)  # [embedding half; hidden half]
+        if value.shape != param.shape:
+            raise ConfigError(f"drafter.init_from_target: the target's {name} is {tuple(value.shape)}, the drafter's "
+                              f"{tuple(param.shape)}")
+        param.copy_(value)
 
 
 def new_config(target: PreTrainedModel, layer_ids: Sequence[int], draft_vocab_size: int, fc_norm: bool,
