@@ -11,7 +11,7 @@ from drafter_train.data.batches import collate
 from drafter_train.drafters.common.conditioned import target_signals
 from drafter_train.errors import ConfigError
 from tests.stubs import compose_cfg
-from tests.test_eagle3 import random_eagle3
+from tests.test_eagle3 import assert_unroll_equals_decoding, random_eagle3
 
 
 def config_error(*overrides: str) -> None:
@@ -198,3 +198,88 @@ def test_init_from_a_target_of_another_width_or_layer_is_refused(make_tiny_llama
     biased.model.layers[-1].self_attn.q_proj.bias = torch.nn.Parameter(torch.zeros(64))
     with pytest.raises(ConfigError, match=r"has \['self_attn.q_proj.bias'\], which the drafter's Llama layer"):
         model.copy_target_layers(biased)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Capacity: drafter.num_layers, drafter.intermediate_size
+
+
+@torch.no_grad()
+def test_a_two_layer_wider_drafter_unrolls_in_training_as_it_decodes(make_tiny_llama):
+    """Training's unrolled step j at row t equals what decoding reaches with the cache (step 0 over rows 0..t, then
+    j single-token steps), through both layers and their cache entries."""
+    target = make_tiny_llama(num_layers=4)
+    model = random_eagle3(target, draft_ids=torch.arange(40) + 10, num_layers=2, intermediate_size=96)
+    assert len(model.layers) == 2 and model.layers[1].mlp.up_proj.out_features == 96
+    assert model.layers[1].self_attn.q_proj.in_features == 64  # the later layer reads the first one's output only
+    ids, features = tiny_features(target, model, length=12)
+    cache = assert_unroll_equals_decoding(model, ids, features)
+    assert len(cache.layers) == 2
+
+
+def test_greedy_chains_and_trees_with_a_two_layer_drafter_are_lossless(make_tiny_llama):
+    from drafter_train.decoding.autoregressive import generate_autoregressive
+    from drafter_train.decoding.speculative import generate_speculative, generate_tree_speculative
+    from drafter_train.decoding.tree import TreeSpec
+    from drafter_train.drafters.registry import make_drafter
+    from tests.test_eagle3 import GREEDY
+    from tests.test_trees import TREE_GREEDY
+
+    target = make_tiny_llama(vocab_size=16, num_layers=4, init=0.5)
+    model = random_eagle3(target, draft_ids=torch.tensor([0, 2, 3, 4, 5, 6, 8, 9, 11, 12, 13, 15]), scale=0.5,
+                          num_layers=2, intermediate_size=96)
+    prompt = [1, 5, 9, 12, 7]
+    ar = generate_autoregressive(target, prompt, 24).tokens
+    chain = generate_speculative(target, make_drafter(model), prompt, 3, GREEDY, 24)
+    tree = generate_tree_speculative(target, make_drafter(model), prompt, TreeSpec(3, 4, 12), TREE_GREEDY, 24)
+    assert chain.tokens == ar and tree.tokens == ar
+    assert chain.stats.accepted >= 3 and tree.stats.accepted >= chain.stats.accepted
+
+
+def test_a_two_layer_drafter_trains_saves_reloads_and_refuses_the_exports_that_cannot_hold_it(tiny_data, tmp_path):
+    import json
+
+    from drafter_train.decoding.autoregressive import generate_autoregressive
+    from drafter_train.decoding.speculative import generate_speculative
+    from drafter_train.drafters.eagle3 import export as eagle3_export
+    from drafter_train.drafters.eagle3.model import load
+    from drafter_train.drafters.registry import make_drafter
+    from drafter_train.recipes.export import ExportConfig, export
+    from drafter_train.recipes.train import train
+    from drafter_train.targets import load_causal_lm
+    from tests.test_eagle3 import GREEDY, eagle3_cfg
+    from tests.test_train import losses
+
+    cfg = eagle3_cfg(tiny_data, tmp_path / "runs", "drafter.num_layers=2", "drafter.intermediate_size=96",
+                     "train.max_steps=4", "train.save_every=4", "eval.max_new_tokens=4", "train.eval_at_start=false")
+    metrics = train(cfg)
+    run = tmp_path / "runs" / cfg.train.run_name
+    assert metrics["greedy_match"] == 1.0 and losses(run)[4] < losses(run)[1]
+    model = load(str(run / "latest" / "drafter"), "float32")
+    assert len(model.layers) == 2 and model.layers[0].mlp.up_proj.out_features == 96
+    target = load_causal_lm(str(tiny_data / "target"))
+    prompt = [1, 5, 9, 12]
+    assert generate_speculative(target, make_drafter(model), prompt, 3, GREEDY, 16).tokens == \
+        generate_autoregressive(target, prompt, 16).tokens
+    with pytest.raises(ConfigError, match="^export.format: the engines' EAGLE-3 runs one decoder layer, this drafter "
+                                          "has 2"):
+        export(ExportConfig(run_dir=str(run), which="latest", output_dir=str(tmp_path / "vllm"), format="vllm"))
+    with pytest.raises(ConfigError, match="^export.format=gguf: llama.cpp's EAGLE-3 has one decoder layer"):
+        eagle3_export.check_gguf(json.loads((run / "latest" / "drafter" / "config.json").read_text()))
+
+
+def test_a_wider_mlp_exports_for_vllm_at_its_width(make_tiny_llama, tmp_path):
+    import json
+
+    from drafter_train.drafters.eagle3 import export as eagle3_export
+
+    random_eagle3(make_tiny_llama(num_layers=4), intermediate_size=96).save_pretrained(tmp_path / "d")
+    eagle3_export.write_speculators(tmp_path / "d", tmp_path / "vllm", 4, "org/tiny-target", False)
+    layer = json.loads((tmp_path / "vllm" / "config.json").read_text())["transformer_layer_config"]
+    assert layer["intermediate_size"] == 96 and layer["num_hidden_layers"] == 1
+
+
+def test_bad_capacity_is_refused_in_one_line():
+    assert "drafter.num_layers: must be >= 1, got 0" in config_error("drafter.num_layers=0")
+    assert "drafter.intermediate_size: must be >= 0" in config_error("drafter.intermediate_size=-1")
+    assert "copies the target's MLP" in config_error("drafter.init_from_target=true", "drafter.intermediate_size=96")

@@ -177,7 +177,7 @@ def build(cfg: DrafterConfig, ctx: BuildContext) -> Eagle3Model:
     layer_ids = feature_layers(cfg, ctx.target)
     draft_ids = conditioned.choose_draft_ids(cfg, ctx, "EAGLE-3")
     return Eagle3Model.from_target(ctx.target, layer_ids, draft_ids, cfg.fc_norm, cfg.draft_len, cfg.norm_before_fc,
-                                   cfg.norm_output, cfg.init_from_target)
+                                   cfg.norm_output, cfg.init_from_target, cfg.num_layers, cfg.intermediate_size)
 
 
 def _outside(path: str, ctx: BuildContext) -> Eagle3Model:
