@@ -311,7 +311,9 @@ def eagle3_cfg(tiny_data, out, *overrides):
 def test_eagle3_trains_checkpoints_and_resumes_exactly(tiny_data, tmp_path, features, monkeypatch):
     from tests.test_train import assert_resumes_exactly, losses
 
-    args = (f"drafter.features={features}", "loss=fkl")
+    # offline: with feature noise too, which must come from the generator checkpoints keep (drafter.feature_noise)
+    args = (f"drafter.features={features}", "loss=fkl") + (("drafter.feature_noise=0.2",) if features == "offline"
+                                                          else ())
     run_a, run_b, metrics = assert_resumes_exactly(lambda out: eagle3_cfg(tiny_data, out, *args), "eagle3", tmp_path,
                                                    monkeypatch)
     a = load_file(run_a / "step-6" / "drafter" / "model.safetensors")

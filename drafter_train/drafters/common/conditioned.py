@@ -105,11 +105,13 @@ class TargetFeaturesModel(PreTrainedModel):
 
 
 def feature_noise(features: Tensor, scale: float) -> Tensor:
-    """U(-scale, scale) noise shaped like `features`, from torch's global generator (train.seed sets it, checkpoints
-    keep it). Added after the feature norm, never to the raw residual stream: SmolLM2's reaches ~25,000 in a few
+    """U(-scale, scale) noise shaped like `features`. Drawn from torch's CPU generator whatever the device (train.seed
+    sets it and checkpoints keep it, not a GPU's), so a resumed run draws what an uninterrupted one would, on a GPU
+    too. Added after the feature norm, never to the raw residual stream: SmolLM2's reaches ~25,000 in a few
     massive channels and ~1 elsewhere, so no one scale fits it raw, while after an RMSNorm (weight 1 at init) every
     channel is ~1 and `scale` means a fraction of a typical feature, as EAGLE's U(-0.2, 0.2) on normed states does."""
-    return (torch.rand_like(features) * 2 - 1) * scale
+    noise = (torch.rand(features.shape, dtype=torch.float32) * 2 - 1) * scale
+    return noise.to(device=features.device, dtype=features.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------
