@@ -487,8 +487,8 @@ class DatagenConfig:
     top_k: int = 0
     top_p: float = 1.0
     # On-policy data: this many sampled answers per training prompt, each its own record (same prompt_index, next to
-    # each other in the shard); > 1 needs temperature > 0 and backend=hf (vLLM seeds by prompt, so copies would
-    # repeat one answer; llama.cpp resumes by prompt). A shard still holds shard_size prompts.
+    # each other in the shard; vLLM seeds each by prompt and answer); > 1 needs temperature > 0 and backend hf or
+    # vllm (llama.cpp resumes by prompt). A shard still holds shard_size prompts.
     samples_per_prompt: int = 1
     # backend=hf: prompts per batched (left-padded) generate call (vLLM batches on its own: datagen.vllm). 32 by
     # measurement: SmolLM2-135M on 2 CPU threads makes 92 / 142 / 201 / 200 tokens/s at 8 / 16 / 32 / 64
@@ -555,8 +555,8 @@ class DatagenConfig:
         if self.samples_per_prompt > 1:
             check_field(self.temperature > 0, "datagen.samples_per_prompt", f"{self.samples_per_prompt} answers per "
                         f"prompt need sampling: set datagen.temperature > 0 (got {self.temperature}: greedy repeats one)")
-            check_field(self.backend == "hf", "datagen.samples_per_prompt", f"> 1 needs datagen.backend=hf (the "
-                        f"{self.backend} backend seeds or resumes by prompt, so the copies would repeat one answer)")
+            check_field(self.backend != "llamacpp", "datagen.samples_per_prompt", "> 1 needs datagen.backend=hf or "
+                        "vllm (llama-server's answers are resumed by prompt, so the copies would collide)")
             check_field(self.generate and not self.multi_turn, "datagen.samples_per_prompt", "> 1 samples the "
                         "target's first-turn answers: not with datagen.generate=false or datagen.multi_turn")
         check_field(not (self.multi_turn and self.store_topk), "datagen.store_topk", "not with datagen.multi_turn "

@@ -216,7 +216,7 @@ def generate_shard(
     whole shard: vLLM batches on its own) are formed by prompt length to waste less on padding."""
     if not dg.generate:  # fixed responses only (train.response=reference): no target call at all
         return [_record(p, Continuation([]), 0) for p in prompts]
-    prompts = [p for p in prompts for _ in range(dg.samples_per_prompt)]
+    prompts = [dataclasses.replace(p, sample=k) for p in prompts for k in range(dg.samples_per_prompt)]
     by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i].prompt_ids))
     continuations: list = [None] * len(prompts)
     for batch in _chunks(by_length, backend.batch_size or len(prompts)):
