@@ -553,8 +553,9 @@ class DatagenConfig:
         check_field(self.samples_per_prompt >= 1, "datagen.samples_per_prompt",
                     f"must be >= 1, got {self.samples_per_prompt}")
         if self.samples_per_prompt > 1:
-            check_field(self.temperature > 0, "datagen.samples_per_prompt", f"{self.samples_per_prompt} answers per "
-                        f"prompt need sampling: set datagen.temperature > 0 (got {self.temperature}: greedy repeats one)")
+            check_field(self.temperature > 0, "datagen.samples_per_prompt", f"{self.samples_per_prompt} answers "
+                        f"per prompt need sampling: set datagen.temperature > 0 (got {self.temperature}: greedy "
+                        "repeats one)")
             check_field(self.backend != "llamacpp", "datagen.samples_per_prompt", "> 1 needs datagen.backend=hf or "
                         "vllm (llama-server's answers are resumed by prompt, so the copies would collide)")
             check_field(self.generate and not self.multi_turn, "datagen.samples_per_prompt", "> 1 samples the "

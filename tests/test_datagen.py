@@ -354,7 +354,8 @@ def test_several_sampled_answers_per_prompt_are_records_of_their_own_and_reprodu
     (("datagen.samples_per_prompt=2",), r"2 answers per prompt need sampling: set datagen.temperature > 0 \(got 0.0"),
     (("datagen.samples_per_prompt=2", "datagen.temperature=0.7", "datagen.backend=llamacpp"),
      "> 1 needs datagen.backend=hf or vllm"),
-    (("datagen.samples_per_prompt=2", "datagen.temperature=0.7", "datagen.generate=false"), "> 1 samples the target's first-turn answers: not with"),
+    (("datagen.samples_per_prompt=2", "datagen.temperature=0.7", "datagen.generate=false"),
+     "> 1 samples the target's first-turn answers: not with"),
 ])
 def test_bad_samples_per_prompt_is_refused_in_one_line(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=rf"^datagen.samples_per_prompt: {message}"):

@@ -191,7 +191,8 @@ def test_init_from_a_target_of_another_width_or_layer_is_refused(make_tiny_llama
     model = random_eagle3(target)
     wide = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=96, intermediate_size=128, num_hidden_layers=4,
                                         num_attention_heads=4, num_key_value_heads=2)).eval()
-    with pytest.raises(ConfigError, match="^drafter.init_from_target: the target's hidden size is 96, the drafter's 64$"):
+    with pytest.raises(ConfigError, match="^drafter.init_from_target: the target's hidden size is 96, the "
+                                          "drafter's 64$"):
         model.copy_target_layers(wide)
     biased = make_tiny_llama(num_layers=4)
     biased.config.attention_bias = True
