@@ -486,6 +486,10 @@ class DatagenConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    # On-policy data: this many sampled answers per training prompt, each its own record (same prompt_index, next to
+    # each other in the shard; vLLM seeds each by prompt and answer); > 1 needs temperature > 0 and backend hf or
+    # vllm (llama.cpp resumes by prompt). A shard still holds shard_size prompts.
+    samples_per_prompt: int = 1
     # backend=hf: prompts per batched (left-padded) generate call (vLLM batches on its own: datagen.vllm). 32 by
     # measurement: SmolLM2-135M on 2 CPU threads makes 92 / 142 / 201 / 200 tokens/s at 8 / 16 / 32 / 64
     # (docs/benchmarks.md, "The main job on the target's own answers"); GPUs gain from larger batches still, and
@@ -550,6 +554,16 @@ class DatagenConfig:
         check_field(not (self.backend == "llamacpp" and self.store_topk), "datagen.store_topk",
                     "not with datagen.backend=llamacpp: llama-server's n_probs are probabilities after its sampling "
                     "settings, not the raw logits stored; use backend=hf or vllm")
+        check_field(self.samples_per_prompt >= 1, "datagen.samples_per_prompt",
+                    f"must be >= 1, got {self.samples_per_prompt}")
+        if self.samples_per_prompt > 1:
+            check_field(self.temperature > 0, "datagen.samples_per_prompt", f"{self.samples_per_prompt} answers "
+                        f"per prompt need sampling: set datagen.temperature > 0 (got {self.temperature}: greedy "
+                        "repeats one)")
+            check_field(self.backend != "llamacpp", "datagen.samples_per_prompt", "> 1 needs datagen.backend=hf or "
+                        "vllm (llama-server's answers are resumed by prompt, so the copies would collide)")
+            check_field(self.generate and not self.multi_turn, "datagen.samples_per_prompt", "> 1 samples the "
+                        "target's first-turn answers: not with datagen.generate=false or datagen.multi_turn")
         check_field(not (self.multi_turn and self.store_topk), "datagen.store_topk", "not with datagen.multi_turn "
                     "(regenerated turns are re-rendered, so stored logits would not line up; use loss.teacher=online)")
 
@@ -586,9 +600,17 @@ class LossConfig:
     # Where target logits come from: online (a no-grad target forward on the same batch), offline (top-k logits
     # stored by drafter-datagen with datagen.store_topk > 0), none (ce only).
     teacher: str = "online"
+    # Distil on the target's top_k tokens only (HASS's harmonized objective distillation, arXiv 2408.15766): the
+    # teacher renormalised over its top k, the student's whole softmax read there (losses.keep_top_k). 0 = off (the
+    # whole distribution). Not with ce (no teacher), greedy_ce (its argmax is in every top k) or rkl (log p_k = -inf).
+    top_k: int = 0
 
     def __post_init__(self) -> None:
         check_field(self.name in LOSS_NAMES, "loss.name", f"must be one of {LOSS_NAMES}, got {self.name!r}")
+        check_field(self.top_k >= 0, "loss.top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        check_field(not self.top_k or self.name not in ("ce", "greedy_ce", "rkl"), "loss.top_k",
+                    f"not with loss={self.name} (ce has no teacher, greedy_ce's argmax is in every top k, rkl's "
+                    "q log(q / p) is infinite outside it): use fkl, tvd, jsd or an acceptance loss")
         check_field(self.teacher in TEACHERS, "loss.teacher", f"must be one of {TEACHERS}, got {self.teacher!r}")
         check_field(self.temperature > 0, "loss.temperature", f"must be > 0, got {self.temperature}")
         check_field(0 <= self.beta <= 1, "loss.beta", f"must be in [0, 1], got {self.beta}")
@@ -713,6 +735,13 @@ class TrainJobConfig:
     # Checkpoint evaluation (eval.prompts unset = the held-out prompts of train.data_dir).
     eval: EvalConfig = field(default_factory=EvalConfig)
     tracker: TrackerConfig = field(default_factory=TrackerConfig)
+
+    def __post_init__(self) -> None:
+        # a kind with a reduced draft vocabulary distils over it: K must fit it (the target's whole vocabulary is
+        # checked against its config before it loads: preflight.check_top_k)
+        draft_vocab = getattr(self.drafter, "draft_vocab_size", 0)
+        check_field(not draft_vocab or self.loss.top_k <= draft_vocab, "loss.top_k",
+                    f"{self.loss.top_k} is larger than the draft vocabulary (drafter.draft_vocab_size={draft_vocab})")
 
 
 @dataclass

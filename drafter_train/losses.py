@@ -89,6 +89,22 @@ class SharedTeacher:
         return self._made[key]
 
 
+def keep_top_k(target_logits: Tensor, k: int) -> Tensor:
+    """[..., V] teacher logits with everything outside each row's k largest set to -inf: p renormalised over its
+    top k (HASS's harmonized objective distillation, Zhang et al. 2024: the drafter only needs to rank the tokens the
+    target would choose). Every loss then reads it as its p: fkl gives sum_{x in top k} p_k(x) log(p_k(x) / q(x)) with
+    q the student's whole softmax gathered there, tvd the distance from q to p_k over the whole vocabulary. HASS's
+    own term, -sum_{x in top k} p(x) log q(x) added to the full loss, is this fkl times the top-k mass, plus a
+    constant, where this weighs every position alike. k = 0 or k = V: unchanged (the plain loss)."""
+    vocab = target_logits.shape[-1]
+    if k > vocab:
+        raise ValueError(f"loss.top_k: {k} is larger than the teacher's vocabulary ({vocab} tokens)")
+    if not 0 < k < vocab:
+        return target_logits
+    kept = target_logits.topk(k, dim=-1).indices
+    return torch.full_like(target_logits, float("-inf")).scatter_(-1, kept, target_logits.gather(-1, kept))
+
+
 def _pair(student_logits: Tensor, target_logits, mask: Tensor, temperature: float):
     """(log q, log p, mask as bool), each log-prob [B, T, V], after checking the shapes agree (target_logits: a
     tensor or a SharedTeacher)."""

@@ -31,6 +31,7 @@ def check_inputs(cfg) -> None:
         if not target.gguf_file:
             check_tokenizer_fits(target.path)  # a pad or prompt id past the embedding: not an IndexError mid-run
         check_attention(target, getattr(cfg, "eval", None))
+        check_top_k(cfg)
     if drafter is not None and is_saved_drafter(drafter.path):
         _named("drafter.path", lambda: check_model_path(drafter.path))
         check_model_files(drafter.path, "drafter.path")
@@ -47,6 +48,19 @@ def check_inputs(cfg) -> None:
                             ("datagen", getattr(getattr(cfg, "datagen", None), "prompts", None))):
         if prompts and (Path(prompts).suffix or Path(prompts).expanduser().is_absolute()):  # a file, not a hub id
             check_prompt_file(prompts, option)
+
+
+def check_top_k(cfg) -> None:
+    """loss.top_k larger than a local target's vocabulary (its config's vocab_size), in one line before it loads;
+    a hub id or the embedded target is checked where the loss first reads its logits."""
+    k = getattr(getattr(cfg, "loss", None), "top_k", 0)
+    config = Path(cfg.target.path).expanduser() / "config.json"
+    if not k or cfg.target.gguf_file or not config.is_file():
+        return
+    fields = json.loads(config.read_text())
+    vocab = fields.get("vocab_size") or fields.get("text_config", {}).get("vocab_size")
+    if vocab and k > vocab:
+        raise ConfigError(f"loss.top_k: {k} is larger than the target's vocabulary ({vocab} tokens, {config})")
 
 
 def check_outside_drafter(path: str) -> None:

@@ -84,7 +84,7 @@ def test_split_references_and_manifest(folders, greedy_run):
     assert manifest["target"]["path"] == str(folders / "target") and manifest["target"]["chat_template"] is False
     assert manifest["generation"] == {
         "max_new_tokens": 12, "temperature": 0.0, "top_k": 0, "top_p": 1.0, "seed": 0, "store_topk": 0, "generate": True,
-        "backend": "hf",
+        "backend": "hf", "samples_per_prompt": 1,
     }
     assert manifest["counts"] == {
         "eval_prompts": 2, "train_prompts": 10, "skipped": {"empty": 1, "duplicate": 1, "too_long": 1},
@@ -372,3 +372,39 @@ def test_without_generation_only_prompts_and_references_are_stored(folders, tmp_
     check_inputs(OmegaConf.to_object(compose_cfg("train", [*train, "train.response=reference"])))
     with pytest.raises(ConfigError, match="datagen.store_topk: needs datagen.generate=true"):
         OmegaConf.to_object(compose_cfg("datagen", ["datagen.generate=false", "datagen.store_topk=4"]))
+
+
+# ---- datagen.samples_per_prompt: several sampled answers per prompt (on-policy data) ----
+
+
+def test_several_sampled_answers_per_prompt_are_records_of_their_own_and_reproducible(folders, tmp_path):
+    sampled = ("datagen.temperature=1.0", "datagen.samples_per_prompt=3", "datagen.seed=3")
+    data = load_distill_dataset(run_datagen(job(folders, tmp_path / "a", *sampled), progress=False))
+    assert data["prompt_index"] == [i for i in range(10) for _ in range(3)]  # 3 records per prompt, side by side
+    answers = [data["response_ids"][3 * i: 3 * i + 3] for i in range(10)]
+    for i in range(10):  # one prompt, its reference answer, three draws
+        rows = data.select(range(3 * i, 3 * i + 3))
+        assert len(set(rows["prompt"])) == 1 and len({tuple(r) for r in rows["reference_ids"]}) == 1
+    assert sum(len({tuple(a) for a in three}) > 1 for three in answers) >= 8  # sampled: the draws differ
+    again = load_distill_dataset(run_datagen(job(folders, tmp_path / "b", *sampled), progress=False))
+    other = load_distill_dataset(run_datagen(job(folders, tmp_path / "c", *sampled[:2], "datagen.seed=4"),
+                                             progress=False))
+    assert again["response_ids"] == data["response_ids"] and other["response_ids"] != data["response_ids"]
+    manifest = json.loads((tmp_path / "a" / "datagen.json").read_text())
+    assert manifest["generation"]["samples_per_prompt"] == 3
+    assert [(s["prompts"], s["records"]) for s in manifest["shards"]] == [(4, 12), (4, 12), (2, 6)]
+    with pytest.raises(ConfigError, match="datagen.output_dir: .* other settings"):  # a folder holds one setting
+        run_datagen(job(folders, tmp_path / "a", "datagen.temperature=1.0", "datagen.seed=3"), progress=False)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("datagen.samples_per_prompt=0",), "must be >= 1, got 0"),
+    (("datagen.samples_per_prompt=2",), r"2 answers per prompt need sampling: set datagen.temperature > 0 \(got 0.0"),
+    (("datagen.samples_per_prompt=2", "datagen.temperature=0.7", "datagen.backend=llamacpp"),
+     "> 1 needs datagen.backend=hf or vllm"),
+    (("datagen.samples_per_prompt=2", "datagen.temperature=0.7", "datagen.generate=false"),
+     "> 1 samples the target's first-turn answers: not with"),
+])
+def test_bad_samples_per_prompt_is_refused_in_one_line(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=rf"^datagen.samples_per_prompt: {message}"):
+        job(tmp_path, tmp_path / "out", *overrides)

@@ -30,12 +30,15 @@ from tests.test_train import train_cfg
 GREEDY = make_verifier("greedy", SamplingParams())
 
 
-def random_eagle3(target, layers=(0, 2, 3), draft_ids=None, scale=0.3, seed=1, fc_norm=True, norm_before_fc=False):
+def random_eagle3(target, layers=(0, 2, 3), draft_ids=None, scale=0.3, seed=1, fc_norm=True, norm_before_fc=False,
+                  **capacity):
     """An EAGLE-3 drafter for `target` with large random weights (so that its drafts vary and sometimes match);
-    norm_before_fc: llama.cpp's one input norm instead of fc_norm, its weight random too."""
+    norm_before_fc: llama.cpp's one input norm instead of fc_norm, its weight random too; capacity: num_layers and
+    intermediate_size."""
     vocab = target.config.vocab_size
     ids = torch.arange(vocab) if draft_ids is None else draft_ids
-    model = Eagle3Model.from_target(target, list(layers), ids, fc_norm and not norm_before_fc, 4, norm_before_fc)
+    model = Eagle3Model.from_target(target, list(layers), ids, fc_norm and not norm_before_fc, 4, norm_before_fc,
+                                    **capacity)
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if p.dim() > 1 and not name.startswith("embed_tokens"):
@@ -138,7 +141,13 @@ def test_ttt_unroll_equals_sequential_decoding_steps(make_tiny_llama):
     features, _ = target_signals(target, collate([{"prompt_ids": ids[0, :4].tolist(),
                                                    "response_ids": ids[0, 4:].tolist()}], "response_ids", 64, 0),
                                  model.config.target_layers)
-    steps, gather = 3, torch.arange(1, 12)[None]  # target positions p: step j learns them at row p - 1 - j
+    assert_unroll_equals_decoding(model, ids, features)
+
+
+def assert_unroll_equals_decoding(model, ids, features, steps=3):
+    """ids [1, 12]: training's unrolled step j at each row t < 8 against step 0 over rows 0..t then j cached
+    single-token steps. Returns the last decoding cache."""
+    gather = torch.arange(1, 12)[None]  # target positions p: step j learns them at row p - 1 - j
     unrolled = model(ids, features, torch.ones_like(ids), gather, steps)
     for t in range(8):
         cache, length = model.new_cache(), t + 1
@@ -149,6 +158,7 @@ def test_ttt_unroll_equals_sequential_decoding_steps(make_tiny_llama):
             expected = unrolled[j][0, t + j]  # gather column p - 1 = t + j
             torch.testing.assert_close(model.draft_logits(hidden)[0, -1], expected, rtol=1e-4, atol=1e-4)
             hidden = model.step(ids[:, t + 2 + j].view(1, 1), hidden, torch.tensor([[t + 1 + j]]), None, cache)
+    return cache
 
 
 @torch.no_grad()
@@ -305,7 +315,9 @@ def eagle3_cfg(tiny_data, out, *overrides):
 def test_eagle3_trains_checkpoints_and_resumes_exactly(tiny_data, tmp_path, features, monkeypatch):
     from tests.test_train import assert_resumes_exactly, losses
 
-    args = (f"drafter.features={features}", "loss=fkl")
+    # offline: with feature noise too, which must come from the generator checkpoints keep (drafter.feature_noise)
+    args = (f"drafter.features={features}", "loss=fkl") + (("drafter.feature_noise=0.2",) if features == "offline"
+                                                          else ())
     run_a, run_b, metrics = assert_resumes_exactly(lambda out: eagle3_cfg(tiny_data, out, *args), "eagle3", tmp_path,
                                                    monkeypatch)
     a = load_file(run_a / "step-6" / "drafter" / "model.safetensors")

@@ -320,3 +320,63 @@ def test_a_shared_teacher_gives_each_losss_value_and_gradient_over_any_sub_mask(
         assert mine.num_tokens == plain.num_tokens
         assert_close(shared_s.grad, plain_s.grad, **TOL)
     assert shared.log_probs(1.0) is shared.log_probs(1.0)
+
+
+# ---- loss.top_k: distillation on the target's top-K tokens (HASS) ----
+
+
+def _naive_top_k(per_position, student, target, mask, k):
+    """The loss on p renormalised over its k largest, the student's whole softmax q read at those ids and, for the
+    distance, its mass elsewhere: a python loop over plain floats."""
+    total = 0.0
+    for b in range(B):
+        for t in range(T):
+            if mask[b, t]:
+                row = target[b, t].tolist()
+                kept = sorted(range(V), key=lambda i: -row[i])[:k]
+                p_k = _softmax([row[i] for i in kept])
+                q = _softmax(student[b, t].tolist())
+                total += per_position([q[i] for i in kept], p_k, 1 - sum(q[i] for i in kept))
+    return torch.tensor(total, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("name, naive", [
+    ("fkl", lambda q_k, p_k, q_rest: sum(p * math.log(p / q) for p, q in zip(p_k, q_k))),
+    ("tvd", lambda q_k, p_k, q_rest: 0.5 * (sum(abs(p - q) for p, q in zip(p_k, q_k)) + q_rest)),
+])
+@pytest.mark.parametrize("k", [1, 3])
+def test_top_k_distillation_matches_a_naive_loop(name, naive, k):
+    from drafter_train.config import LossConfig
+    from drafter_train.drafters.common.distill import apply_loss
+
+    s, t = _logits(0), _logits(1)
+    out = apply_loss(LossConfig(name=name, top_k=k), s, None, MASK, lambda: t, 4)
+    assert_close(out.loss_sum, _naive_top_k(naive, s, t, MASK, k), **TOL)
+    assert not torch.allclose(out.loss_sum, get_loss(name)(s, t, MASK).loss_sum)
+    # through a SharedTeacher (EAGLE-3's steps): restricted once where it is made, the same value
+    from drafter_train.drafters.common.distill import top_k_teacher
+
+    shared = SharedTeacher(top_k_teacher(t.detach(), LossConfig(name=name, top_k=k)), MASK)
+    assert_close(apply_loss(LossConfig(name=name, top_k=k), s, None, MASK, lambda: shared, 4).loss_sum,
+                 out.loss_sum, **TOL)
+
+
+@pytest.mark.parametrize("name", ["fkl", "tvd", "jsd", "accepted_length"])
+def test_top_k_of_the_whole_vocabulary_is_the_plain_loss(name):
+    from drafter_train.config import LossConfig
+    from drafter_train.drafters.common.distill import apply_loss
+
+    s, t = _logits(0), _logits(1)
+    for k in (0, V):
+        out = apply_loss(LossConfig(name=name, top_k=k), s, None, MASK, lambda: t, 2)
+        assert_close(out.loss_sum, apply_loss(LossConfig(name=name), s, None, MASK, lambda: t, 2).loss_sum, **TOL)
+
+
+def test_a_top_k_larger_than_the_vocabulary_is_refused_in_one_line():
+    from drafter_train.config import LossConfig
+    from drafter_train.drafters.common.distill import apply_loss
+    from drafter_train.errors import ConfigError
+
+    s, t = _logits(0), _logits(1)
+    with pytest.raises(ConfigError, match=rf"^loss.top_k: {V + 1} is larger than the teacher's vocabulary \({V} "):
+        apply_loss(LossConfig(name="fkl", top_k=V + 1), s, None, MASK, lambda: t, 2)

@@ -133,6 +133,22 @@ def test_sampled_settings_crash_and_resume(folders, tmp_path, monkeypatch):
     assert any(t not in ids for r, k in zip(resumed["response_ids"], resumed["topk_ids"]) for t, ids in zip(r, k))
 
 
+def test_several_answers_per_prompt_draw_each_with_its_own_seed(folders, tmp_path, monkeypatch):
+    """datagen.samples_per_prompt: the copies of a prompt are seeded by prompt and answer (the first as before), so
+    they differ from each other and a rerun redraws them."""
+    sampled = ("datagen.backend=vllm", "datagen.temperature=1.0", "datagen.seed=3", "datagen.samples_per_prompt=3")
+    monkeypatch.setenv("FAKE_VLLM_RECORD", str(tmp_path / "calls.jsonl"))
+    data = load_distill_dataset(run_datagen(job(folders, tmp_path / "a", *sampled), progress=False))
+    assert data["prompt_index"] == [i for i in range(10) for _ in range(3)]
+    seeds = [p["seed"] for c in records(tmp_path / "calls.jsonl") if "request" in c for p in c["request"]["params"]]
+    assert sorted(seeds) == sorted(prompt_seed(3, i, k) for i in range(10) for k in range(3))
+    assert prompt_seed(3, 5, 0) == prompt_seed(3, 5)  # one answer per prompt: the seeds folders already have
+    answers = [{tuple(a) for a in data["response_ids"][3 * i: 3 * i + 3]} for i in range(10)]
+    assert sum(len(three) > 1 for three in answers) >= 8
+    again = load_distill_dataset(run_datagen(job(folders, tmp_path / "b", *sampled), progress=False))
+    assert again["response_ids"] == data["response_ids"]
+
+
 def test_a_folder_resumes_only_with_its_backend(folders, tmp_path, monkeypatch):
     out = run_datagen(job(folders, tmp_path / "hf", "datagen.num_prompts=4"), progress=False)
     with pytest.raises(ConfigError, match=r"other settings \(generation.backend: 'hf' -> 'vllm'\)"):

@@ -35,6 +35,7 @@ class TrainPrompt:
     text: str
     prompt_ids: list[int]  # chat template applied (when on)
     reference_ids: list[int]  # the source's own answer, plain tokens, cut to max_new_tokens; [] if none
+    sample: int = 0  # which of its datagen.samples_per_prompt answers this copy draws (vLLM seeds by it)
 
 
 @dataclass

@@ -34,7 +34,7 @@ FORMAT = "drafter-datagen/1"
 # datagen.json sections that must be identical for a rerun to continue the same data.
 COMPARED = ("format", "target", "generation", "prompts")
 # Compared settings added after FORMAT was first written, with the value that older folders were made with.
-IMPLIED = {("generation", "backend"): "hf", ("generation", "generate"): True}
+IMPLIED = {("generation", "backend"): "hf", ("generation", "generate"): True, ("generation", "samples_per_prompt"): 1}
 # Compared settings a rerun may raise: more training prompts grow the folder (the selection walks the source in
 # order, so the old prompts are a prefix of the new ones; run_datagen checks that through the prefix's sha256).
 GROWABLE = {("prompts", "num_prompts")}
@@ -106,13 +106,14 @@ class DatagenStore:
         old = (self.manifest or {}).get("prompts", {}).get("num_prompts")
         return old if old is not None and old < num_prompts else None
 
-    def redo_short_shards(self, num_train: int, shard_size: int) -> list[str]:
+    def redo_short_shards(self, num_train: int, shard_size: int, samples_per_prompt: int = 1) -> list[str]:
         """Delete finished shards that hold fewer prompts than the selection now puts in them (a grown folder's old
-        last shard); they are generated again, whole. Returns their names."""
+        last shard; samples_per_prompt records each); they are generated again, whole. Returns their names."""
         redo = []
         for path in self._shard_paths():
             index = int(path.name.removeprefix("shard-"))
-            if datasets.load_from_disk(str(path)).num_rows != min(shard_size, num_train - index * shard_size):
+            prompts = min(shard_size, num_train - index * shard_size)
+            if datasets.load_from_disk(str(path)).num_rows != prompts * samples_per_prompt:
                 shutil.rmtree(path)
                 redo.append(path.name)
         return redo
@@ -251,8 +252,11 @@ def _shard_entry(path: Path) -> dict:
     """Counted from the shard itself: a run killed between the rename and the datagen.json update loses nothing."""
     shard = datasets.load_from_disk(str(path))
     responses = shard["response_ids"]
-    entry = {"name": path.name, "prompts": len(responses), "response_tokens": sum(len(r) for r in responses),
+    entry = {"name": path.name, "prompts": len(set(shard["prompt_index"])),
+             "response_tokens": sum(len(r) for r in responses),
              "reference_tokens": sum(len(r) for r in shard["reference_ids"])}
+    if len(responses) != entry["prompts"]:  # datagen.samples_per_prompt > 1: several answers per prompt
+        entry["records"] = len(responses)
     if "dropped_turns" in shard.column_names:  # multi-turn: what the length rules took away, never silently
         dropped = shard["dropped_turns"]
         entry.update(truncated_conversations=sum(n > 0 for n in dropped), dropped_turns=sum(dropped),

@@ -98,9 +98,11 @@ def sampling_params(dg: DatagenConfig, eos: Sequence[int]) -> dict:
     return params
 
 
-def prompt_seed(seed: int, index: int) -> int:
-    """The sampling seed of training prompt ``index``: independent of its shard, batch and the other prompts."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{index}".encode()).digest()[:8], "little") >> 1
+def prompt_seed(seed: int, index: int, sample: int = 0) -> int:
+    """The sampling seed of training prompt ``index`` (its answer ``sample`` of datagen.samples_per_prompt; the
+    first keeps the seed folders made before the option have): independent of its shard, batch and other prompts."""
+    key = f"{seed}:{index}" + (f":{sample}" if sample else "")
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
 def to_continuation(output: dict, eos: set[int], store_topk: int) -> Continuation:
@@ -140,7 +142,7 @@ class VllmBackend:
         if self.process is None:
             self._start()
         dg = self.cfg.datagen
-        seeds = [prompt_seed(dg.seed, p.index) for p in prompts] if dg.temperature > 0 else None
+        seeds = [prompt_seed(dg.seed, p.index, p.sample) for p in prompts] if dg.temperature > 0 else None
         self._send({"prompts": [p.prompt_ids for p in prompts], "sampling": self.sampling, "seeds": seeds})
         answer = self._receive("while generating")
         eos = set(self.eos_token_ids)

@@ -93,7 +93,7 @@ def run_datagen(cfg: DatagenJobConfig, progress: bool = True) -> Path:
     store.check_settings(settings)  # same source name, different content: refuse too
     settings["prompts"]["sha256"] = selection.fingerprint()
     if grown_from is not None:
-        store.redo_short_shards(len(selection.train), dg.shard_size)
+        store.redo_short_shards(len(selection.train), dg.shard_size, dg.samples_per_prompt)
     store.start(_manifest(cfg, settings, selection, backend), selection.eval_prompts)
     with backend:
         meter = _generate_missing_shards(selection.train, dg, store, progress, make_shard)
@@ -141,7 +141,8 @@ def data_settings(cfg: DatagenJobConfig) -> dict:
     greedy results do not depend on it, sampled ones only through the random stream). The backend is compared:
     its kernels part from the other's at near-ties, so one folder holds one backend's continuations."""
     dg = cfg.datagen
-    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "store_topk", "generate", "backend")
+    names = ("max_new_tokens", "temperature", "top_k", "top_p", "seed", "store_topk", "generate", "backend",
+             "samples_per_prompt")  # folders written before it imply 1 (store.IMPLIED)
     generation = {k: getattr(dg, k) for k in names}
     prompts = {k: getattr(dg, k) for k in ("prompt_field", "response_field", "num_eval_prompts", "num_prompts")}
     prompts.update(source=source_name(dg), max_prompt_tokens=dg.max_prompt_tokens, shard_size=dg.shard_size)
@@ -176,7 +177,7 @@ def _generate_missing_shards(train: list, dg: DatagenConfig, store: DatagenStore
     shards = list(_chunks(train, dg.shard_size))
     finished = store.finished_shards()
     done = sum(len(shard) for index, shard in enumerate(shards) if shard_name(index) in finished)
-    meter = Throughput(len(train), done, progress)
+    meter = Throughput(len(train) * dg.samples_per_prompt, done * dg.samples_per_prompt, progress)  # answers
     for index, items in enumerate(shards):
         if shard_name(index) in finished:
             continue
@@ -210,10 +211,12 @@ def _conversation_shard(backend: Backend, chat: ChatTemplate, dg: DatagenConfig,
 def generate_shard(
     backend: Backend, prompts: Sequence[TrainPrompt], dg: DatagenConfig, meter: Throughput
 ) -> list[dict]:
-    """Records for one shard, in prompt order; batches (backend.batch_size prompts, None = the whole shard: vLLM
-    batches on its own) are formed by prompt length to waste less on padding."""
+    """Records for one shard, in prompt order (datagen.samples_per_prompt records per prompt, side by side: each a
+    row of its own in the sampled batch, so each draws its own answer); batches (backend.batch_size rows, None = the
+    whole shard: vLLM batches on its own) are formed by prompt length to waste less on padding."""
     if not dg.generate:  # fixed responses only (train.response=reference): no target call at all
         return [_record(p, Continuation([]), 0) for p in prompts]
+    prompts = [dataclasses.replace(p, sample=k) for p in prompts for k in range(dg.samples_per_prompt)]
     by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i].prompt_ids))
     continuations: list = [None] * len(prompts)
     for batch in _chunks(by_length, backend.batch_size or len(prompts)):

@@ -75,15 +75,21 @@ class TargetFeaturesModel(PreTrainedModel):
         """The vocabulary its tokens and drafts live in (the LM head covers only the draft vocabulary)."""
         return self.embed_tokens.num_embeddings
 
-    def fused_input(self, features: Tensor) -> Tensor:
+    def fused_input(self, features: Tensor, noise: float = 0.0) -> Tensor:
         """[..., n * H_t] target features -> [..., H]: fc over them (each layer's feature normalised first with
-        fc_norm; the whole concatenation with norm_before_fc)."""
+        fc_norm; the whole concatenation with norm_before_fc). noise > 0: U(-noise, noise) added to the normalised
+        features (EAGLE's feature augmentation; training only, the callers decide)."""
         features = features.to(self.fc.weight.dtype)
         if self.fc_norm is not None:
             chunks = features.chunk(len(self.fc_norm), dim=-1)
             features = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
         if self.input_norm is not None:
             features = self.input_norm(features)
+        if noise:
+            if self.fc_norm is None and self.input_norm is None:
+                raise ConfigError("drafter.feature_noise: needs the features normalised (drafter.fc_norm=true or "
+                                  "drafter.norm_before_fc=true): one scale means nothing on the raw residual stream")
+            features = features + feature_noise(features, noise)
         return self.fc(features)
 
     def copy_from_target(self, target: PreTrainedModel, draft_ids: Tensor) -> None:
@@ -96,6 +102,16 @@ class TargetFeaturesModel(PreTrainedModel):
         self.embed_tokens.weight.data.copy_(target.get_input_embeddings().weight.data)
         self.lm_head.weight.data.copy_(target.get_output_embeddings().weight.data[draft_ids])
         self.norm.load_state_dict(target.get_decoder().norm.state_dict())
+
+
+def feature_noise(features: Tensor, scale: float) -> Tensor:
+    """U(-scale, scale) noise shaped like `features`. Drawn from torch's CPU generator whatever the device (train.seed
+    sets it and checkpoints keep it, not a GPU's), so a resumed run draws what an uninterrupted one would, on a GPU
+    too. Added after the feature norm, never to the raw residual stream: SmolLM2's reaches ~25,000 in a few
+    massive channels and ~1 elsewhere, so no one scale fits it raw, while after an RMSNorm (weight 1 at init) every
+    channel is ~1 and `scale` means a fraction of a typical feature, as EAGLE's U(-0.2, 0.2) on normed states does."""
+    noise = (torch.rand(features.shape, dtype=torch.float32) * 2 - 1) * scale
+    return noise.to(device=features.device, dtype=features.dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

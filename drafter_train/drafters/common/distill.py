@@ -12,7 +12,8 @@ from transformers import PreTrainedModel
 from drafter_train.config import LossConfig
 from drafter_train.cpu_kernels import stock_kernels
 from drafter_train.data.batches import Batch
-from drafter_train.losses import LossOutput, get_loss
+from drafter_train.errors import ConfigError
+from drafter_train.losses import LossOutput, SharedTeacher, get_loss, keep_top_k
 
 
 def response_logits(model: PreTrainedModel, batch: Batch) -> Tensor:
@@ -52,7 +53,8 @@ def apply_loss(
     weights: Optional[Tensor] = None,
 ) -> LossOutput:
     """student [B, T, V], labels/mask [B, T]; `teacher()` gives the [B, T, V] teacher logits (not called for ce);
-    weights [B, T]: per-position loss weights (None: all 1)."""
+    weights [B, T]: per-position loss weights (None: all 1). loss.top_k: the teacher restricted to its top k first
+    (a SharedTeacher is restricted where it is made: top_k_teacher)."""
     fn = get_loss(loss.name)
     if loss.name == "ce":
         return fn(student, labels, mask, temperature=loss.temperature, weights=weights)
@@ -61,4 +63,13 @@ def apply_loss(
         options["beta"] = loss.beta
     if loss.name in ("accepted_length", "reach_weighted_tvd"):
         options["draft_len"] = draft_len
-    return fn(student, teacher(), mask, **options)
+    target = teacher()
+    return fn(student, target if isinstance(target, SharedTeacher) else top_k_teacher(target, loss), mask, **options)
+
+
+def top_k_teacher(logits: Tensor, loss: LossConfig) -> Tensor:
+    """The teacher's logits restricted to its loss.top_k largest (losses.keep_top_k), a bad K in one line."""
+    try:
+        return keep_top_k(logits, loss.top_k)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

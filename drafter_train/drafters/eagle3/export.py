@@ -47,7 +47,12 @@ def _layer_config(config: dict) -> dict:
     if backbone.get("model_type") not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"export.format: EAGLE-3 export supports {SUPPORTED_ARCHITECTURES} targets, this drafter's "
                           f"target is {backbone.get('model_type')!r}")
+    if config.get("num_layers", 1) != 1:  # vLLM's and SGLang's EAGLE-3 Llama models: one 2H-wide layer
+        raise ConfigError(f"export.format: the engines' EAGLE-3 runs one decoder layer, this drafter has "
+                          f"{config['num_layers']} (drafter.num_layers); evaluate it with our decoder")
     layer = {k: backbone[k] for k in _LAYER_KEYS if backbone.get(k) is not None}
+    if config.get("intermediate_size"):  # drafter.intermediate_size: the engines build the MLP from the layer config
+        layer["intermediate_size"] = config["intermediate_size"]
     layer.update(num_hidden_layers=1, tie_word_embeddings=False, vocab_size=config["vocab_size"],
                  architectures=["LlamaForCausalLM"])
     return layer
@@ -156,6 +161,10 @@ def write_sglang(drafter_dir: Path, out: Path, draft_len: int, verifier: str, ke
 
 def check_gguf(config: dict) -> None:
     """Refuse, in one line, an EAGLE-3 drafter llama.cpp would run differently from how it was trained."""
+    if config.get("num_layers", 1) != 1 or config.get("intermediate_size"):
+        raise ConfigError("export.format=gguf: llama.cpp's EAGLE-3 has one decoder layer of the target's MLP width; "
+                          "train with drafter.num_layers=1 drafter.intermediate_size=0 (a wider MLP exports as "
+                          "export.format=vllm)")
     if config.get("norm_output"):
         raise ConfigError("export.format=gguf: llama.cpp's EAGLE-3 has no norm_output (each step would read its "
                           "output unnormed); train with drafter.norm_output=false, or export export.format=vllm")

@@ -34,7 +34,7 @@ from drafter_train.decoding.draft_exit import draft_confidence
 from drafter_train.decoding.drafter import Proposal
 from drafter_train.decoding.sampling import SamplingParams, choose_token
 from drafter_train.decoding.tree import TreePool, attention_mask
-from drafter_train.drafters.common.distill import apply_loss
+from drafter_train.drafters.common.distill import apply_loss, top_k_teacher
 from drafter_train.drafters.common import conditioned
 from drafter_train.drafters.eagle3 import export as eagle3_export, outside, outside_load
 from drafter_train.drafters.registry import BuildContext, DrafterKind, register
@@ -144,10 +144,12 @@ def eagle3_loss(module: nn.Module, target: PreTrainedModel, batch: Batch, cfg: T
     with conditioned.target_precision(batch.input_ids.device, cfg):
         features, target_hidden = conditioned.target_signals(target, batch, model.config.target_layers)
         teacher = conditioned.draft_teacher(model, target, target_hidden)
-    student = module(batch.input_ids, features, batch.attention_mask, batch.resp_pos, cfg.drafter.ttt_steps)
+    student = module(batch.input_ids, features, batch.attention_mask, batch.resp_pos, cfg.drafter.ttt_steps,
+                     cfg.drafter.feature_noise)
     labels = conditioned.draft_labels(model, batch.labels)
     total = torch.zeros((), device=batch.input_ids.device)
-    teacher = SharedTeacher(teacher, batch.resp_mask)  # every step learns the same positions: its softmax once
+    # every step learns the same positions: its softmax once (restricted to loss.top_k here, once, too)
+    teacher = SharedTeacher(top_k_teacher(teacher, cfg.loss), batch.resp_mask)
     for j, logits in enumerate(student):
         mask = batch.resp_mask & (batch.resp_pos - 1 - j >= 0)
         if cfg.loss.name == "ce":
@@ -175,7 +177,7 @@ def build(cfg: DrafterConfig, ctx: BuildContext) -> Eagle3Model:
     layer_ids = feature_layers(cfg, ctx.target)
     draft_ids = conditioned.choose_draft_ids(cfg, ctx, "EAGLE-3")
     return Eagle3Model.from_target(ctx.target, layer_ids, draft_ids, cfg.fc_norm, cfg.draft_len, cfg.norm_before_fc,
-                                   cfg.norm_output)
+                                   cfg.norm_output, cfg.init_from_target, cfg.num_layers, cfg.intermediate_size)
 
 
 def _outside(path: str, ctx: BuildContext) -> Eagle3Model:

@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModel, DynamicCache, LlamaConfig, Pretr
 
 from drafter_train.drafters.common.backbone import plain_layer_config
 from drafter_train.drafters.common import conditioned
+from drafter_train.errors import ConfigError
 from drafter_train.features import num_layers
 
 
@@ -22,14 +23,17 @@ MODEL_TYPE = "eagle3_drafter"
 
 class Eagle3Config(PretrainedConfig):
     """`backbone`: the target's config as a dict (the layer's architecture); target_layers: the fused target layers
-    (features.py convention) of a target with target_num_layers layers; draft_vocab_size: rows of the LM head."""
+    (features.py convention) of a target with target_num_layers layers; draft_vocab_size: rows of the LM head;
+    num_layers: decoder layers (the first reads [embedding; hidden], the rest are plain layers on its output);
+    intermediate_size: their MLP width (0: the backbone's, i.e. the target's)."""
 
     model_type = MODEL_TYPE
 
     def __init__(self, backbone: Optional[dict] = None, target_layers: Sequence[int] = (), target_num_layers: int = 0,
                  target_hidden_size: int = 0, draft_vocab_size: int = 0, fc_norm: bool = True, draft_len: int = 4,
                  draft_vocab_fingerprint: Optional[str] = None, norm_before_fc: bool = False,
-                 target_sliding_window: Optional[int] = None, norm_output: bool = False, **kwargs):
+                 target_sliding_window: Optional[int] = None, norm_output: bool = False, num_layers: int = 1,
+                 intermediate_size: int = 0, **kwargs):
         self.backbone = backbone or {}
         self.target_layers, self.target_num_layers = list(target_layers), target_num_layers
         self.target_hidden_size, self.draft_vocab_size = target_hidden_size, draft_vocab_size
@@ -38,6 +42,7 @@ class Eagle3Config(PretrainedConfig):
         # EAGLE 3.1 (speculators' default): each step hands the next its output after the final norm
         self.norm_output = norm_output
         self.draft_vocab_fingerprint = draft_vocab_fingerprint  # draft_vocab.fingerprint of d2t, checked at load
+        self.num_layers, self.intermediate_size = num_layers, intermediate_size  # capacity (drafter.num_layers ...)
         # the target's model-wide window (export.py: vLLM would apply it to the drafter's layer too)
         self.target_sliding_window = target_sliding_window
         # transformers' default initialisation (linear, embedding, norms and the rotary buffers a load recomputes)
@@ -45,11 +50,14 @@ class Eagle3Config(PretrainedConfig):
         super().__init__(**kwargs)
 
     def layer_config(self) -> PretrainedConfig:
-        """The backbone architecture with one layer: what the drafter's decoder layer is built from."""
+        """The backbone architecture with num_layers layers (at intermediate_size): what the drafter's decoder layers
+        are built from."""
         config = AutoConfig.for_model(**copy.deepcopy(self.backbone))
-        config.num_hidden_layers = 1
+        config.num_hidden_layers = self.num_layers
         if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[:1]
+            config.layer_types = config.layer_types[:1] * self.num_layers
+        if self.intermediate_size:
+            config.intermediate_size = self.intermediate_size
         config.tie_word_embeddings = False
         return config
 
@@ -113,7 +121,7 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
         for name in ("q_proj", "k_proj", "v_proj"):  # attention reads [embedding; hidden]: 2H wide
             setattr(attn, name, nn.Linear(2 * hidden, getattr(attn, name).out_features, bias=bias))
         layer.hidden_norm = norm_class(hidden, eps=eps)
-        self.layers = nn.ModuleList([layer])
+        self.layers = base.layers  # the first as above; any further one a plain layer of the backbone
         self.norm, self.rotary_emb = base.norm, base.rotary_emb
         self._add_head(config, hidden, vocab)
         self.post_init()
@@ -133,10 +141,13 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
         layer = self.layers[0]
         embeds = self.embed_tokens(token_ids).to(hidden.dtype)
         attn_in = torch.cat([layer.input_layernorm(embeds), layer.hidden_norm(hidden)], dim=-1)
-        attn_out, _ = layer.self_attn(hidden_states=attn_in, position_embeddings=self.rotary_emb(hidden, position_ids),
+        position_embeddings = self.rotary_emb(hidden, position_ids)
+        attn_out, _ = layer.self_attn(hidden_states=attn_in, position_embeddings=position_embeddings,
                                       attention_mask=mask, past_key_values=cache)
         hidden = hidden + attn_out
         out = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        for later in self.layers[1:]:  # drafter.num_layers > 1: plain layers, their own entries in the cache
+            out = later(out, attention_mask=mask, position_embeddings=position_embeddings, past_key_values=cache)
         return self.norm(out) if self.config.norm_output else out  # norm_output: the next step reads it normed
 
     def draft_logits(self, hidden: Tensor) -> Tensor:
@@ -149,13 +160,14 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
     # ---- training ----
 
     def forward(self, input_ids: Tensor, features: Tensor, attention_mask: Tensor, gather_pos: Tensor,
-                steps: int) -> list[Tensor]:
+                steps: int, feature_noise: float = 0.0) -> list[Tensor]:
         """Training-time test: `steps` unrolled steps over whole sequences, in one module call (so DDP / DeepSpeed
         hooks run). input_ids/attention_mask [B, T], features [B, T, n*H_t], gather_pos [B, R] target positions p
         whose distribution is learned. Returns, per step j, the draft logits [B, R, Vd] of row p - 1 - j (the row
-        whose step j predicts the token after position p; rows < 0 are clamped, the loss masks them)."""
+        whose step j predicts the token after position p; rows < 0 are clamped, the loss masks them).
+        feature_noise: drafter.feature_noise, applied in training mode only (decoding calls fuse, never this)."""
         batch, length = input_ids.shape
-        hidden, outputs = self.fuse(features), []
+        hidden, outputs = self.fused_input(features, feature_noise if self.training else 0.0), []
         rows = torch.arange(length, device=input_ids.device).expand(batch, -1)  # step 0: every position
         cache = self.new_cache()
         for j in range(steps):
@@ -175,14 +187,61 @@ class Eagle3Model(conditioned.TargetFeaturesModel):
 
     @classmethod
     def from_target(cls, target: PreTrainedModel, layer_ids: Sequence[int], draft_ids: Tensor, fc_norm: bool,
-                    draft_len: int, norm_before_fc: bool = False, norm_output: bool = False) -> "Eagle3Model":
+                    draft_len: int, norm_before_fc: bool = False, norm_output: bool = False,
+                    init_from_target: bool = False, num_layers: int = 1, intermediate_size: int = 0
+                    ) -> "Eagle3Model":
         """A new drafter for `target`: frozen copy of its embeddings, LM head rows and final norm of the draft
-        vocabulary; fc and the layer freshly initialised."""
+        vocabulary; fc freshly initialised, the layers too unless init_from_target (copy_target_layers)."""
         config = new_config(target, layer_ids, draft_ids.numel(), fc_norm, draft_len, norm_before_fc)
-        config.norm_output = norm_output
+        config.norm_output, config.num_layers, config.intermediate_size = norm_output, num_layers, intermediate_size
         drafter = cls(config).to(target.dtype)
         drafter.copy_from_target(target, draft_ids)
+        if init_from_target:
+            drafter.copy_target_layers(target)
         return drafter.to(target.device)
+
+    @torch.no_grad()
+    def copy_target_layers(self, target: PreTrainedModel) -> None:
+        """drafter.init_from_target: the drafter's layers start as the target's last ones (one layer: its last).
+
+        The first layer's q/k/v read [normed embedding; normed hidden] (2H): the hidden half gets the target's
+        weights and the embedding half zeros, so at the start the layer is exactly the target's layer on the hidden
+        input (its residual stream), at the target's own attention scale; the same weights on both halves would
+        instead add two unrelated inputs and roughly double the attention logits. Zeros still learn (their gradient
+        is the embedding times the output's), so the token's contribution grows from there. hidden_norm gets the
+        target's input_layernorm (it normalises what the target's layer normalised); input_layernorm, on the token
+        embedding whose columns start at zero, keeps its init. o_proj, the MLP and post_attention_layernorm are copied
+        as they are, and any further layer is the next target layer whole."""
+        width, mine = target.config.get_text_config().hidden_size, self.config.layer_config().hidden_size
+        if width != mine:
+            raise ConfigError(f"drafter.init_from_target: the target's hidden size is {width}, the drafter's {mine}")
+        sources = target.get_decoder().layers
+        if len(sources) < len(self.layers):
+            raise ConfigError(f"drafter.init_from_target: the target has {len(sources)} layers, the drafter "
+                              f"{len(self.layers)} to start from its last ones")
+        sources = sources[-len(self.layers):]
+        for i, (layer, source) in enumerate(zip(self.layers, sources)):
+            _copy_layer(layer, dict(source.named_parameters()), first=i == 0)
+
+
+def _copy_layer(layer: nn.Module, theirs: dict, first: bool) -> None:
+    """One target decoder layer's parameters `theirs` into a drafter layer (first: EAGLE-3's 2H-wide one, see
+    Eagle3Model.copy_target_layers); a parameter either side lacks, or of another shape, is refused in one line."""
+    mine = dict(layer.named_parameters())
+    extra = sorted(set(theirs) - set(mine))
+    if extra:  # q/k/v biases (Qwen2), q/k norms (Qwen3): the drafter's Llama layer would drop what they do
+        raise ConfigError(f"drafter.init_from_target: the target's layer has {extra}, which the drafter's Llama layer "
+                          "has no place for: leave drafter.init_from_target=false for this target")
+    for name, param in mine.items():
+        if first and name == "input_layernorm.weight":
+            continue
+        value = theirs["input_layernorm.weight" if first and name == "hidden_norm.weight" else name]
+        if first and name.split(".")[-2] in ("q_proj", "k_proj", "v_proj") and name.endswith("weight"):
+            value = torch.cat([torch.zeros_like(value), value], dim=1)  # [embedding half; hidden half]
+        if value.shape != param.shape:
+            raise ConfigError(f"drafter.init_from_target: the target's {name} is {tuple(value.shape)}, the drafter's "
+                              f"{tuple(param.shape)}")
+        param.copy_(value)
 
 
 def new_config(target: PreTrainedModel, layer_ids: Sequence[int], draft_vocab_size: int, fc_norm: bool,
