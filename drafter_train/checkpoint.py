@@ -76,13 +76,21 @@ RUN_IDENTITY = ("target", "drafter", "loss", "train.data_dir", "train.response",
                 "train.grad_accum", "train.seed", "train.lr", "train.lr_schedule", "train.max_seq_len")
 
 
-def check_same_run(run_dir: Path, config: dict, ignore: Sequence[str] = (), started: bool = False) -> None:
+def check_same_run(run_dir: Path, config: dict, ignore: Sequence[str] = (), started: bool = False,
+                   defaults: Optional[dict] = None) -> None:
     """Refuse to resume a run whose saved config.yaml differs from `config` in what defines the run (dotted keys in
-    `ignore` may change: how long a run goes on, say). started: the run holds progress even without a checkpoint."""
+    `ignore` may change: how long a run goes on, say). started: the run holds progress even without a checkpoint.
+    defaults: sections of the schema's defaults (e.g. {"drafter": ..., "loss": ...}): a field the saved config lacks
+    was added since the run began, and is taken at its default, so a new off-by-default option does not refuse every
+    run begun before it."""
     saved_path = run_dir / "config.yaml"
     if (latest_checkpoint(run_dir) is None and not started) or not saved_path.exists():
         return
-    saved, config = _without(OmegaConf.to_container(OmegaConf.load(saved_path)), ignore), _without(config, ignore)
+    saved = OmegaConf.to_container(OmegaConf.load(saved_path))
+    for section, fields in (defaults or {}).items():
+        if isinstance(saved.get(section), dict):
+            saved[section] = {**fields, **saved[section]}
+    saved, config = _without(saved, ignore), _without(config, ignore)
     changed = [key for key in RUN_IDENTITY if _get(saved, key) != _get(config, key)]
     if changed:
         detail = ", ".join(f"{k}: {_get(saved, k)!r} -> {_get(config, k)!r}" for k in changed)

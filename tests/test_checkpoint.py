@@ -235,3 +235,25 @@ def test_drafter_export_refuses_a_damaged_checkpoint(finished_run, tmp_path):
     truncate(run_dir / "step-2" / "metrics.json")
     with pytest.raises(CheckpointDamagedError, match=r"export\.checkpoint: .*step-2 is damaged: metrics\.json"):
         export(ExportConfig(checkpoint=str(run_dir / "step-2"), output_dir=str(tmp_path / "out")))
+
+
+def test_a_run_begun_before_a_new_option_resumes_and_a_changed_one_is_refused(tmp_path):
+    """A field added to the drafter's schema since the run began (a new off-by-default option) is missing from its
+    saved config.yaml: taken at its default, the run resumes; set to something else, or an old field changed, the
+    resume is refused in one line."""
+    from drafter_train.checkpoint import check_same_run
+    from drafter_train.errors import ConfigError
+
+    run = tmp_path / "run"
+    (run / "step-2").mkdir(parents=True)
+    (run / "latest").symlink_to("step-2")
+    (run / "config.yaml").write_text(OmegaConf.to_yaml({"drafter": {"kind": "eagle3", "ttt_steps": 1},
+                                                       "loss": {"name": "fkl"}, "train": {"lr": 0.002}}))
+    now = {"drafter": {"kind": "eagle3", "ttt_steps": 1, "feature_noise": 0.0}, "loss": {"name": "fkl", "top_k": 0},
+           "train": {"lr": 0.002}}
+    defaults = {"drafter": {"feature_noise": 0.0, "ttt_steps": 3}, "loss": {"top_k": 0}}
+    check_same_run(run, now, defaults=defaults)
+    with pytest.raises(ConfigError, match=r"other settings \(drafter: .*'feature_noise': 0.2"):
+        check_same_run(run, {**now, "drafter": {**now["drafter"], "feature_noise": 0.2}}, defaults=defaults)
+    with pytest.raises(ConfigError, match="other settings"):  # without the defaults: the old refusal
+        check_same_run(run, now)

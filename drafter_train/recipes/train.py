@@ -136,8 +136,9 @@ def train(cfg: TrainJobConfig) -> dict:
         refuse_engine_before_training(cfg)
     run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
     config = OmegaConf.to_container(OmegaConf.structured(cfg))  # plain dict: saved, compared, tracked
-    if tcfg.resume == "auto":
-        check_same_run(run_dir, config)
+    if tcfg.resume == "auto":  # fields added to the drafter's or loss's schema since the run began: their defaults
+        defaults = {"drafter": dataclasses.asdict(type(cfg.drafter)()), "loss": dataclasses.asdict(type(cfg.loss)())}
+        check_same_run(run_dir, config, defaults=defaults)
     precision, why = resolve_mixed_precision(tcfg.mixed_precision, default_device)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(tcfg, mixed_precision=precision))  # no or bf16 from here
     tcfg = cfg.train
