@@ -272,6 +272,22 @@ def row(point: dict) -> list:
             point["dev"] and point["dev"]["per_position_acceptance"][0], *test[:3], point["test"]["tau"]]
 
 
+# an ablation's further columns (issue 71): the tokens each variant trained on (its passes included), and its dev
+# first-position acceptance against the first variant's (the baseline) with two standard errors of that difference
+ABLATION_COLUMNS = [*COLUMNS, "tokens seen", "dev diff vs baseline", "2 SE of diff"]
+
+
+def ablation_row(point: dict, baseline: dict) -> list:
+    seen = round(point["response_tokens"] * point["steps"] * _batch(point["recipe"], point["overrides"])
+                 / point["records"])
+    if not (point["dev"] and baseline["dev"]):
+        return [*row(point), seen, None, None]
+    (a, n), (b, m) = [(p["dev"]["per_position_acceptance"][0], p["dev"].get("per_position_tested", [0])[0])
+                      for p in (point, baseline)]
+    two_se = 2 * math.sqrt(a * (1 - a) / n + b * (1 - b) / m) if n and m else None
+    return [*row(point), seen, a - b, two_se]
+
+
 def fit_notes(points: list[dict], aims: Sequence[float] = AIMS) -> str:
     """Per variant with two points or more: the fit and the tokens each aim would take."""
     notes = []
@@ -435,7 +451,9 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
                           f"Which change to {kind}'s recipe ({args.recipe_label}) raises its acceptance at equal data?",
                  command=command, split=f"test split, first {args.num_prompts} prompts"
                  + (" (dev split beside it)" if "dev" in args.splits else ""),
-                 baseline="none (acceptance, not speed)", columns=COLUMNS, rows=[row(p) for p in points],
+                 baseline="none (acceptance, not speed)", columns=COLUMNS if curve else ABLATION_COLUMNS,
+                 rows=[row(p) for p in points] if curve else [ablation_row(p, next(
+                     b for b in points if b["response_tokens"] == p["response_tokens"])) for p in points],
                  notes=" ".join(notes), machine=points[0]["machine"] if points else None, data={"points": points},
                  **extra)
 

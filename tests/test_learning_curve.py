@@ -187,6 +187,9 @@ def test_a_variant_sets_its_own_epochs_and_reference_data_counts_the_sources_ans
     result = json.loads((tmp_path / "results" / "learning_curve.json").read_text())
     assert [r[:4] for r in result["rows"]] == [["ep6", 40000, 400, 300], ["ep1.5", 40000, 400, 75],
                                                 ["b4", 40000, 400, 600]]
+    # an ablation's further columns: the tokens each trained on, and its dev figure against the first variant's
+    assert result["columns"][-3:] == ["tokens seen", "dev diff vs baseline", "2 SE of diff"]
+    assert [r[-3:] for r in result["rows"]] == [[240000, 0.0, None], [60000, 0.0, None], [240000, 0.0, None]]
 
 
 def test_a_deadline_skips_the_points_the_measured_pace_says_would_end_late(tmp_path, monkeypatch):
@@ -270,3 +273,17 @@ def test_a_test_only_curve_in_bf16_decodes_once_and_a_point_decoded_otherwise_is
     assert trained == [100, 200] and decoded[4:] == [("dev", "float32"), ("test", "float32")]
     lc.main([*argv, "--num-prompts", "8"])
     assert len(decoded) == 6
+
+
+def test_an_ablation_row_gives_its_dev_difference_from_the_baseline_with_two_standard_errors(monkeypatch):
+    monkeypatch.setattr(lc, "_batch", lambda recipe, overrides: 8)
+
+    def point(variant, first, tested):
+        split = {"per_position_acceptance": [first, 0.1], "per_position_tested": [tested, 50], "tau": 1.3}
+        return {"variant": variant, "response_tokens": 100_000, "records": 600, "steps": 450, "train_s": 500.0,
+                "recipe": [], "overrides": [], "dev": split, "test": split}
+
+    base, other = point("main-job", 0.30, 900), point("noise", 0.36, 900)
+    row = lc.ablation_row(other, base)
+    assert row[-3] == 600_000 and row[-2] == pytest.approx(0.06)
+    assert row[-1] == pytest.approx(2 * (0.30 * 0.70 / 900 + 0.36 * 0.64 / 900) ** 0.5)
