@@ -41,6 +41,7 @@ def check_inputs(cfg) -> None:
         if folder and not Path(folder).expanduser().is_dir():
             raise ConfigError(f"{option}: {folder}: no such folder")
     if hasattr(cfg, "train"):
+        check_data_finished(cfg.train.data_dir)
         check_has_target_answers(cfg.train.data_dir, cfg.train.response)
     for option, prompts in (("eval", getattr(getattr(cfg, "eval", None), "prompts", None)),
                             ("datagen", getattr(getattr(cfg, "datagen", None), "prompts", None))):
@@ -68,6 +69,24 @@ def check_has_target_answers(data_dir: str, response: str) -> None:
     if json.loads(manifest.read_text()).get("generation", {}).get("generate") is False:
         raise ConfigError(f"train.response=target: {data_dir} holds no target answers (made with "
                           f"datagen.generate=false); train on its reference answers with train.response=reference")
+
+
+def check_data_finished(data_dir: str) -> None:
+    """Refuse in one line a datagen folder that drafter-datagen has not finished (still being written, or stopped):
+    training would read the shards done so far and say nothing. Finished: datagen.json says complete."""
+    from drafter_train.data.store import MANIFEST  # imports datasets: only once the folder is known to exist
+
+    manifest = Path(data_dir).expanduser() / MANIFEST
+    if not manifest.is_file():
+        return  # not a datagen folder: the data loader says so
+    record = json.loads(manifest.read_text())
+    if record.get("complete") is not True:
+        done = sum(entry.get("prompts", 0) for entry in record.get("shards", []))
+        planned = record.get("counts", {}).get("train_prompts", "?")
+        raise ConfigError(f"train.data_dir: {data_dir} is not finished by drafter-datagen ({done} of {planned} "
+                          f"training prompts in {len(record.get('shards', []))} of "
+                          f"{record.get('counts', {}).get('shards_total', '?')} shards): it is still being written or "
+                          "was stopped; rerun its drafter-datagen command to finish it")
 
 
 def check_cut_from(value: str) -> None:
