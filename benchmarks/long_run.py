@@ -86,8 +86,8 @@ def write(points: list[dict], run: Path, args, command: str) -> Path:
     notes = [f"Snapshots of one drafter-train run ({run}, data {config.train.data_dir}, train.response="
              f"{config.train.response}), not one run per point: response tokens are those trained on when the snapshot "
              f"was taken (repeats counted); train s is the run's training wall time to it, on the machine kinds named. "
-             f"Decoded as benchmarks.learning_curve decodes its points: our decoder, greedy, the drafter's top-1 tokens "
-             f"as a chain of {args.draft_len}, {args.max_new_tokens} new tokens per prompt, the target in "
+             f"Decoded as benchmarks.learning_curve decodes its points: our decoder, greedy, the drafter's top-1 "
+             f"tokens as a chain of {args.draft_len}, {args.max_new_tokens} new tokens per prompt, the target in "
              f"{args.eval_dtype}; acceptance i = P(draft i accepted | drafts before it accepted)."]
     if lc.fit_notes(points, args.aims):
         notes.append(f"Fit, a straight line in log tokens (it flattens near the ceiling: a floor on the data needed): "

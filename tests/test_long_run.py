@@ -23,8 +23,8 @@ from tests.test_train import losses, train_cfg
 
 REPO = Path(__file__).resolve().parents[1]
 # every step is a checkpoint by wall time (1e-6 minutes), evaluated ones every 3 steps; snapshots at these tokens
-LONG = ("train.save_every_minutes=1e-6", "train.keep_last=1", "train.snapshot_tokens=[1,100]", "train.eval_at_start=false",
-        "eval.num_prompts=1")
+LONG = ("train.save_every_minutes=1e-6", "train.keep_last=1", "train.snapshot_tokens=[1,100]",
+        "train.eval_at_start=false", "eval.num_prompts=1")
 
 # The same run in a fresh interpreter, killed by SIGKILL as its 5th step computes its loss (checkpoints up to step 4
 # written, step 4's by wall time alone).
@@ -51,8 +51,9 @@ def weights(step_dir: Path) -> dict:
 
 
 def test_a_run_killed_by_sigkill_continues_from_its_folder_alone_to_the_same_weights(tiny_data, tmp_path, capsys):
-    """Killed mid-step 5 with SIGKILL, the run folder copied elsewhere (another machine's disk) and continued in
-    this process: losses, final weights and snapshots equal those of the run that was never stopped."""
+    """Killed mid-step 5 with SIGKILL, the run folder and the data copied elsewhere (another machine's disk and
+    paths) and continued in this process: losses, final weights and snapshots equal those of the run that was never
+    stopped."""
     reference = train_cfg(tiny_data, tmp_path / "a", *LONG)
     train(reference)
     run_a = tmp_path / "a" / reference.train.run_name
@@ -65,7 +66,8 @@ def test_a_run_killed_by_sigkill_continues_from_its_folder_alone_to_the_same_wei
     assert (run_b / "best").resolve().name == "step-3"
     moved = tmp_path / "c"
     shutil.copytree(run_b, moved / reference.train.run_name, symlinks=True)
-    train(train_cfg(tiny_data, moved, *LONG))
+    shutil.copytree(tiny_data / "data", tmp_path / "data-elsewhere")
+    train(train_cfg(tiny_data, moved, *LONG, f"train.data_dir={tmp_path / 'data-elsewhere'}"))
     run_c = moved / reference.train.run_name
     assert "on another machine" not in capsys.readouterr().err  # the same machine: nothing to say
     for step in (5, 6):

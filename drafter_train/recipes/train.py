@@ -30,7 +30,7 @@ from drafter_train.recipes.cli import on_main_process, train_main
 from drafter_train.data.batches import BatchStream, collate, token_counts
 from drafter_train.data.overlap import check_eval_overlap
 from drafter_train.data.prompts import refuse_test_split, split_name
-from drafter_train.data.store import check_tokenizer, tokenizer_fingerprint
+from drafter_train.data.store import check_tokenizer, data_fingerprint, tokenizer_fingerprint
 from drafter_train.data.training_data import eval_prompt_ids, eval_prompt_texts, eval_prompts_path, load_training_data
 from drafter_train.distributed import (
     full_drafter, load_sharded_state, make_accelerator, optimizer_state, resolve_mixed_precision, save_sharded_state,
@@ -139,9 +139,10 @@ def train(cfg: TrainJobConfig) -> dict:
         refuse_engine_before_training(cfg)
     run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
     config = OmegaConf.to_container(OmegaConf.structured(cfg))  # plain dict: saved, compared, tracked
-    if tcfg.resume == "auto":
-        check_same_run(run_dir, config)
-    tokenizer_sha256 = check_same_tokenizer(cfg, run_dir)  # the tokenizer alone: before the target loads
+    identity = {"tokenizer_sha256": check_same_tokenizer(cfg, run_dir),  # the tokenizer alone: before the target
+                "data_sha256": data_fingerprint(tcfg.data_dir)}
+    if tcfg.resume == "auto":  # the same data in another folder (another machine's paths) is the same run
+        check_same_run(run_dir, config, ignore=["train.data_dir"] if same_data(run_dir, identity) else [])
     precision, why = resolve_mixed_precision(tcfg.mixed_precision, default_device)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(tcfg, mixed_precision=precision))  # no or bf16 from here
     tcfg = cfg.train
@@ -252,7 +253,7 @@ def train(cfg: TrainJobConfig) -> dict:
         snapshots = crossed(tcfg.snapshot_tokens, state.tokens_seen - step_tokens, state.tokens_seen)
         timed = due_by_time(accelerator, tcfg.save_every_minutes, last_save)
         if evaluated or snapshots or timed:
-            progress = progress_record(state, cfg, accelerator, tokenizer_sha256, this_machine(accelerator, tcfg))
+            progress = progress_record(state, cfg, accelerator, identity, this_machine(accelerator, tcfg))
             metrics = save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optimizer, scheduler,
                                         stream, state, checkpoint_eval if evaluated else None, progress, snapshots)
             last = metrics if evaluated else last
@@ -346,7 +347,7 @@ def crossed(milestones: Sequence[int], before: int, now: int) -> list[int]:
 
 
 def expected_tokens(state: TrainState, max_steps: int) -> Optional[int]:
-    """The run's tokens at max_steps at the pace so far (the progress bar's total, hence its ETA); None before a step."""
+    """The run's tokens at max_steps at the pace so far (the bar's total, hence its ETA); None before a step."""
     return round(state.tokens_seen / state.step * max_steps) if state.step else None
 
 
@@ -371,13 +372,24 @@ def say_what_changed(step_dir, saved: Optional[dict], now: dict) -> None:
               "restored whole; the arithmetic of later steps is this machine's)", file=sys.stderr)
 
 
-def progress_record(state: TrainState, cfg: TrainJobConfig, accelerator, tokenizer_sha256: str, machine: dict) -> dict:
+def progress_record(state: TrainState, cfg: TrainJobConfig, accelerator, identity: dict, machine: dict) -> dict:
     """progress.json: how far the checkpoint is (what a learning-curve snapshot is evaluated as), and the tokenizer
-    its token ids belong to (a resume with another target tokenizer is refused: check_same_tokenizer)."""
+    and data it was trained with (identity: check_same_tokenizer, same_data)."""
     rows_per_step = cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes
     return {"step": state.step, "tokens_seen": state.tokens_seen, "records_seen": state.step * rows_per_step,
             "train_seconds": round(state.train_seconds, 3), "machine_kinds": list(state.machine_kinds),
-            "machine": machine, "tokenizer_sha256": tokenizer_sha256}
+            "machine": machine, **identity}
+
+
+def recorded_progress(run_dir) -> dict:
+    """The latest checkpoint's progress.json ({} without one: a new run, or one saved before it was recorded)."""
+    latest = latest_checkpoint(run_dir)
+    return json.loads((latest / PROGRESS).read_text()) if latest is not None and (latest / PROGRESS).is_file() else {}
+
+
+def same_data(run_dir, identity: dict) -> bool:
+    """Whether train.data_dir holds the data the run's latest checkpoint was trained on, wherever it lies."""
+    return recorded_progress(run_dir).get("data_sha256") == identity["data_sha256"]
 
 
 def check_same_tokenizer(cfg: TrainJobConfig, run_dir) -> str:
@@ -385,10 +397,9 @@ def check_same_tokenizer(cfg: TrainJobConfig, run_dir) -> str:
     the run's latest checkpoint was trained with; returns the tokenizer's fingerprint."""
     fingerprint = tokenizer_fingerprint(tokenizer := load_target_tokenizer(cfg.target))
     check_tokenizer(cfg.train.data_dir, tokenizer, "target.path")
-    latest = latest_checkpoint(run_dir) if cfg.train.resume == "auto" else None
-    recorded = json.loads((latest / PROGRESS).read_text()).get("tokenizer_sha256") if (
-        latest is not None and (latest / PROGRESS).is_file()) else None
+    recorded = recorded_progress(run_dir).get("tokenizer_sha256") if cfg.train.resume == "auto" else None
     if recorded and recorded != fingerprint:
+        latest = latest_checkpoint(run_dir)
         raise ConfigError(f"target.path: {cfg.target.path}'s tokenizer is not the one {run_dir}/{latest.name} was "
                           f"trained with (vocabulary sha256 {fingerprint[:12]} against {recorded[:12]}); resume with "
                           "that run's target, or pick another train.run_name")
