@@ -78,11 +78,19 @@ def test_a_run_killed_by_sigkill_continues_from_its_folder_alone_to_the_same_wei
     assert [p.name for p in snapshot_dirs(run_c)] == ["snapshot-1", "snapshot-100"]
 
 
-def test_snapshots_are_the_checkpoints_where_the_tokens_passed_each_milestone(tiny_data, tmp_path):
-    cfg = train_cfg(tiny_data, tmp_path, "train.keep_last=1", "train.snapshot_tokens=[1,100]",
-                    "train.eval_at_start=false")
+@pytest.fixture(scope="module")
+def snapshot_run(tiny_data, tmp_path_factory) -> Path:
+    """A finished 6-step run with snapshots at 1 and 100 tokens, its step folders pruned to the last (shared: the
+    tests below only read it)."""
+    out = tmp_path_factory.mktemp("snapshots")
+    cfg = train_cfg(tiny_data, out, "train.keep_last=1", "train.snapshot_tokens=[1,100]", "train.eval_at_start=false",
+                    "eval.num_prompts=1")
     train(cfg)
-    run = tmp_path / cfg.train.run_name
+    return out / cfg.train.run_name
+
+
+def test_snapshots_are_the_checkpoints_where_the_tokens_passed_each_milestone(snapshot_run):
+    run = snapshot_run
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     seen = {r["step"]: r["train/tokens_seen"] for r in rows if "train/tokens_seen" in r}
     for snapshot, milestone in zip(snapshot_dirs(run), (1, 100)):
@@ -95,10 +103,10 @@ def test_snapshots_are_the_checkpoints_where_the_tokens_passed_each_milestone(ti
 
 
 def test_a_resume_on_another_machine_kind_says_what_changed_in_one_line(tiny_data, tmp_path, monkeypatch, capsys):
-    cfg = train_cfg(tiny_data, tmp_path, "train.max_steps=3", "eval.num_prompts=1")
+    cfg = train_cfg(tiny_data, tmp_path, "train.max_steps=3", "eval.num_prompts=1", "train.eval_at_start=false")
     train(cfg)
     monkeypatch.setattr("drafter_train.recipes.train.machine_kind", lambda device: "intel-xeon-amx")
-    train(train_cfg(tiny_data, tmp_path, "train.max_steps=6", "eval.num_prompts=1"))
+    train(train_cfg(tiny_data, tmp_path, "train.max_steps=4", "eval.num_prompts=1", "train.eval_at_start=false"))
     said = [line for line in capsys.readouterr().err.splitlines() if "on another machine" in line]
     assert len(said) == 1 and "resuming step-3" in said[0] and "-> intel-xeon-amx" in said[0]
     progress = json.loads((tmp_path / cfg.train.run_name / "latest" / PROGRESS).read_text())
@@ -118,7 +126,7 @@ def test_a_nan_loss_mid_run_stops_naming_its_step_and_keeps_the_last_good_checkp
         return out._replace(loss_sum=out.loss_sum * float("nan")) if len(calls) == 5 else out
 
     monkeypatch.setattr(get_kind("ar"), "loss", nan_in_step_5)
-    cfg = train_cfg(tiny_data, tmp_path, "eval.num_prompts=1")
+    cfg = train_cfg(tiny_data, tmp_path, "eval.num_prompts=1", "train.eval_at_start=false")
     with pytest.raises(TrainingDivergedError, match="loss is nan at step 5;") as caught:
         train(cfg)
     assert "\n" not in str(caught.value)
@@ -137,18 +145,16 @@ def no_target_load(monkeypatch):
     monkeypatch.setattr("drafter_train.recipes.train.load_target", fail)
 
 
-def test_a_target_with_another_tokenizer_is_refused_before_it_loads(tiny_data, tmp_path, monkeypatch):
-    cfg = train_cfg(tiny_data, tmp_path, "train.max_steps=3", "eval.num_prompts=1")
-    train(cfg)
-    latest = tmp_path / cfg.train.run_name / "latest"
-    progress = json.loads((latest / PROGRESS).read_text())
+def test_a_target_with_another_tokenizer_is_refused_before_it_loads(tiny_data, snapshot_run, tmp_path, monkeypatch):
+    progress = json.loads((snapshot_run / "latest" / PROGRESS).read_text())
     no_target_load(monkeypatch)
     # the run's: its checkpoint records the tokenizer it was trained with
     monkeypatch.setattr("drafter_train.recipes.train.tokenizer_fingerprint", lambda tok: "0" * 64)
     monkeypatch.setattr("drafter_train.recipes.train.check_tokenizer", lambda *a: None)
-    with pytest.raises(ConfigError, match=rf"target\.path: .* not the one .*step-3 was trained with .*"
+    with pytest.raises(ConfigError, match=rf"target\.path: .* not the one .*step-6 was trained with .*"
                                           rf"{progress['tokenizer_sha256'][:12]}"):
-        train(train_cfg(tiny_data, tmp_path, "train.max_steps=6"))
+        train(train_cfg(tiny_data, snapshot_run.parent, "train.max_steps=8", "train.keep_last=1",
+                        "train.snapshot_tokens=[1,100]", "train.eval_at_start=false", "eval.num_prompts=1"))
     monkeypatch.undo()
     # the data's: made with another tokenizer than this target's
     no_target_load(monkeypatch)
@@ -185,12 +191,11 @@ def test_impossible_long_run_values_name_the_field(tiny_data, tmp_path, override
 # ---- the curve and the pipeline ------------------------------------------------------------------------------------
 
 
-def test_the_curve_decodes_each_snapshot_as_learning_curve_does_into_its_columns(tiny_data, tmp_path, monkeypatch):
+def test_the_curve_decodes_each_snapshot_as_learning_curve_does_into_its_columns(tiny_data, snapshot_run, tmp_path,
+                                                                                monkeypatch):
     from benchmarks import learning_curve as lc
     from benchmarks import long_run
 
-    cfg = train_cfg(tiny_data, tmp_path, "train.snapshot_tokens=[1,100]", "train.eval_at_start=false")
-    train(cfg)
     decoded = []
 
     def fake_eval(job):  # learning_curve's evaluate builds the job: the same decoder settings as its points
@@ -200,7 +205,7 @@ def test_the_curve_decodes_each_snapshot_as_learning_curve_does_into_its_columns
                 "machine": {"cpu": "Test CPU"}}
 
     monkeypatch.setattr(lc, "run_eval_job", fake_eval)
-    run = tmp_path / cfg.train.run_name
+    run = snapshot_run
     long_run.main(["--run", str(run), "--results-dir", str(tmp_path), "--result-name", "lr"])
     snapshots = snapshot_dirs(run)
     assert decoded == [(str(s / "drafter"), split, lc.DECODE_DEFAULTS["draft_len"],
