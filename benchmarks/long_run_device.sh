@@ -18,7 +18,8 @@
 # per call (`stage-wheel`, carry [".gpu5"]), data made here with pipeline.target=qwen2.5-coder-1.5b
 # pipeline.data=... (its tokenizer); its run defaults to 400 steps (~8k tokens a step on SmolLM2's data: ~3.3M, >= 2M)
 # with snapshots at 250k, 500k, 1M and 2M tokens. A bigger target's batch of 8 x 2048 tokens may need
-# LR_ARGS="'pipeline.train_extra=[train.mixed_precision=no,train.batch_size=4,train.grad_accum=2]'" (the same steps).
+# LR_ARGS='pipeline.train_extra=["train.mixed_precision=no","train.batch_size=4","train.grad_accum=2"]' (the same
+# steps; a value with `=` in a Hydra list is quoted).
 # Precision: float32 (train.mixed_precision=no). On an H200 (2026-11-29, benchmarks/learning_curve_device.sh, SmolLM2,
 # the main job's recipe) `auto` took bf16, which ran the features at 22k tokens/s against float32's 52k and training at
 # 5-14 steps/s against 33, and went to nan at step 191 where float32 trained through (docs/gpu.md); neither was
@@ -76,7 +77,7 @@ run|resume)
     "pipeline.target=$TARGET" "pipeline.data=$DIR/data/long-run-$TARGET" "pipeline.checkpoints=$DIR/runs" \
     "pipeline.run=long-run-$TARGET" "pipeline.results_dir=$OUT" "pipeline.result_name=long_run_${TARGET}_gpu" \
     ${LR_STEPS:+pipeline.steps=$LR_STEPS} ${SNAPSHOTS:+pipeline.snapshot_tokens=$SNAPSHOTS} \
-    'pipeline.train_extra=[train.mixed_precision=no]' \
+    'pipeline.train_extra=["train.mixed_precision=no"]' \
     'pipeline.stages=[train,curve]' ${LR_ARGS:-} > "$OUT/long_run.log" 2>&1
   echo "long_run rc $?"
   tr '\r' '\n' < "$OUT/long_run.log" | grep -v "%|" | tail -40  # without the progress bars
