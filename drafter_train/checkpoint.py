@@ -24,7 +24,7 @@ import re
 import shutil
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -34,7 +34,9 @@ from drafter_train.io import write_atomic
 from drafter_train.errors import CheckpointDamagedError, ConfigError
 
 _STEP = re.compile(r"^step-(\d+)$")
+_SNAPSHOT = re.compile(r"^snapshot-(\d+)$")
 MANIFEST = "checksums.json"
+PROGRESS = "progress.json"
 
 
 @dataclass
@@ -47,6 +49,10 @@ class TrainState:
     best_step: int = -1
     # train.best_by=engine: the best predicted served speedup so far (runs saved before it resume with the default)
     best_engine_speedup: float = float("-inf")
+    # wall seconds of training so far, over every process that continued the run (evaluations left out), and the
+    # machine kinds (machine.kind_slug) that trained it, in order: a learning-curve snapshot's cost and where it ran
+    train_seconds: float = 0.0
+    machine_kinds: list = field(default_factory=list)
 
     def state_dict(self) -> dict:
         return asdict(self)
@@ -71,9 +77,12 @@ def prepare_run_dir(output_root: str, run_name: str, resume: str) -> Path:
     return run_dir
 
 
-# What a run is: resuming with any of these changed would continue a different experiment under the same name.
+# What a run is: resuming with any of these changed would continue a different experiment under the same name (what
+# is learned: the drafter, the loss, the data and every optimizer setting; not how long, how often it saves or where).
 RUN_IDENTITY = ("target", "drafter", "loss", "train.data_dir", "train.response", "train.batch_size",
-                "train.grad_accum", "train.seed", "train.lr", "train.lr_schedule", "train.max_seq_len")
+                "train.grad_accum", "train.seed", "train.lr", "train.lr_schedule", "train.max_seq_len",
+                "train.optimizer", "train.muon_lr", "train.muon_weight_decay", "train.weight_decay",
+                "train.warmup_steps", "train.max_grad_norm", "train.max_records")
 
 
 def check_same_run(run_dir: Path, config: dict, ignore: Sequence[str] = (), started: bool = False,
@@ -160,11 +169,15 @@ def start_checkpoint(run_dir: Path, step: int) -> Path:
 
 
 def save_checkpoint(
-    run_dir: Path, drafter, tokenizer, training_state: dict, metrics: dict, step: int, started: bool = False
+    run_dir: Path, drafter, tokenizer, training_state: dict, metrics: dict, step: int, started: bool = False,
+    progress: Optional[dict] = None, keep_as: Sequence[str] = (),
 ) -> Path:
     """Write step-<step> atomically and point `latest` at it. `drafter` is the unwrapped HF model with full weights.
 
     started=True: start_checkpoint() made the folder and all ranks have written their shards into it.
+    progress: written as progress.json (steps, tokens, wall time, machines: what a snapshot's evaluation reads).
+    keep_as: also keep the checkpoint under these names in the run folder (snapshot-<tokens>), made before `latest`
+    moves, so a crash in between redoes the step and its snapshot alike.
     """
     import torch
 
@@ -174,12 +187,32 @@ def save_checkpoint(
     tokenizer.save_pretrained(tmp / "drafter")
     torch.save(training_state, tmp / "training_state.pt")
     (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if progress is not None:
+        (tmp / PROGRESS).write_text(json.dumps(progress, indent=2))
     write_manifest(tmp)  # last: every rank's files are in (DeepSpeed's partitions were written before the barrier)
+    for name in keep_as:
+        keep_copy(tmp, run_dir / name)
     if final.exists():  # re-saving a step (e.g. a resumed run's final step): replace it whole
         shutil.rmtree(final)
     os.replace(tmp, final)
     _relink(run_dir, "latest", final)
     return final
+
+
+def keep_copy(step_dir: Path, kept: Path) -> None:
+    """`step_dir` also as `kept` (replaced whole if it exists), by hard links: no bytes copied, and pruning the step
+    folder later leaves the copy intact (checkpoint files are never rewritten in place)."""
+    tmp = kept.with_name(f".{kept.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(step_dir, tmp, copy_function=os.link)
+    shutil.rmtree(kept, ignore_errors=True)
+    os.replace(tmp, kept)
+
+
+def snapshot_dirs(run_dir: Path) -> list[Path]:
+    """The run's learning-curve snapshots (train.snapshot_tokens), fewest tokens first."""
+    found = [(int(m.group(1)), p) for p in run_dir.iterdir() if (m := _SNAPSHOT.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
 
 
 def mark_best(run_dir: Path, step_dir: Path) -> None:

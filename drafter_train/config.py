@@ -527,6 +527,11 @@ class DatagenConfig:
     # else conversations). A turn whose prompt (the conversation so far) exceeds max_prompt_tokens ends the
     # conversation before it (counted in datagen.json). Needs target.chat_template=true.
     multi_turn: bool = False
+    # multi_turn with the default ShareGPT source only: also the later parts of the conversations the wheel splits
+    # (ids <conv>_1, <conv>_2...; 8,088 of its 17,671 records, more than half its answers), each as a conversation of
+    # its own from its first user turn (the turns before it answer context cut off in the earlier part, and are
+    # dropped). false: first parts only, as before.
+    later_parts: bool = False
     # multi_turn only, Qwen3-style <think> blocks: keep = the template's own way (enable_thinking=true; Qwen3 keeps
     # the block of the last turn and drops earlier ones); strip = removed from every answer, enable_thinking=false.
     # Train with the setting the drafter will be served with.
@@ -564,6 +569,8 @@ class DatagenConfig:
                         "vllm (llama-server's answers are resumed by prompt, so the copies would collide)")
             check_field(self.generate and not self.multi_turn, "datagen.samples_per_prompt", "> 1 samples the "
                         "target's first-turn answers: not with datagen.generate=false or datagen.multi_turn")
+        check_field(not self.later_parts or (self.multi_turn and self.prompts is None), "datagen.later_parts",
+                    "needs datagen.multi_turn=true and the default ShareGPT source (datagen.prompts=null)")
         check_field(not (self.multi_turn and self.store_topk), "datagen.store_topk", "not with datagen.multi_turn "
                     "(regenerated turns are re-rendered, so stored logits would not line up; use loss.teacher=online)")
 
@@ -674,6 +681,13 @@ class TrainConfig:
     max_seq_len: int = 512
     # Checkpoint (and evaluate) every N optimizer steps, and at the end.
     save_every: int = 50
+    # Also checkpoint when this many minutes of wall time have passed since the last checkpoint (0 = off), without
+    # evaluating: a run of hours loses at most this much to a stop (SIGKILL, a machine taken back).
+    save_every_minutes: float = 0.0
+    # Learning-curve snapshots: when train/tokens_seen (response tokens trained on, repeats counted) first reaches
+    # each of these, that step's checkpoint is also kept as <run>/snapshot-<tokens>/ (never pruned) for
+    # benchmarks/long_run.py to evaluate. Empty = none.
+    snapshot_tokens: List[int] = field(default_factory=list)
     # Step checkpoints kept besides `best` (older ones are deleted once a newer one is complete).
     keep_last: int = 2
     # auto: continue from <run>/latest if it exists; never: refuse to reuse a run folder that has checkpoints.
@@ -698,6 +712,12 @@ class TrainConfig:
             check_field(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
         check_field(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         check_field(self.max_records >= 0, "train.max_records", f"must be >= 0, got {self.max_records}")
+        check_field(self.save_every_minutes >= 0, "train.save_every_minutes",
+                    f"must be >= 0 (0 = off), got {self.save_every_minutes}")
+        check_field(all(t >= 1 for t in self.snapshot_tokens), "train.snapshot_tokens",
+                    f"must be token counts >= 1, got {list(self.snapshot_tokens)}")
+        check_field(len(set(self.snapshot_tokens)) == len(self.snapshot_tokens), "train.snapshot_tokens",
+                    f"has a count twice: {list(self.snapshot_tokens)}")
         check_field(self.mixed_precision in MIXED_PRECISIONS, "train.mixed_precision",
                     f"must be one of {MIXED_PRECISIONS}, got {self.mixed_precision!r}")
         check_field(self.resume in ("auto", "never"), "train.resume", f"must be auto or never, got {self.resume!r}")

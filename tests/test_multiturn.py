@@ -246,6 +246,25 @@ def test_every_kind_trains_on_multi_turn_data(folders, greedy_data, tmp_path, ki
             assert len(row["target_hidden"]) // 2 // hidden == sum(record["response_mask"])
 
 
+def test_the_sources_whole_conversations_train_eagle3_online_on_their_masks(folders, tmp_path):
+    """The long run's data (datagen.generate=false, multi_turn: every assistant turn as the source has it) trains an
+    EAGLE-3 head with features made online (train.response=reference): one pass over the records learns exactly the
+    tokens their masks select, no user turn and no padding."""
+    data = run_datagen(datagen_job(folders, tmp_path / "ref", "datagen.generate=false"), progress=False)
+    records = load_distill_dataset(data)
+    cfg = OmegaConf.to_object(compose_cfg("train", [
+        f"target.path={folders / 'target'}", "target.chat_template=true", f"train.data_dir={data}",
+        f"train.output_root={tmp_path}", "train.run_name=run", "train.response=reference", "drafter=eagle3",
+        "drafter.features=online", "drafter.draft_vocab_size=0", f"train.max_steps={len(records) // 2}",
+        "train.batch_size=2", f"train.save_every={len(records) // 2}", "train.log_every=1", "train.eval_at_start=false",
+        "eval.num_prompts=1", "eval.max_new_tokens=4", "eval.warmup=0"]))
+    assert len(records) % 2 == 0
+    train(cfg)
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    seen = [r["train/tokens_seen"] for r in rows if "train/tokens_seen" in r]
+    assert seen[-1] == sum(sum(mask) for mask in records["reference_mask"]) > 0
+
+
 @pytest.mark.slow
 @needs_vllm
 def test_real_vllm_regenerates_conversations_as_the_hf_backend_does(tmp_path, cpu_kv_cache):

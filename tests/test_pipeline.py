@@ -185,7 +185,7 @@ def test_a_missing_input_is_one_line_naming_it(tmp_path):
     assert runs(tmp_path, "a") == 0
 
 
-@pytest.mark.parametrize("name", ["quickstart", "served_qwen", "engine_artifacts"])
+@pytest.mark.parametrize("name", ["quickstart", "served_qwen", "engine_artifacts", "long_run"])
 def test_every_shipped_pipeline_composes_and_its_jobs_compose_into_valid_configs(name, tmp_path):
     """Each drafter-<job> command of each shipped pipeline, run with Hydra's --cfg job in place of the work: a renamed
     or misspelt option fails here, not hours into a run."""

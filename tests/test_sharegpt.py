@@ -10,6 +10,7 @@ import pytest
 
 from drafter_train.data import sharegpt
 from drafter_train.data.sharegpt import first_turns, iter_records, load_sharegpt_conversations, load_sharegpt_pairs
+from drafter_train.config import DatagenConfig
 from drafter_train.errors import ConfigError
 
 
@@ -71,6 +72,20 @@ def test_whole_conversations_for_multi_turn(tmp_path):
     path = tmp_path / "sharegpt.json"
     path.write_text(truncated_json(), encoding="utf-8")
     assert list(load_sharegpt_conversations(path)) == [r for r in RECORDS if r["id"] != "d_1"]
+
+
+def test_later_parts_are_conversations_of_their_own_from_their_first_user_turn(tmp_path):
+    """datagen.later_parts: the wheel's later parts of split conversations kept, each from its first user turn (an
+    answer to a question asked in the earlier part is dropped), in file order among the first parts."""
+    later = conv("a_2", ("gpt", "the end of an answer begun in a_1"), ("human", "and then?"), ("gpt", "then this"))
+    path = tmp_path / "sharegpt.json"
+    path.write_text(truncated_json([*RECORDS, later]), encoding="utf-8")
+    read = list(load_sharegpt_conversations(path, later_parts=True))
+    assert [r["id"] for r in read] == [r["id"] for r in RECORDS] + ["a_2"]
+    assert read[3] == RECORDS[3]  # d_1 opens with a user turn: kept whole
+    assert read[-1]["conversations"] == later["conversations"][1:]
+    with pytest.raises(ConfigError, match=r"datagen\.later_parts: needs datagen\.multi_turn=true"):
+        DatagenConfig(later_parts=True)
 
 
 def test_missing_wheel_is_one_line(monkeypatch):

@@ -179,6 +179,9 @@ def test_resuming_with_other_settings_is_refused(tiny_data, tmp_path):
     train(train_cfg(tiny_data, tmp_path, "train.max_steps=3", "train.run_name=r"))
     with pytest.raises(ConfigError, match=r"train\.resume: .*loss"):
         train(train_cfg(tiny_data, tmp_path, "train.max_steps=6", "train.run_name=r", "loss=tvd"))
+    # what is learned, besides the drafter and the loss: the optimizer's settings (a long run's recipe)
+    with pytest.raises(ConfigError, match=r"train\.resume: .*train\.warmup_steps: 0 -> 5"):
+        train(train_cfg(tiny_data, tmp_path, "train.max_steps=6", "train.run_name=r", "train.warmup_steps=5"))
     train(train_cfg(tiny_data, tmp_path, "train.max_steps=6", "train.run_name=r"))  # more steps: a plain resume
 
 

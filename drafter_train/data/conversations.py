@@ -61,7 +61,7 @@ class ConversationSelection(Selection):
 def open_conversations(cfg: DatagenConfig) -> Iterator[dict]:
     """Raw records in source order. Files and folders are read (and checked) at the call."""
     if cfg.prompts is None:
-        return load_sharegpt_conversations()  # lazy: only as much of the file as the selection needs
+        return load_sharegpt_conversations(later_parts=cfg.later_parts)  # lazy: as much as the selection needs
     path = Path(cfg.prompts).expanduser()
     if path.is_dir():
         return iter(_read_folder(path))

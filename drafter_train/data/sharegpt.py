@@ -57,17 +57,30 @@ def load_sharegpt_pairs(limit: Optional[int] = None, path: Optional[Path] = None
     return _limited(file, limit)
 
 
-def load_sharegpt_conversations(path: Optional[Path] = None) -> Iterator[dict]:
-    """Whole records in file order (datagen.multi_turn), later parts of split conversations skipped (module doc)."""
+def load_sharegpt_conversations(path: Optional[Path] = None, later_parts: bool = False) -> Iterator[dict]:
+    """Whole records in file order (datagen.multi_turn), later parts of split conversations skipped (module doc), or
+    with later_parts (datagen.later_parts) kept, each from its first user turn."""
     file = path or sharegpt_json_path()
-    return _first_parts(file)
+    return _conversations(file, later_parts)
 
 
-def _first_parts(file: Path) -> Iterator[dict]:
+def _conversations(file: Path, later_parts: bool) -> Iterator[dict]:
     with open(file, encoding="utf-8") as stream:
         for record in iter_records(stream):
             if not (isinstance(record, dict) and _is_later_part(str(record.get("id", "")))):
                 yield record
+            elif later_parts:
+                yield from_first_user_turn(record)
+
+
+def from_first_user_turn(record: dict) -> dict:
+    """A later part of a split conversation as a conversation of its own: its turns from the first user turn on (the
+    ones before answer a question asked in the earlier part). No user turn: no turns (skipped as such)."""
+    turns = record.get("conversations")
+    turns = turns if isinstance(turns, list) else []
+    first = next((k for k, turn in enumerate(turns) if isinstance(turn, dict) and turn.get("from") in USER_ROLES),
+                 len(turns))
+    return {**record, "conversations": turns[first:]}
 
 
 def _limited(file: Path, limit: Optional[int]) -> Iterator[tuple[str, str]]:

@@ -193,6 +193,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return hashlib.sha256(json.dumps(sorted(tokenizer.get_vocab().items())).encode()).hexdigest()
 
 
+def data_fingerprint(data_dir: str | Path) -> str:
+    """sha256 of what a datagen folder's records are (target, generation and prompt settings, the selection's sha256,
+    the training prompt count), wherever the folder lies: a run moved to another machine checks its data by this."""
+    manifest = json.loads((_datagen_folder(data_dir, "no data") / MANIFEST).read_text())
+    identity = {key: manifest.get(key) for key in (*COMPARED, "counts")}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+
+
 def check_tokenizer(data_dir: str | Path, tokenizer, option: str) -> None:
     """Refuse (one line) a datagen folder whose token ids come from another tokenizer than `tokenizer`'s. Folders
     written before datagen.json recorded the fingerprint are taken as they are."""

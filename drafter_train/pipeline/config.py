@@ -131,3 +131,24 @@ class EngineArtifactsConfig(PipelineConfig):
     ar_steps: int = 100  # ar2: the target's first 2 layers, a draft model llama.cpp serves (not a good one)
     eval_prompts: int = 16
     draft_len: int = 2
+
+
+@dataclass
+class LongRunConfig(PipelineConfig):
+    """One EAGLE-3 drafter over all of ShareGPT's assistant turns, in a run that survives stops and moves between
+    machines, with learning-curve snapshots read from the same run (conf/pipeline/long_run.yaml, docs/train.md)."""
+
+    target: str = "smollm2"  # a conf/target name: the data is tokenized for it, the drafter trained on it
+    data: str = "data/long-run-smollm2"  # datagen.generate=false datagen.multi_turn=true: every assistant turn
+    num_prompts: int = 100000  # conversations (more than ShareGPT holds: all of them)
+    max_seq_len: int = 2048  # a conversation ends before the first turn whose prompt exceeds it; training cuts here
+    checkpoints: str = "checkpoints"
+    run: str = "long-run-smollm2"
+    steps: int = 2000  # of 8 conversations, ~8.4k tokens a step: about one pass, 10M near step 1,200 (docs/train.md)
+    save_every: int = 500  # evaluated checkpoints (dev split), which pick `best`
+    save_every_minutes: float = 10.0  # plus unevaluated ones every this many minutes of wall time
+    snapshot_tokens: list[int] = field(default_factory=lambda: [1_000_000, 2_000_000, 4_000_000, 8_000_000,
+                                                                10_000_000])
+    results_dir: str = "benchmarks/results"
+    result_name: str = "long_run_smollm2"
+    train_extra: list[str] = field(default_factory=list)  # more drafter-train overrides, after the recipe's

@@ -150,6 +150,8 @@ def data_settings(cfg: DatagenJobConfig) -> dict:
         prompts["exclude"] = list(dg.exclude)
     if dg.multi_turn:  # likewise: single-turn folders compare as before
         prompts.update(multi_turn=True, thinking=dg.thinking)
+    if dg.later_parts:  # likewise: folders of first parts compare as before
+        prompts["later_parts"] = True
     target = dict(model_identity(cfg.target), chat_template=cfg.target.chat_template)
     return {"format": FORMAT, "target": target, "generation": generation, "prompts": prompts}
 

@@ -17,12 +17,12 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
 from drafter_train.config import CONF_DIR
-from drafter_train.pipeline.config import (EngineArtifactsConfig, PipelineConfig, QuickstartConfig,
+from drafter_train.pipeline.config import (EngineArtifactsConfig, LongRunConfig, PipelineConfig, QuickstartConfig,
                                            ServedQwenConfig)
 from drafter_train.recipes.cli import job_config, one_line_errors
 
 SCHEMAS = {"quickstart_schema": QuickstartConfig, "served_qwen_schema": ServedQwenConfig,
-           "engine_artifacts_schema": EngineArtifactsConfig}
+           "engine_artifacts_schema": EngineArtifactsConfig, "long_run_schema": LongRunConfig}
 
 
 def wrapper_command(script: str) -> str:
@@ -40,9 +40,18 @@ def machine_kind() -> str:
     return kind_slug()
 
 
+def pipeline_shared(name: str, key: str):
+    """Resolver `${pipeline_shared:NAME,KEY}`: pipeline NAME's shared KEY, resolved in that pipeline (the long run
+    trains with the main job's recipe, kept in one place: conf/pipeline/quickstart.yaml)."""
+    from hydra import compose  # Hydra is initialised: the config that asks is being composed
+
+    return OmegaConf.to_container(compose("pipeline", overrides=[f"pipeline={name}"]).pipeline.shared[key], resolve=True)
+
+
 def register() -> None:
     OmegaConf.register_new_resolver("pipeline_command", wrapper_command, replace=True)
     OmegaConf.register_new_resolver("machine_kind", machine_kind, replace=True)
+    OmegaConf.register_new_resolver("pipeline_shared", pipeline_shared, replace=True)
     for name, node in SCHEMAS.items():
         ConfigStore.instance().store(group="pipeline", name=name, node=node)
 

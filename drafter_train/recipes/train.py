@@ -10,6 +10,7 @@ import math
 import shutil
 import sys
 import time
+from typing import Optional, Sequence
 
 import torch
 from accelerate.utils import set_seed
@@ -18,30 +19,32 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from drafter_train.checkpoint import (
-    TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune, rng_state,
-    partial_checkpoint, resume_checkpoint, save_checkpoint, save_run_config, set_rng_state, start_checkpoint,
+    PROGRESS, TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune,
+    rng_state, partial_checkpoint, resume_checkpoint, save_checkpoint, save_run_config, set_rng_state,
+    start_checkpoint,
 )
 from drafter_train.config import TrainJobConfig
-from drafter_train.machine import machine_info
+from drafter_train.machine import kind_slug, machine_info
 from drafter_train.preflight import check_inputs
 from drafter_train.recipes.cli import on_main_process, train_main
 from drafter_train.data.batches import BatchStream, collate, token_counts
 from drafter_train.data.overlap import check_eval_overlap
 from drafter_train.data.prompts import refuse_test_split, split_name
+from drafter_train.data.store import check_tokenizer, data_fingerprint, tokenizer_fingerprint
 from drafter_train.data.training_data import eval_prompt_ids, eval_prompt_texts, eval_prompts_path, load_training_data
 from drafter_train.distributed import (
     full_drafter, load_sharded_state, make_accelerator, optimizer_state, resolve_mixed_precision, save_sharded_state,
     uses_deepspeed, uses_fsdp,
 )
-from drafter_train.devices import default_device
+from drafter_train.devices import default_device, device_name
 from drafter_train.optimizers import make_optimizer
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
 from drafter_train.drafters.registry import DrafterKind, kind_config, make_drafter, resolve_kind
-from drafter_train.errors import DrafterTrainError
+from drafter_train.errors import ConfigError, DrafterTrainError
 from drafter_train.engines.evaluate import CheckpointEngine
 from drafter_train.evaluation import check_decoder, evaluate_decoding
-from drafter_train.targets import eos_token_ids, load_target, model_vocab_size
+from drafter_train.targets import eos_token_ids, load_target, load_target_tokenizer, model_vocab_size
 from drafter_train.tracking import RunLogger, log_with
 
 
@@ -136,9 +139,13 @@ def train(cfg: TrainJobConfig) -> dict:
         refuse_engine_before_training(cfg)
     run_dir = prepare_run_dir(tcfg.output_root, tcfg.run_name, tcfg.resume)
     config = OmegaConf.to_container(OmegaConf.structured(cfg))  # plain dict: saved, compared, tracked
-    if tcfg.resume == "auto":  # fields added to the drafter's or loss's schema since the run began: their defaults
+    identity = {"tokenizer_sha256": check_same_tokenizer(cfg, run_dir),  # the tokenizer alone: before the target
+                "data_sha256": data_fingerprint(tcfg.data_dir)}
+    if tcfg.resume == "auto":  # the same data in another folder (another machine's paths) is the same run; fields added
+        # to the drafter's or loss's schema since the run began are taken at their defaults
         defaults = {"drafter": dataclasses.asdict(type(cfg.drafter)()), "loss": dataclasses.asdict(type(cfg.loss)())}
-        check_same_run(run_dir, config, defaults=defaults)
+        check_same_run(run_dir, config, ignore=["train.data_dir"] if same_data(run_dir, identity) else [],
+                       defaults=defaults)
     precision, why = resolve_mixed_precision(tcfg.mixed_precision, default_device)
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(tcfg, mixed_precision=precision))  # no or bf16 from here
     tcfg = cfg.train
@@ -174,6 +181,10 @@ def train(cfg: TrainJobConfig) -> dict:
     saved = load_training_state(resume_from) if resume_from is not None else None
     if saved is not None:
         restore(saved, optimizer, scheduler, stream, state)
+        if accelerator.is_main_process:
+            say_what_changed(resume_from, saved.get("machine"), this_machine(accelerator, tcfg))
+    if state.machine_kinds[-1:] != [machine_kind(accelerator.device)]:
+        state.machine_kinds.append(machine_kind(accelerator.device))
     drafter, optimizer = accelerator.prepare(drafter, optimizer)
     if saved is not None:
         load_sharded_state(accelerator, resume_from, saved)
@@ -216,9 +227,12 @@ def train(cfg: TrainJobConfig) -> dict:
         accelerator.wait_for_everyone()
 
     # ---- the loop ----
-    bar = tqdm(total=tcfg.max_steps, initial=state.step, desc=f"train {run_name}", disable=not accelerator.is_main_process)
+    # the bar counts tokens: its rate is tokens/s, its total (tokens per step so far times max_steps) gives the ETA
+    bar = tqdm(total=expected_tokens(state, tcfg.max_steps), initial=state.tokens_seen, unit="tok", unit_scale=True,
+               desc=f"train {run_name}", disable=not accelerator.is_main_process)
     last = None
     window_start, window_tokens = time.perf_counter(), 0
+    clock = last_save = time.monotonic()  # train_seconds leaves out checkpoints and their evaluations
     while state.step < tcfg.max_steps:
         micro = next_micro_batches(data, stream, response_key, cfg, tokenizer.pad_token_id, accelerator.device, kind)
         loss_value, step_tokens = accumulate_gradients(accelerator, drafter, target, micro, cfg, kind, state.step + 1)
@@ -227,19 +241,27 @@ def train(cfg: TrainJobConfig) -> dict:
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
         state.tokens_seen += step_tokens
+        state.train_seconds += time.monotonic() - clock
         window_tokens += step_tokens
-        bar.update(1)
+        bar.total = expected_tokens(state, tcfg.max_steps)
+        bar.update(step_tokens)
         if every_n_steps(state.step, tcfg.log_every, tcfg.max_steps):
             elapsed = time.perf_counter() - window_start
             logger.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
                         "train/tokens_per_s": window_tokens / elapsed, "train/tokens_seen": state.tokens_seen},
                        state.step)
-            bar.set_postfix(loss=f"{loss_value:.4f}")
+            bar.set_postfix(step=f"{state.step}/{tcfg.max_steps}", loss=f"{loss_value:.4f}")
             window_start, window_tokens = time.perf_counter(), 0
-        if every_n_steps(state.step, tcfg.save_every, tcfg.max_steps):
-            last = save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optimizer, scheduler,
-                                     stream, state, checkpoint_eval)
-            window_start = time.perf_counter()  # evaluation time is not training time
+        evaluated = every_n_steps(state.step, tcfg.save_every, tcfg.max_steps)
+        snapshots = crossed(tcfg.snapshot_tokens, state.tokens_seen - step_tokens, state.tokens_seen)
+        timed = due_by_time(accelerator, tcfg.save_every_minutes, last_save)
+        if evaluated or snapshots or timed:
+            progress = progress_record(state, cfg, accelerator, identity, this_machine(accelerator, tcfg))
+            metrics = save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optimizer, scheduler,
+                                        stream, state, checkpoint_eval if evaluated else None, progress, snapshots)
+            last = metrics if evaluated else last
+            last_save, window_start = time.monotonic(), time.perf_counter()  # saving, evaluating: not training
+        clock = time.monotonic()
     bar.close()
     logger.finish()
     if last is None and latest_checkpoint(run_dir) is not None:  # resumed a finished run: report its last eval
@@ -272,8 +294,10 @@ def refuse_engine_before_training(cfg: TrainJobConfig) -> None:
 
 
 def save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optimizer, scheduler, stream, state,
-                      evaluate):
+                      evaluate, progress: dict, snapshots: Sequence[int] = ()):
     """Evaluate the current drafter, write step-<N> (atomically), move `latest`/`best`, prune old steps.
+    evaluate=None: a checkpoint only (train.save_every_minutes, a snapshot), metrics.json empty, `best` unmoved.
+    snapshots: the train.snapshot_tokens this step reached, kept as snapshot-<tokens>.
 
     Every rank calls this: gathering ZeRO-3 weights and writing DeepSpeed's optimizer partitions are collective;
     evaluation, the HF drafter folder, links and pruning happen on the main process only.
@@ -285,7 +309,7 @@ def save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optim
     save_sharded_state(accelerator, partial_checkpoint(run_dir, state.step))
     accelerator.wait_for_everyone()
     metrics = {}
-    if accelerator.is_main_process:
+    if accelerator.is_main_process and evaluate is not None:
         metrics = evaluate(state.step, model)
         if cfg.train.best_by == "engine":
             score = metrics["engine"]["predicted_speedup"]
@@ -293,16 +317,96 @@ def save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optim
                 state.best_engine_speedup, state.best_step = score, state.step
         elif metrics["tau"] > state.best_tau:
             state.best_tau, state.best_step = metrics["tau"], state.step
+    if accelerator.is_main_process:
         training_state = {
             "optimizer": optimizer_state(accelerator, optimizer), "scheduler": scheduler.state_dict(),
             "data": stream.state_dict(), "train_state": state.state_dict(), "rng": rng_state(),
+            "machine": progress["machine"],
         }
-        step_dir = save_checkpoint(run_dir, model, tokenizer, training_state, metrics, state.step, started=True)
+        step_dir = save_checkpoint(run_dir, model, tokenizer, training_state, metrics, state.step, started=True,
+                                   progress=progress, keep_as=[f"snapshot-{tokens}" for tokens in snapshots])
         if state.best_step == state.step:
             mark_best(run_dir, step_dir)
         prune(run_dir, cfg.train.keep_last)
     accelerator.wait_for_everyone()
     return metrics
+
+
+# ---- a long run: snapshots, progress, machines, the tokenizer -------------------------------------------------------
+
+
+def due_by_time(accelerator, minutes: float, last_save: float) -> bool:
+    """train.save_every_minutes: whether that much wall time has passed since the last checkpoint, the same answer on
+    every rank (saving is collective: the first rank whose clock says so decides for all)."""
+    if not minutes:
+        return False
+    due = torch.tensor(float(time.monotonic() - last_save >= minutes * 60), device=accelerator.device)
+    return bool(accelerator.reduce(due, "max")) if accelerator.num_processes > 1 else bool(due)
+
+
+def crossed(milestones: Sequence[int], before: int, now: int) -> list[int]:
+    """The token milestones a step took the run past (before < m <= now)."""
+    return [m for m in milestones if before < m <= now]
+
+
+def expected_tokens(state: TrainState, max_steps: int) -> Optional[int]:
+    """The run's tokens at max_steps at the pace so far (the bar's total, hence its ETA); None before a step."""
+    return round(state.tokens_seen / state.step * max_steps) if state.step else None
+
+
+def machine_kind(device) -> str:
+    """What a run's machine_kinds records: the GPU's name, else the CPU's kind (machine.kind_slug)."""
+    return device_name(device) if device.type == "cuda" else kind_slug()
+
+
+def this_machine(accelerator, tcfg) -> dict:
+    """What a checkpoint records of the machine that wrote it; a resume elsewhere says what differs."""
+    return {"kind": machine_kind(accelerator.device), "processes": accelerator.num_processes,
+            "mixed_precision": tcfg.mixed_precision, "torch": torch.__version__}
+
+
+def say_what_changed(step_dir, saved: Optional[dict], now: dict) -> None:
+    """One line when a run resumes on another machine than the one that wrote its checkpoint (nothing otherwise)."""
+    if saved is None:  # written before checkpoints recorded their machine
+        return
+    changed = [f"{key} {saved.get(key)} -> {value}" for key, value in now.items() if saved.get(key) != value]
+    if changed:
+        print(f"drafter-train: resuming {step_dir.name} on another machine: {', '.join(changed)} (the state is "
+              "restored whole; the arithmetic of later steps is this machine's)", file=sys.stderr)
+
+
+def progress_record(state: TrainState, cfg: TrainJobConfig, accelerator, identity: dict, machine: dict) -> dict:
+    """progress.json: how far the checkpoint is (what a learning-curve snapshot is evaluated as), and the tokenizer
+    and data it was trained with (identity: check_same_tokenizer, same_data)."""
+    rows_per_step = cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes
+    return {"step": state.step, "tokens_seen": state.tokens_seen, "records_seen": state.step * rows_per_step,
+            "train_seconds": round(state.train_seconds, 3), "machine_kinds": list(state.machine_kinds),
+            "machine": machine, **identity}
+
+
+def recorded_progress(run_dir) -> dict:
+    """The latest checkpoint's progress.json ({} without one: a new run, or one saved before it was recorded)."""
+    latest = latest_checkpoint(run_dir)
+    return json.loads((latest / PROGRESS).read_text()) if latest is not None and (latest / PROGRESS).is_file() else {}
+
+
+def same_data(run_dir, identity: dict) -> bool:
+    """Whether train.data_dir holds the data the run's latest checkpoint was trained on, wherever it lies."""
+    return recorded_progress(run_dir).get("data_sha256") == identity["data_sha256"]
+
+
+def check_same_tokenizer(cfg: TrainJobConfig, run_dir) -> str:
+    """Refuse (one line, before the target loads) a target whose tokenizer differs from the data's or from the one
+    the run's latest checkpoint was trained with; returns the tokenizer's fingerprint."""
+    fingerprint = tokenizer_fingerprint(tokenizer := load_target_tokenizer(cfg.target))
+    check_tokenizer(cfg.train.data_dir, tokenizer, "target.path")
+    recorded = recorded_progress(run_dir).get("tokenizer_sha256") if cfg.train.resume == "auto" else None
+    if recorded and recorded != fingerprint:
+        latest = latest_checkpoint(run_dir)
+        raise ConfigError(f"target.path: {cfg.target.path}'s tokenizer is not the one {run_dir}/{latest.name} was "
+                          f"trained with (vocabulary sha256 {fingerprint[:12]} against {recorded[:12]}); resume with "
+                          "that run's target, or pick another train.run_name")
+    return fingerprint
 
 
 def command(job: TrainJobConfig) -> float:
