@@ -102,9 +102,9 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def feature_pass(target, batch: Batch, layers, cfg, unpad: bool = True) -> tuple:
+def feature_pass(target, batch: Batch, layers, cfg, causal_only: bool = True) -> tuple:
     with conditioned.target_precision(batch.input_ids.device, cfg):
-        return conditioned.target_signals(target, batch, layers, unpad)
+        return conditioned.target_signals(target, batch, layers, causal_only)
 
 
 def with_cached_features(batch: Batch, signals: tuple, dtype: torch.dtype) -> Batch:
@@ -135,7 +135,7 @@ def measure(args) -> dict:
             "feature_pass": throughput.median_seconds(lambda: [feature_pass(target, b, layers, cfg) for b in batches],
                                                       args.repeats),
             "feature_pass_padded": throughput.median_seconds(
-                lambda: [feature_pass(target, b, layers, cfg, unpad=False) for b in batches], args.repeats),
+                lambda: [feature_pass(target, b, layers, cfg, causal_only=False) for b in batches], args.repeats),
             "step_online": throughput.median_seconds(lambda: [trainer.step(b) for b in batches], args.repeats),
             "step_offline": throughput.median_seconds(lambda: [trainer.step(b) for b in offline], args.repeats),
         }
@@ -165,7 +165,7 @@ def rows(m: dict, top: dict) -> list[list]:
     return [[f"matmul peak ({m['peak_dtype']})", None, round(peak, 3), 1.0, None],
             ["feature pass (target decoder, no grad)", top["feature_pass_tokens_per_s"],
              round(tflops("feature_pass"), 3), top["feature_pass_of_peak"], 1.0],
-            ["feature pass, padded batch in one masked pass (before)",
+            ["feature pass with the attention mask (before)",
              round(tokens / m["seconds"]["feature_pass_padded"], 1), round(tflops("feature_pass_padded"), 3),
              round(tflops("feature_pass_padded") / peak, 4),
              round(m["seconds"]["feature_pass_padded"] / m["seconds"]["feature_pass"], 4)],

@@ -76,14 +76,14 @@ def test_summary_has_the_issues_headline_fields(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The feature pass: one forward per row over its real tokens gives what the padded, masked forward gave
+# The feature pass: a right-padded batch without its mask gives what the masked pass gave at every real position
 
 
-def padded_reference(target, batch, layers):
-    """The feature pass as it was: one masked forward over the padded batch."""
+def masked_reference(target, batch, layers):
+    """The feature pass as it was: the padded batch with its attention mask."""
     from drafter_train.drafters.common.conditioned import target_signals
 
-    return target_signals(target, batch, layers, unpad=False)
+    return target_signals(target, batch, layers, causal_only=False)
 
 
 def right_padded_batch():
@@ -95,31 +95,37 @@ def right_padded_batch():
     return collate(records, "response_ids", 64, 0)
 
 
-def test_unpadded_feature_pass_equals_the_padded_one():
-    from drafter_train.drafters.common.conditioned import right_padded_lengths, target_signals
+def masks_seen(target, run) -> list:
+    """The attention_mask each decoder forward of `run()` was given."""
+    seen = []
+    handle = target.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs.get("attention_mask")), with_kwargs=True)
+    try:
+        run()
+    finally:
+        handle.remove()
+    return seen
+
+
+def test_causal_only_feature_pass_equals_the_masked_one():
+    from drafter_train.drafters.common.conditioned import right_padded, target_signals
 
     target, batch, layers = tiny_llama(), right_padded_batch(), [0, 2, 3]
-    assert right_padded_lengths(batch.attention_mask) == [12, 9, 6]  # rows of different lengths: padding to skip
+    assert right_padded(batch.attention_mask) and not batch.attention_mask.all()  # rows of 12, 9 and 6 tokens
     features, hidden = target_signals(target, batch, layers)
-    want_features, want_hidden = padded_reference(target, batch, layers)
+    want_features, want_hidden = masked_reference(target, batch, layers)
     real = batch.attention_mask.bool()
-    # other matmul shapes, other rounding: ~1e-4 on activations of this tiny model's scale (~10), far below a wrong
-    # row or position's O(1)
-    torch.testing.assert_close(features[real], want_features[real], atol=1e-3, rtol=1e-4)
-    torch.testing.assert_close(hidden[batch.resp_mask], want_hidden[batch.resp_mask], atol=1e-3, rtol=1e-4)
-    assert not features[~real].any()  # padding: zero, never read
-    passes = []
-    handle = target.get_decoder().register_forward_hook(lambda *_: passes.append(1))
-    target_signals(target, batch, layers)
-    handle.remove()
-    assert len(passes) == 3  # one pass per row
+    torch.testing.assert_close(features[real], want_features[real], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(hidden[batch.resp_mask], want_hidden[batch.resp_mask], atol=1e-6, rtol=1e-6)
+    assert masks_seen(target, lambda: target_signals(target, batch, layers)) == [None]  # the mask was dropped
 
 
-def test_a_mask_that_is_not_right_padding_takes_the_masked_pass():
-    from drafter_train.drafters.common.conditioned import right_padded_lengths, target_signals
+def test_a_mask_that_is_not_right_padding_is_kept():
+    from drafter_train.drafters.common.conditioned import right_padded, target_signals
 
     target, batch, layers = tiny_llama(), right_padded_batch(), [1]
     batch.attention_mask[0, 0] = 0  # a hole at the start: not collate's layout
-    assert right_padded_lengths(batch.attention_mask) is None
-    for got, want in zip(target_signals(target, batch, layers), padded_reference(target, batch, layers)):
+    assert not right_padded(batch.attention_mask)
+    for got, want in zip(target_signals(target, batch, layers), masked_reference(target, batch, layers)):
         torch.testing.assert_close(got, want)
+    assert masks_seen(target, lambda: target_signals(target, batch, layers))[0] is batch.attention_mask

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import datasets
 import torch
@@ -165,49 +165,32 @@ def restricted_logits(target: PreTrainedModel, hidden: Tensor, draft_ids: Tensor
 
 @torch.no_grad()
 @stock_kernels()  # training data: the same bits whatever `auto` timed (cpu_kernels.py)
-def target_signals(target: PreTrainedModel, batch: Batch, layer_ids: Sequence[int], unpad: bool = True
+def target_signals(target: PreTrainedModel, batch: Batch, layer_ids: Sequence[int], causal_only: bool = True
                    ) -> tuple[Tensor, Tensor]:
     """(features [B, T, n*H], final hidden states [B, R, H] at the response positions) from one no-grad target
-    forward: what the offline feature cache stores, and what training computes online. A right-padded batch runs
-    row by row over its real tokens (_unpadded_forward); unpad=False: one masked pass over the padded batch (what
-    benchmarks/throughput.py compares against)."""
+    forward: what the offline feature cache stores, and what training computes online.
+
+    A right-padded batch (collate's) runs without its attention mask (causal_only): a row's real tokens never attend
+    to the padding after them, so their outputs are the masked pass's (the same bits, measured on SmolLM2), while
+    attention takes its causal kernel instead of a masked one and no mask is built: 1.3-1.5x faster on a 2-core EPYC
+    (docs/lab-notes/benchmarks.md, "The feature pass against the matmul peak"). Padded positions then hold other
+    values; nothing reads them (the cache stores real positions only, the drafter masks padding).
+    causal_only=False: always the masked pass (what benchmarks/throughput.py compares against)."""
     if batch.features is not None:
         return batch.features, batch.target_hidden
-    lengths = right_padded_lengths(batch.attention_mask) if unpad else None
+    mask = None if causal_only and right_padded(batch.attention_mask) else batch.attention_mask
     with FeatureTap(target, layer_ids) as tap:
-        if lengths is None:
-            last = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-            features = tap.features
-        else:
-            features, last = _unpadded_forward(target, tap, batch.input_ids, lengths)
+        last = target.get_decoder()(input_ids=batch.input_ids, attention_mask=mask).last_hidden_state
+        features = tap.features
     index = batch.resp_pos[..., None].expand(-1, -1, last.shape[-1])
     return features, torch.gather(last, 1, index)
 
 
-def right_padded_lengths(attention_mask: Tensor) -> Optional[list[int]]:
-    """Each row's real tokens where every row is real tokens (at least one) then padding (collate's batches), else
-    None."""
+def right_padded(attention_mask: Tensor) -> bool:
+    """Whether every row is real tokens (at least one) then padding: collate's layout."""
     lengths = attention_mask.sum(1)
     positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
-    right_padded = torch.equal(attention_mask.bool(), positions[None] < lengths[:, None]) and bool(lengths.min() > 0)
-    return lengths.tolist() if right_padded else None
-
-
-def _unpadded_forward(target: PreTrainedModel, tap: FeatureTap, input_ids: Tensor, lengths: list[int]
-                      ) -> tuple[Tensor, Tensor]:
-    """(features [B, T, n*H], final hidden states [B, T, H]) from one decoder forward per row over its real tokens
-    alone, without a mask: no FLOPs on padding (a quarter of the main job's batches), and causal attention's own
-    kernel instead of a masked one. A right-padded row's real positions never see its padding, so they come out as a
-    padded pass computes them (up to the kernels' rounding); padded positions are zero."""
-    features = last = None
-    for row, n in enumerate(lengths):
-        row_last = target.get_decoder()(input_ids=input_ids[row:row + 1, :n]).last_hidden_state[0]
-        row_features = tap.features[0]
-        if features is None:
-            features = row_last.new_zeros(*input_ids.shape, row_features.shape[-1], dtype=row_features.dtype)
-            last = row_last.new_zeros(*input_ids.shape, row_last.shape[-1])
-        features[row, :n], last[row, :n] = row_features, row_last
-    return features, last
+    return torch.equal(attention_mask.bool(), positions[None] < lengths[:, None]) and bool(lengths.min() > 0)
 
 
 def target_precision(device: torch.device, cfg: TrainJobConfig):
