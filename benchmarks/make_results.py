@@ -79,13 +79,22 @@ def section(name: str, result: dict) -> str:
     elif (result.get("data") or {}).get("peer_trainers"):  # benchmarks/peer_trainers.py: one row per drafter/engine
         lines = [f"## {result['title']}", "", result["question"], "", peer_table(result["rows"]), ""]
     else:
-        lines = [f"## {result['title']}", "", result["question"], "", result_table(result), ""]
+        lines = [f"## {result['title']}", "", result["question"], "", *throughput_headline(result),
+                 result_table(result), ""]
         if result.get("notes"):
             lines += [result["notes"], ""]
     lines += [f"- command: `{result['command']}`", f"- split: {result['split']}", f"- baseline: {result['baseline']}",
               f"- machine: {machine_line(result.get('machine') or {})}", f"- date: {result['date']}",
               f"- result file: `benchmarks/results/{name}.json`", ""]
     return "\n".join(lines)
+
+
+def throughput_headline(result: dict) -> list[str]:
+    """benchmarks/throughput.py's two figures against issue 72's aims, above its table (nothing for other results)."""
+    if "feature_pass_of_peak" not in result:
+        return []
+    return [f"Feature pass at {result['feature_pass_of_peak']:.1%} of the matmul peak (aim: 60 %); a training step "
+            f"costs {result['step_over_feature_pass']:.2f}x a feature pass (aim: 1.3x).", ""]
 
 
 def results_page(results: dict[str, dict]) -> str:

@@ -181,16 +181,32 @@ def restricted_logits(target: PreTrainedModel, hidden: Tensor, draft_ids: Tensor
 
 @torch.no_grad()
 @stock_kernels()  # training data: the same bits whatever `auto` timed (cpu_kernels.py)
-def target_signals(target: PreTrainedModel, batch: Batch, layer_ids: Sequence[int]) -> tuple[Tensor, Tensor]:
+def target_signals(target: PreTrainedModel, batch: Batch, layer_ids: Sequence[int], causal_only: bool = True
+                   ) -> tuple[Tensor, Tensor]:
     """(features [B, T, n*H], final hidden states [B, R, H] at the response positions) from one no-grad target
-    forward: what the offline feature cache stores, and what training computes online."""
+    forward: what the offline feature cache stores, and what training computes online.
+
+    A right-padded batch (collate's) runs without its attention mask (causal_only): a row's real tokens never attend
+    to the padding after them, so their outputs are the masked pass's (the same bits, measured on SmolLM2), while
+    attention takes its causal kernel instead of a masked one and no mask is built: 1.3-1.5x faster on a 2-core EPYC
+    (docs/lab-notes/benchmarks.md, "The feature pass against the matmul peak"). Padded positions then hold other
+    values; nothing reads them (the cache stores real positions only, the drafter masks padding).
+    causal_only=False: always the masked pass (what benchmarks/throughput.py compares against)."""
     if batch.features is not None:
         return batch.features, batch.target_hidden
+    mask = None if causal_only and right_padded(batch.attention_mask) else batch.attention_mask
     with FeatureTap(target, layer_ids) as tap:
-        last = target.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
+        last = target.get_decoder()(input_ids=batch.input_ids, attention_mask=mask).last_hidden_state
         features = tap.features
     index = batch.resp_pos[..., None].expand(-1, -1, last.shape[-1])
     return features, torch.gather(last, 1, index)
+
+
+def right_padded(attention_mask: Tensor) -> bool:
+    """Whether every row is real tokens (at least one) then padding: collate's layout."""
+    lengths = attention_mask.sum(1)
+    positions = torch.arange(attention_mask.shape[1], device=attention_mask.device)
+    return torch.equal(attention_mask.bool(), positions[None] < lengths[:, None]) and bool(lengths.min() > 0)
 
 
 def target_precision(device: torch.device, cfg: TrainJobConfig):
