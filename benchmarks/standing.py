@@ -79,7 +79,7 @@ def _throughput(result: dict) -> str:
 # question -> (result files, newest first; a name ending in "*" matches by prefix), its one-line figure
 STANDING: list[tuple[str, list[str], Callable[[dict], str]]] = [
     ("Our EAGLE-3 trainer against the best peer, equal data", ["peer_trainers_ref_100k"], _peers),
-    ("Recipe candidates at equal data (SmolLM2-135M)", ["abl100k"], _ablation),
+    ("Recipe candidates at equal data (SmolLM2-135M)", ["ablations_recipe_100k"], _ablation),
     ("Acceptance against data (SmolLM2-135M, 6 epochs on 2 CPU cores)", ["learning_curve_reference_auto"], _curve),
     ("Acceptance against data (SmolLM2-135M, 2 epochs on a GPU)", ["learning_curve_reference_gpu"], _curve),
     ("The main job (README command 1)", ["main_job"], _main_job),
