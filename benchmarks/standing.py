@@ -26,16 +26,22 @@ def _curve(result: dict) -> str:
 
 
 def _ablation(result: dict) -> str:
-    """Recipe candidates at equal data: the dev split's choice, its test figure, and the baseline's (the first row)."""
+    """Recipe candidates at equal data: the dev split's best, its test figure, and the baseline's (the first row), with
+    whether the margin on dev exceeds two standard errors of the difference (where the file has that column)."""
     columns = result["columns"]
     dev, test = columns.index("dev acceptance 1"), columns.index("test acceptance 1")
     rows = [row for row in result["rows"] if row[dev] is not None]
     if not rows:
         return "no variant decoded on dev yet"
     best, base = max(rows, key=lambda row: row[dev]), rows[0]
-    return (f"chosen on dev: {best[0]} (dev {cell(best[dev])}, test {cell(best[test])}) against {base[0]} "
+    line = (f"best on dev: {best[0]} (dev {cell(best[dev])}, test {cell(best[test])}) against {base[0]} "
             f"(dev {cell(base[dev])}, test {cell(base[test])}), {_tokens(base[columns.index('response tokens')])} "
             f"tokens, {len(rows)} candidates")
+    if "2 SE of diff" in columns and best is not base and best[columns.index("2 SE of diff")] is not None:
+        two_se = best[columns.index("2 SE of diff")]
+        line += f"; margin {cell(best[dev] - base[dev])}, " + ("beyond" if best[dev] - base[dev] > two_se else
+                                                               "within") + f" two standard errors ({cell(two_se)})"
+    return line
 
 
 def _peers(result: dict) -> str:

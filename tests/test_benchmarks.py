@@ -449,13 +449,14 @@ def test_results_open_with_where_things_stand_each_figure_linking_its_section(tm
                  rows=[["the product", 1.6, 1.5, [0.5, 0.4]], ["EAGLE-3 alone, chain (top-1)", 1.4, 1.3, [0.45, 0.2]],
                        ["prompt + corpus lookup (no drafter)", 1.3, 1.2, [0.5, 0.5]]],
                  machine=MACHINE, results_dir=results)
-    curve = ["variant", "response tokens", "dev acceptance 1", "test acceptance 1"]
-    write_result("abl100k", title="Ablations (2.5 tokens)", question="?", command="c", split="test", baseline="none",
-                 columns=curve, rows=[["main-job", 100025, 0.30, 0.31], ["ttt3", 100025, 0.35, 0.33]],
+    curve = ["variant", "response tokens", "dev acceptance 1", "test acceptance 1", "2 SE of diff"]
+    write_result("ablations_recipe_100k", title="Ablations (2.5 tokens)", question="?", command="c", split="test", baseline="none",
+                 columns=curve, rows=[["main-job", 100025, 0.30, 0.31, 0.0], ["ttt3", 100025, 0.35, 0.33, 0.04]],
                  machine=MACHINE, results_dir=results)
     make_results.main(["--results-dir", str(results), "--docs", str(docs), "--readme", str(tmp_path / "none.md")])
     page = docs.read_text()
     table = page[page.index("## Where things stand"):page.index("## The main job")]
     assert "tau 1.600, speedup 1.500 (1.250x the free lookups' 1.200); EAGLE-3's chain at first position 0.450" in table
-    assert "chosen on dev: ttt3 (dev 0.350, test 0.330) against main-job (dev 0.300, test 0.310), 100k" in table
-    assert "[abl100k](#ablations-25-tokens)" in table and "## Ablations (2.5 tokens)" in page
+    assert "best on dev: ttt3 (dev 0.350, test 0.330) against main-job (dev 0.300, test 0.310), 100k" in table
+    assert "; margin 0.050, beyond two standard errors (0.040)" in table
+    assert "[ablations_recipe_100k](#ablations-25-tokens)" in table and "## Ablations (2.5 tokens)" in page
