@@ -101,10 +101,15 @@ def train_ours(args, target: str, rows_dir: Path, settings: dict, out: Path, rec
                  f"drafter.norm_output={str(settings['norm_output']).lower()}",
                  "eval.num_prompts=1", "eval.max_new_tokens=8",  # its checkpoint evaluation: kept minimal
                  f"train.response={args.response}"]
+    # a setting the named ablation leaves out takes the trainer's schema default, not the EAGLE-3 recipe's
+    # (conf/recipe/eagle3.yaml): each name keeps what it was measured with
+    from drafter_train.config import TrainConfig
+    from drafter_train.drafters.eagle3.config import Eagle3DrafterConfig
+
+    schema = {"train": TrainConfig(), "drafter": Eagle3DrafterConfig()}
     for group, key in (("train", "warmup_steps"), ("train", "optimizer"), ("train", "lr_schedule"),
                        ("drafter", "ttt_decay"), ("train", "mixed_precision"), ("drafter", "features")):
-        if key in settings:  # else drafter-train's own
-            overrides.append(f"{group}.{key}={settings[key]}")
+        overrides.append(f"{group}.{key}={settings.get(key, getattr(schema[group], key))}")
     cfg = compose_config("train", overrides)
     started = time.perf_counter()
     train(cfg)

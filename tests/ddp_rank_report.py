@@ -28,9 +28,9 @@ def main(report_dir: Path, overrides: list[str]) -> None:
         drawn.append(draw(stream))
         return drawn[-1]
 
-    def reporting_save(accelerator, *args):
-        metrics = save(accelerator, *args)
-        drafter, kind, state = args[2], args[3], args[-2]
+    def reporting_save(accelerator, cfg, run_dir, drafter, kind, *args, **kwargs):
+        metrics = save(accelerator, cfg, run_dir, drafter, kind, *args, **kwargs)
+        state = args[4]  # after tokenizer, optimizer, scheduler, stream: save_and_evaluate's state
         drafter_state = kind.hf_model(accelerator.unwrap_model(drafter)).state_dict()
         weights = {k: v.detach().clone() for k, v in drafter_state.items()}
         report = {"num_processes": accelerator.num_processes, "drawn": list(drawn), "weights": weights}

@@ -222,7 +222,9 @@ def unfinished(data_dir: str | Path) -> Optional[str]:
         manifest = json.loads((root / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
-    planned, shards = manifest.get("counts", {}).get("shards_total"), len(shard_paths(root))
+    # the shards datagen.json records as finished (a folder is written before its entry), else those on disk
+    shards = len(manifest["shards"]) if "shards" in manifest else len(shard_paths(root))
+    planned = manifest.get("counts", {}).get("shards_total")
     if manifest.get("complete") is not False and (planned is None or shards >= planned):
         return None
     done = sum(entry.get("prompts", 0) for entry in manifest.get("shards", []))

@@ -36,7 +36,7 @@ from drafter_train.distributed import (
     full_drafter, load_sharded_state, make_accelerator, optimizer_state, resolve_mixed_precision, save_sharded_state,
     uses_deepspeed, uses_fsdp,
 )
-from drafter_train.devices import default_device, device_name
+from drafter_train.devices import default_device, device_name, on_cpu
 from drafter_train.optimizers import make_optimizer
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
@@ -356,7 +356,7 @@ def expected_tokens(state: TrainState, max_steps: int) -> Optional[int]:
 
 def machine_kind(device) -> str:
     """What a run's machine_kinds records: the GPU's name, else the CPU's kind (machine.kind_slug)."""
-    return device_name(device) if device.type == "cuda" else kind_slug()
+    return kind_slug() if on_cpu(device) else device_name(device)
 
 
 def this_machine(accelerator, tcfg) -> dict:
