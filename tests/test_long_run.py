@@ -105,7 +105,8 @@ def test_snapshots_are_the_checkpoints_where_the_tokens_passed_each_milestone(sn
 def test_a_resume_on_another_machine_kind_says_what_changed_in_one_line(tiny_data, tmp_path, monkeypatch, capsys):
     cfg = train_cfg(tiny_data, tmp_path, "train.max_steps=3", "eval.num_prompts=1", "train.eval_at_start=false")
     train(cfg)
-    monkeypatch.setattr("drafter_train.recipes.train.machine_kind", lambda device: "intel-xeon-amx")
+    for where in ("drafter_train.recipes.train", "drafter_train.run_progress"):  # the loop's and the checkpoint's
+        monkeypatch.setattr(f"{where}.machine_kind", lambda device: "intel-xeon-amx")
     train(train_cfg(tiny_data, tmp_path, "train.max_steps=4", "eval.num_prompts=1", "train.eval_at_start=false"))
     said = [line for line in capsys.readouterr().err.splitlines() if "on another machine" in line]
     assert len(said) == 1 and "resuming step-3" in said[0] and "-> intel-xeon-amx" in said[0]
@@ -149,8 +150,8 @@ def test_a_target_with_another_tokenizer_is_refused_before_it_loads(tiny_data, s
     progress = json.loads((snapshot_run / "latest" / PROGRESS).read_text())
     no_target_load(monkeypatch)
     # the run's: its checkpoint records the tokenizer it was trained with
-    monkeypatch.setattr("drafter_train.recipes.train.tokenizer_fingerprint", lambda tok: "0" * 64)
-    monkeypatch.setattr("drafter_train.recipes.train.check_tokenizer", lambda *a: None)
+    monkeypatch.setattr("drafter_train.run_progress.tokenizer_fingerprint", lambda tok: "0" * 64)
+    monkeypatch.setattr("drafter_train.run_progress.check_tokenizer", lambda *a: None)
     with pytest.raises(ConfigError, match=rf"target\.path: .* not the one .*step-6 was trained with .*"
                                           rf"{progress['tokenizer_sha256'][:12]}"):
         train(train_cfg(tiny_data, snapshot_run.parent, "train.max_steps=8", "train.keep_last=1",

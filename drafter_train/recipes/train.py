@@ -10,7 +10,7 @@ import math
 import shutil
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from accelerate.utils import set_seed
@@ -19,33 +19,37 @@ from tqdm.auto import tqdm
 from transformers import get_scheduler
 
 from drafter_train.checkpoint import (
-    PROGRESS, TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune,
+    TrainState, check_same_run, latest_checkpoint, load_training_state, mark_best, prepare_run_dir, prune,
     rng_state, partial_checkpoint, resume_checkpoint, save_checkpoint, save_run_config, set_rng_state,
     start_checkpoint,
 )
 from drafter_train.config import TrainJobConfig
-from drafter_train.machine import kind_slug, machine_info
+from drafter_train.machine import machine_info
 from drafter_train.preflight import check_inputs
 from drafter_train.recipes.cli import on_main_process, train_main
 from drafter_train.data.batches import BatchStream, collate, token_counts
 from drafter_train.data.overlap import check_eval_overlap
 from drafter_train.data.prompts import refuse_test_split, split_name
-from drafter_train.data.store import check_tokenizer, data_fingerprint, tokenizer_fingerprint
+from drafter_train.data.store import data_fingerprint
 from drafter_train.data.training_data import eval_prompt_ids, eval_prompt_texts, eval_prompts_path, load_training_data
 from drafter_train.distributed import (
     full_drafter, load_sharded_state, make_accelerator, optimizer_state, resolve_mixed_precision, save_sharded_state,
     uses_deepspeed, uses_fsdp,
 )
-from drafter_train.devices import default_device, device_name, on_cpu
+from drafter_train.devices import default_device
 from drafter_train.optimizers import make_optimizer
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
 from drafter_train.drafters.registry import DrafterKind, kind_config, make_drafter, resolve_kind
-from drafter_train.errors import ConfigError, DrafterTrainError
+from drafter_train.errors import DrafterTrainError
 from drafter_train.engines.evaluate import CheckpointEngine
 from drafter_train.evaluation import check_decoder, evaluate_decoding
-from drafter_train.targets import eos_token_ids, load_target, load_target_tokenizer, model_vocab_size
+from drafter_train.targets import eos_token_ids, load_target, model_vocab_size
 from drafter_train.tracking import RunLogger, log_with
+from drafter_train.run_progress import (
+    check_same_tokenizer, crossed, due_by_time, expected_tokens, machine_kind, progress_record, same_data,
+    say_what_changed, this_machine,
+)
 
 
 class TrainingDivergedError(DrafterTrainError):
@@ -330,83 +334,6 @@ def save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optim
         prune(run_dir, cfg.train.keep_last)
     accelerator.wait_for_everyone()
     return metrics
-
-
-# ---- a long run: snapshots, progress, machines, the tokenizer -------------------------------------------------------
-
-
-def due_by_time(accelerator, minutes: float, last_save: float) -> bool:
-    """train.save_every_minutes: whether that much wall time has passed since the last checkpoint, the same answer on
-    every rank (saving is collective: the first rank whose clock says so decides for all)."""
-    if not minutes:
-        return False
-    due = torch.tensor(float(time.monotonic() - last_save >= minutes * 60), device=accelerator.device)
-    return bool(accelerator.reduce(due, "max")) if accelerator.num_processes > 1 else bool(due)
-
-
-def crossed(milestones: Sequence[int], before: int, now: int) -> list[int]:
-    """The token milestones a step took the run past (before < m <= now)."""
-    return [m for m in milestones if before < m <= now]
-
-
-def expected_tokens(state: TrainState, max_steps: int) -> Optional[int]:
-    """The run's tokens at max_steps at the pace so far (the bar's total, hence its ETA); None before a step."""
-    return round(state.tokens_seen / state.step * max_steps) if state.step else None
-
-
-def machine_kind(device) -> str:
-    """What a run's machine_kinds records: the GPU's name, else the CPU's kind (machine.kind_slug)."""
-    return kind_slug() if on_cpu(device) else device_name(device)
-
-
-def this_machine(accelerator, tcfg) -> dict:
-    """What a checkpoint records of the machine that wrote it; a resume elsewhere says what differs."""
-    return {"kind": machine_kind(accelerator.device), "processes": accelerator.num_processes,
-            "mixed_precision": tcfg.mixed_precision, "torch": torch.__version__}
-
-
-def say_what_changed(step_dir, saved: Optional[dict], now: dict) -> None:
-    """One line when a run resumes on another machine than the one that wrote its checkpoint (nothing otherwise)."""
-    if saved is None:  # written before checkpoints recorded their machine
-        return
-    changed = [f"{key} {saved.get(key)} -> {value}" for key, value in now.items() if saved.get(key) != value]
-    if changed:
-        print(f"drafter-train: resuming {step_dir.name} on another machine: {', '.join(changed)} (the state is "
-              "restored whole; the arithmetic of later steps is this machine's)", file=sys.stderr)
-
-
-def progress_record(state: TrainState, cfg: TrainJobConfig, accelerator, identity: dict, machine: dict) -> dict:
-    """progress.json: how far the checkpoint is (what a learning-curve snapshot is evaluated as), and the tokenizer
-    and data it was trained with (identity: check_same_tokenizer, same_data)."""
-    rows_per_step = cfg.train.batch_size * cfg.train.grad_accum * accelerator.num_processes
-    return {"step": state.step, "tokens_seen": state.tokens_seen, "records_seen": state.step * rows_per_step,
-            "train_seconds": round(state.train_seconds, 3), "machine_kinds": list(state.machine_kinds),
-            "machine": machine, **identity}
-
-
-def recorded_progress(run_dir) -> dict:
-    """The latest checkpoint's progress.json ({} without one: a new run, or one saved before it was recorded)."""
-    latest = latest_checkpoint(run_dir)
-    return json.loads((latest / PROGRESS).read_text()) if latest is not None and (latest / PROGRESS).is_file() else {}
-
-
-def same_data(run_dir, identity: dict) -> bool:
-    """Whether train.data_dir holds the data the run's latest checkpoint was trained on, wherever it lies."""
-    return recorded_progress(run_dir).get("data_sha256") == identity["data_sha256"]
-
-
-def check_same_tokenizer(cfg: TrainJobConfig, run_dir) -> str:
-    """Refuse (one line, before the target loads) a target whose tokenizer differs from the data's or from the one
-    the run's latest checkpoint was trained with; returns the tokenizer's fingerprint."""
-    fingerprint = tokenizer_fingerprint(tokenizer := load_target_tokenizer(cfg.target))
-    check_tokenizer(cfg.train.data_dir, tokenizer, "target.path")
-    recorded = recorded_progress(run_dir).get("tokenizer_sha256") if cfg.train.resume == "auto" else None
-    if recorded and recorded != fingerprint:
-        latest = latest_checkpoint(run_dir)
-        raise ConfigError(f"target.path: {cfg.target.path}'s tokenizer is not the one {run_dir}/{latest.name} was "
-                          f"trained with (vocabulary sha256 {fingerprint[:12]} against {recorded[:12]}); resume with "
-                          "that run's target, or pick another train.run_name")
-    return fingerprint
 
 
 def command(job: TrainJobConfig) -> float:
