@@ -82,7 +82,7 @@ def prepare_run_dir(output_root: str, run_name: str, resume: str) -> Path:
 RUN_IDENTITY = ("target", "drafter", "loss", "train.data_dir", "train.response", "train.batch_size",
                 "train.grad_accum", "train.seed", "train.lr", "train.lr_schedule", "train.max_seq_len",
                 "train.optimizer", "train.muon_lr", "train.muon_weight_decay", "train.weight_decay",
-                "train.warmup_steps", "train.max_grad_norm", "train.max_records")
+                "train.warmup_steps", "train.max_grad_norm", "train.max_records", "train.group_by_length")
 
 
 def check_same_run(run_dir: Path, config: dict, ignore: Sequence[str] = (), started: bool = False,

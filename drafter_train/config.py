@@ -674,11 +674,19 @@ class TrainConfig:
     # (docs/gpu.md), and the target's no-grad forward (features, teacher) under bf16 autocast too. auto: bf16 where a
     # bf16 matmul measured on this device at start runs >= 1.5x a float32 one (AMX, most GPUs), else no.
     mixed_precision: str = "no"
+    # The target's feature pass (drafter.features=online, and the offline cache's) under torch.compile, dynamic
+    # shapes: fused elementwise work, after a one-time compile of minutes (drafters/common/conditioned.py:
+    # compile_feature_pass). Decoding never is. Needs a C++ compiler on CPUs (inductor).
+    compile_target: bool = False
     # Train on the first N records of train.data_dir only (0 = all): points of a learning curve share one data
     # folder and one feature cache (benchmarks/learning_curve.py).
     max_records: int = 0
     # Sequences (prompt + response) longer than this lose prompt tokens from the left.
     max_seq_len: int = 512
+    # 0: batches drawn at random. N: each epoch's shuffled records sorted by length within windows of N batches, the
+    # batches then shuffled (data/batches.py: BatchStream), so a batch pads to records of similar length: on data of
+    # very mixed lengths (whole conversations) a third less compute a step, at a less random batch makeup.
+    group_by_length: int = 0
     # Checkpoint (and evaluate) every N optimizer steps, and at the end.
     save_every: int = 50
     # Also checkpoint when this many minutes of wall time have passed since the last checkpoint (0 = off), without
@@ -712,6 +720,8 @@ class TrainConfig:
             check_field(getattr(self, name) >= 1, f"train.{name}", f"must be >= 1, got {getattr(self, name)}")
         check_field(self.lr > 0, "train.lr", f"must be > 0, got {self.lr}")
         check_field(self.max_records >= 0, "train.max_records", f"must be >= 0, got {self.max_records}")
+        check_field(self.group_by_length >= 0, "train.group_by_length",
+                    f"must be >= 0 (0 = off), got {self.group_by_length}")
         check_field(self.save_every_minutes >= 0, "train.save_every_minutes",
                     f"must be >= 0 (0 = off), got {self.save_every_minutes}")
         check_field(all(t >= 1 for t in self.snapshot_tokens), "train.snapshot_tokens",

@@ -230,7 +230,83 @@ def test_the_long_run_trains_with_the_main_jobs_recipe_online():
     at = line.index(main_job[0])
     assert line[at:at + len(main_job)] == list(main_job)
     after = line[at + len(main_job):]  # what the long run changes, after the recipe so that it wins
-    assert {"drafter.features=online", "train.response=reference", "train.save_every_minutes=5.0"} <= set(after)
+    assert {"drafter.features=online", "train.response=reference", "train.save_every_minutes=5.0",
+            "train.group_by_length=64", "train.compile_target=true"} <= set(after)
     data = [str(a) for a in flat(cfg.known["datagen"].run)]
     assert {"datagen.generate=false", "datagen.multi_turn=true", "datagen.later_parts=true",
             "datagen.max_prompt_tokens=2048"} <= set(data)
+
+
+# ---- throughput: batches grouped by length, the feature pass compiled -----------------------------------------------
+
+
+def test_batches_grouped_by_length_are_a_seeded_permutation_of_similar_lengths_that_resumes_exactly():
+    from drafter_train.data.batches import BatchStream
+
+    lengths = torch.randint(1, 2048, (203,), generator=torch.Generator().manual_seed(1)).tolist()
+    grouped = BatchStream(len(lengths), 4, seed=3, lengths=lengths, group_by_length=5)
+    plain = BatchStream(len(lengths), 4, seed=3)
+    batches = [grouped.next_indices() for _ in range(50)]  # one epoch: 50 whole batches of 4, 3 records left out
+    assert sorted(i for b in batches for i in b) == sorted(plain._order()[:200].tolist())
+    # each window of 5 batches holds the same records as the random order's, sorted by length into its batches
+    windows = [set(plain._order()[w:w + 20].tolist()) for w in range(0, 200, 20)]
+    for batch in batches:
+        window = next(w for w in windows if batch[0] in w)
+        assert set(batch) <= window
+        inside = sorted((lengths[i] for i in window), reverse=True)
+        assert sorted((lengths[i] for i in batch), reverse=True) in [inside[k:k + 4] for k in range(0, 20, 4)]
+    padded = lambda bs: sum(len(b) * max(lengths[i] for i in b) for b in bs)  # noqa: E731
+    assert padded(batches) < 0.8 * padded([plain.next_indices() for _ in range(50)])
+    # the batches come shuffled (not longest first), differ between epochs, and resume mid-epoch exactly
+    assert [max(lengths[i] for i in b) for b in batches[:10]] != sorted((max(lengths[i] for i in b)
+                                                                          for b in batches[:10]), reverse=True)
+    again = BatchStream(len(lengths), 4, seed=3, lengths=lengths, group_by_length=5)
+    again.load_state_dict(grouped.state_dict())
+    assert [grouped.next_indices() for _ in range(60)] == [again.next_indices() for _ in range(60)]
+    assert grouped.epoch == 2  # 110 batches: into the third epoch
+    assert [grouped.next_indices() for _ in range(40)] != batches[10:]  # another epoch, drawn anew
+
+
+def test_group_by_length_is_part_of_what_a_run_is_and_absent_means_off(tiny_data, tmp_path):
+    cfg = train_cfg(tiny_data, tmp_path, "train.max_steps=2", "eval.num_prompts=1", "train.eval_at_start=false",
+                    "train.group_by_length=2")
+    train(cfg)
+    with pytest.raises(ConfigError, match=r"train\.group_by_length: 2 -> 0"):
+        train(train_cfg(tiny_data, tmp_path, "train.max_steps=3", "eval.num_prompts=1", "train.eval_at_start=false"))
+    # a run saved before the option existed has no such key: it was a run with random batches, and resumes as one
+    old = train_cfg(tiny_data, tmp_path / "old", "train.max_steps=2", "eval.num_prompts=1", "train.eval_at_start=false")
+    train(old)
+    saved = tmp_path / "old" / old.train.run_name / "config.yaml"
+    saved.write_text("\n".join(l for l in saved.read_text().splitlines() if "group_by_length" not in l))
+    train(train_cfg(tiny_data, tmp_path / "old", "train.max_steps=3", "eval.num_prompts=1",
+                    "train.eval_at_start=false"))
+    with pytest.raises(ConfigError, match=r"train\.group_by_length: must be >= 0"):
+        train_cfg(tiny_data, tmp_path, "train.group_by_length=-1")
+
+
+def test_the_compiled_feature_pass_gives_eager_features_and_decoding_stays_eager(make_tiny_llama):
+    import torch._dynamo
+
+    from drafter_train.data.batches import collate
+    from drafter_train.drafters.common.conditioned import _compiled, compile_feature_pass, target_signals
+
+    target = make_tiny_llama()
+    records = [{"prompt_ids": [1, 2, 3], "response_ids": [4, 5, 6, 7]}, {"prompt_ids": [3, 9], "response_ids": [8]}]
+    batches = [collate(records, "response_ids", 64, 0), collate(records[:1], "response_ids", 64, 0)]
+    eager = [target_signals(target, b, [0, 1, 2]) for b in batches]
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_feature_pass(target)
+    try:
+        compiled = [target_signals(target, b, [0, 1, 2]) for b in batches]  # two shapes: dynamic, no error
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # it did compile
+        for batch, (f, h), (cf, ch) in zip(batches, eager, compiled):
+            real = batch.attention_mask.bool()  # padded positions hold whatever a pass left there: nothing reads them
+            torch.testing.assert_close(cf[real], f[real], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(ch, h, rtol=1e-4, atol=1e-5)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        target(torch.tensor([[1, 2, 3]]))  # the model itself, as decoding calls it: not compiled
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs
+    finally:
+        _compiled.pop(target, None)
+        torch._dynamo.reset()

@@ -118,20 +118,51 @@ def token_counts(records, column: str, vocab_size: int, chunk: int = 1024) -> Te
 class BatchStream:
     """Seeded epoch permutations. The state (epoch, cursor) is checkpointed, so a resumed run draws exactly the
     batches the uninterrupted run would have. With several processes each rank takes its own slice of every
-    global batch: data is sharded, not duplicated."""
+    global batch: data is sharded, not duplicated.
 
-    def __init__(self, num_records: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1):
+    group_by_length=N (with `lengths`, each record's tokens as trained): each epoch's permutation is cut into windows
+    of N global batches, each window sorted by length into its batches, and the batches shuffled over the epoch, so a
+    batch pads to the longest of records of similar length. On ShareGPT's whole conversations (up to 2048 tokens)
+    random batches of 8 are 66 % real tokens, windows of 64 batches 99 % (docs/train.md, "A long run"). Still a
+    function of (seed, epoch): resumes stay exact."""
+
+    def __init__(self, num_records: int, batch_size: int, seed: int, rank: int = 0, world_size: int = 1,
+                 lengths: Optional[Sequence[int]] = None, group_by_length: int = 0):
         self.global_batch = batch_size * world_size
         if num_records < self.global_batch:
             raise ConfigError(
                 f"train.batch_size: {num_records} training records cannot fill one batch of {self.global_batch}"
             )
+        if group_by_length and (lengths is None or len(lengths) != num_records):
+            raise ValueError("group_by_length needs one length per record")
         self.num_records, self.batch_size, self.seed = num_records, batch_size, seed
         self.rank = rank
         self.epoch, self.cursor = 0, 0
+        self.lengths = torch.as_tensor(lengths) if group_by_length else None
+        self.group_by_length = group_by_length
+        self._cached: tuple[int, Tensor] | None = None  # (epoch, its order): one permutation an epoch, not a step
 
     def _order(self) -> Tensor:
-        return torch.randperm(self.num_records, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+        if self._cached is None or self._cached[0] != self.epoch:
+            generator = torch.Generator().manual_seed(self.seed + self.epoch)
+            order = torch.randperm(self.num_records, generator=generator)
+            if self.group_by_length:
+                order = self._grouped(order, generator)
+            self._cached = (self.epoch, order)
+        return self._cached[1]
+
+    def _grouped(self, order: Tensor, generator: torch.Generator) -> Tensor:
+        """`order`'s whole global batches regrouped by length within windows, then shuffled as batches (the ragged
+        tail, dropped by next_indices, stays last)."""
+        usable = self.num_records // self.global_batch * self.global_batch
+        window = self.group_by_length * self.global_batch
+        parts = []
+        for start in range(0, usable, window):
+            chunk = order[start : min(start + window, usable)]
+            parts.append(chunk[torch.sort(self.lengths[chunk], descending=True, stable=True).indices])
+        batches = torch.cat(parts).view(-1, self.global_batch)
+        batches = batches[torch.randperm(len(batches), generator=generator)]
+        return torch.cat([batches.flatten(), order[usable:]])
 
     def next_indices(self) -> list[int]:
         if self.cursor + self.global_batch > self.num_records:  # drop the ragged tail: equal batches on all ranks

@@ -35,14 +35,22 @@ def load_training_data(cfg: TrainJobConfig, tokenizer):
 def report_cut(data, column: str, max_seq_len: int) -> int:
     """Records longer than train.max_seq_len are cut (batches.collate: the prompt from the left, the response from
     the right, so later turns of a long conversation go first); say how many, once, instead of cutting silently."""
-    columns, cut = data.select_columns(["prompt_ids", column]), 0
-    for start in range(0, len(columns), 1024):  # read in chunks: no cache files written into the data folder
-        part = columns[start:start + 1024]
-        cut += sum(len(p) + len(r) > max_seq_len for p, r in zip(part["prompt_ids"], part[column]))
+    lengths = full_lengths(data, column)
+    cut = sum(n > max_seq_len for n in lengths)
     if cut:
         log.warning("drafter-train: %d of %d training records are longer than train.max_seq_len=%d and are cut to "
-                    "it (the prompt from the left, the response from the right)", cut, len(columns), max_seq_len)
+                    "it (the prompt from the left, the response from the right)", cut, len(lengths), max_seq_len)
     return cut
+
+
+def full_lengths(data, column: str) -> list[int]:
+    """Each record's prompt + response tokens before any cut (train.group_by_length sorts by them, cut to
+    train.max_seq_len)."""
+    columns, lengths = data.select_columns(["prompt_ids", column]), []
+    for start in range(0, len(columns), 1024):  # read in chunks: no cache files written into the data folder
+        part = columns[start:start + 1024]
+        lengths += [len(p) + len(r) for p, r in zip(part["prompt_ids"], part[column])]
+    return lengths
 
 
 def eval_prompts_path(cfg: TrainJobConfig) -> str:

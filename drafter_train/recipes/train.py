@@ -31,13 +31,15 @@ from drafter_train.data.batches import BatchStream, collate, token_counts
 from drafter_train.data.overlap import check_eval_overlap
 from drafter_train.data.prompts import refuse_test_split, split_name
 from drafter_train.data.store import data_fingerprint
-from drafter_train.data.training_data import eval_prompt_ids, eval_prompt_texts, eval_prompts_path, load_training_data
+from drafter_train.data.training_data import (eval_prompt_ids, eval_prompt_texts, eval_prompts_path, full_lengths,
+                                              load_training_data)
 from drafter_train.distributed import (
     full_drafter, load_sharded_state, make_accelerator, optimizer_state, resolve_mixed_precision, save_sharded_state,
     uses_deepspeed, uses_fsdp,
 )
 from drafter_train.devices import default_device
 from drafter_train.optimizers import make_optimizer
+from drafter_train.drafters.common.conditioned import compile_feature_pass
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
 from drafter_train.drafters.registry import DrafterKind, kind_config, make_drafter, resolve_kind
@@ -146,8 +148,9 @@ def train(cfg: TrainJobConfig) -> dict:
     identity = {"tokenizer_sha256": check_same_tokenizer(cfg, run_dir),  # the tokenizer alone: before the target
                 "data_sha256": data_fingerprint(tcfg.data_dir)}
     if tcfg.resume == "auto":  # the same data in another folder (another machine's paths) is the same run; fields added
-        # to the drafter's or loss's schema since the run began are taken at their defaults
-        defaults = {"drafter": dataclasses.asdict(type(cfg.drafter)()), "loss": dataclasses.asdict(type(cfg.loss)())}
+        # to the drafter's, loss's or train's schema since the run began are taken at their defaults
+        defaults = {"drafter": dataclasses.asdict(type(cfg.drafter)()), "loss": dataclasses.asdict(type(cfg.loss)()),
+                    "train": dataclasses.asdict(type(tcfg)())}
         check_same_run(run_dir, config, ignore=["train.data_dir"] if same_data(run_dir, identity) else [],
                        defaults=defaults)
     precision, why = resolve_mixed_precision(tcfg.mixed_precision, default_device)
@@ -159,6 +162,8 @@ def train(cfg: TrainJobConfig) -> dict:
     set_seed(tcfg.seed)
     target, tokenizer = load_target(cfg.target)  # never prepared: no-grad, full weights on every rank
     target.to(accelerator.device)
+    if tcfg.compile_target:
+        compile_feature_pass(target)
     check_decoder(target, cfg.eval)
     data, response_key = load_training_data(cfg, tokenizer)
     check_corpus(cfg.eval.lookup.corpus, tokenizer, "eval.lookup.corpus.path")
@@ -181,7 +186,9 @@ def train(cfg: TrainJobConfig) -> dict:
         drafter.float()  # a new drafter is built in the target's dtype
     optimizer = make_optimizer(drafter, tcfg, partitioned=uses_deepspeed(accelerator) or uses_fsdp(accelerator))
     scheduler = get_scheduler(tcfg.lr_schedule, optimizer, tcfg.warmup_steps, tcfg.max_steps)
-    stream = BatchStream(len(data), tcfg.batch_size, tcfg.seed, accelerator.process_index, accelerator.num_processes)
+    lengths = [min(n, tcfg.max_seq_len) for n in full_lengths(data, response_key)] if tcfg.group_by_length else None
+    stream = BatchStream(len(data), tcfg.batch_size, tcfg.seed, accelerator.process_index, accelerator.num_processes,
+                         lengths, tcfg.group_by_length)
     saved = load_training_state(resume_from) if resume_from is not None else None
     if saved is not None:
         restore(saved, optimizer, scheduler, stream, state)
