@@ -53,6 +53,22 @@ def sharegpt_records(tokenizer, count: int, max_prompt_tokens: int, max_response
     return records
 
 
+def datagen_records(data_dir: str, count: int, max_seq_len: int) -> list[dict]:
+    """The first `count` records of a drafter-datagen folder with their reference answers (and learned-token masks,
+    multi-turn data), in order of length as train.group_by_length batches them: the long run's work."""
+    from drafter_train.data.batches import mask_key
+    from drafter_train.data.store import load_distill_dataset
+
+    data = load_distill_dataset(data_dir).select(range(count))
+    masked = mask_key("reference_ids") in data.column_names
+    records = []
+    for r in data:
+        records.append({"prompt_ids": r["prompt_ids"], RESPONSE_KEY: r["reference_ids"]})
+        if masked:
+            records[-1][mask_key(RESPONSE_KEY)] = r[mask_key("reference_ids")]
+    return sorted(records, key=lambda r: -min(max_seq_len, len(r["prompt_ids"]) + len(r[RESPONSE_KEY])))
+
+
 def job(precision_override: list[str], data_dir: str):
     """The main job's EAGLE-3 recipe (conf/pipeline/quickstart.yaml: shared.recipe) as a typed train job, its
     train.mixed_precision=auto resolved on this machine; (job, why)."""
@@ -122,7 +138,12 @@ def measure(args) -> dict:
     peaks = {"float32": throughput.matmul_tflops(torch.float32), "bfloat16": throughput.matmul_tflops(torch.bfloat16)}
     dtype = "bfloat16" if cfg.train.mixed_precision == "bf16" else "float32"
     target, tokenizer = load_target(TargetConfig())
-    records = sharegpt_records(tokenizer, args.records, args.max_prompt_tokens, args.max_response_tokens)
+    if cfg.train.compile_target:
+        conditioned.compile_feature_pass(target)  # compiled by the untimed pass that makes the offline batches
+    if args.data:
+        records = datagen_records(args.data, args.records, cfg.train.max_seq_len)
+    else:
+        records = sharegpt_records(tokenizer, args.records, args.max_prompt_tokens, args.max_response_tokens)
     batches = [collate(records[i:i + cfg.train.batch_size], RESPONSE_KEY, cfg.train.max_seq_len,
                        tokenizer.pad_token_id) for i in range(0, len(records) - cfg.train.batch_size + 1,
                                                              cfg.train.batch_size)]
@@ -175,11 +196,21 @@ def rows(m: dict, top: dict) -> list[list]:
              top["drafter_step_over_feature_pass"]]]
 
 
+def workload(args, m: dict) -> str:
+    if args.data:
+        return (f"the first {m['records']} records of {args.data} with their reference answers, cut at "
+                f"train.max_seq_len, batched by length, batches of {m['batch_size']}")
+    return (f"ShareGPT first turns with their reference answers, first {m['records']} records (prompt <= "
+            f"{args.max_prompt_tokens} tokens, answer <= {args.max_response_tokens}), batches of {m['batch_size']}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=32, help="ShareGPT records timed (whole batches of 8)")
     parser.add_argument("--repeats", type=int, default=3, help="timed passes over all batches (median reported)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads (the machines here have 2 cores)")
+    parser.add_argument("--data", default=None, help="time the first --records records of this drafter-datagen "
+                        "folder instead (reference answers, batched by length), e.g. the long run's")
     parser.add_argument("--max-prompt-tokens", type=int, default=128)
     parser.add_argument("--max-response-tokens", type=int, default=192)
     parser.add_argument("--result-name", default=None, help="default throughput-<cpu kind>")
@@ -194,9 +225,7 @@ def main(argv=None) -> None:
                  title=f"Per-token cost against the matmul peak on {machine['cpu']}",
                  question="How close do the EAGLE-3 feature pass (the target's no-grad forward) and the main job's "
                           "training step come to this machine's measured matmul peak?",
-                 command=command_line("throughput", argv), split=f"ShareGPT first turns with their reference answers, "
-                 f"first {m['records']} records (prompt <= {args.max_prompt_tokens} tokens, answer <= "
-                 f"{args.max_response_tokens}), batches of {m['batch_size']}",
+                 command=command_line("throughput", argv), split=workload(args, m),
                  baseline=f"torch's matmul peak in {m['peak_dtype']} on {args.threads} threads (the fastest of "
                           f"drafter_train/throughput.py's PEAK_SHAPES); train.mixed_precision: {m['precision']} "
                           f"({m['precision_why']})",

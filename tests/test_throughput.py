@@ -129,3 +129,14 @@ def test_a_mask_that_is_not_right_padding_is_kept():
     for got, want in zip(target_signals(target, batch, layers), masked_reference(target, batch, layers)):
         torch.testing.assert_close(got, want)
     assert masks_seen(target, lambda: target_signals(target, batch, layers))[0] is batch.attention_mask
+
+
+def test_datagen_records_are_the_folders_first_records_longest_first_with_their_masks(monkeypatch):
+    import datasets
+
+    rows = [{"prompt_ids": [1] * p, "reference_ids": [2] * r, "reference_mask": [1, 0] * (r // 2)}
+            for p, r in ((3, 4), (1, 10), (5, 2), (9, 8))]
+    monkeypatch.setattr("drafter_train.data.store.load_distill_dataset", lambda d: datasets.Dataset.from_list(rows))
+    records = bench.datagen_records("folder", 3, max_seq_len=12)  # the 4th record is past the count
+    assert [(len(r["prompt_ids"]), len(r["response_ids"])) for r in records] == [(1, 10), (3, 4), (5, 2)]
+    assert records[0]["response_mask"] == [1, 0] * 5
