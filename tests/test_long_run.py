@@ -231,7 +231,7 @@ def test_the_long_run_trains_with_the_main_jobs_recipe_online():
     assert line[at:at + len(main_job)] == list(main_job)
     after = line[at + len(main_job):]  # what the long run changes, after the recipe so that it wins
     assert {"drafter.features=online", "train.response=reference", "train.save_every_minutes=5.0",
-            "train.group_by_length=64", "train.compile_target=true"} <= set(after)
+            "train.group_by_length=64", "train.compile_target=true", "drafter.ttt_steps=3"} <= set(after)
     data = [str(a) for a in flat(cfg.known["datagen"].run)]
     assert {"datagen.generate=false", "datagen.multi_turn=true", "datagen.later_parts=true",
             "datagen.max_prompt_tokens=2048"} <= set(data)
