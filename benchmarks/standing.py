@@ -88,6 +88,7 @@ STANDING: list[tuple[str, list[str], Callable[[dict], str]]] = [
     ("Recipe candidates at equal data (SmolLM2-135M)", ["ablations_recipe_100k"], _ablation),
     ("Acceptance against data (SmolLM2-135M, 6 epochs on 2 CPU cores)", ["learning_curve_reference_auto"], _curve),
     ("Acceptance against data (SmolLM2-135M, 2 epochs on a GPU)", ["learning_curve_reference_gpu"], _curve),
+    ("One run over all of ShareGPT: its snapshots (SmolLM2-135M)", ["long_run_smollm2"], _curve),
     ("The main job (README command 1)", ["main_job"], _main_job),
     ("The served 1.5B: acceptance at equal data", ["learning_curve_qwen1.5b_served_recipe"], _curve),
     ("The served 1.5B in llama.cpp", ["served_qwen1.5b-amd-epyc-avx512", "served_qwen1.5b*"], _served),
