@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -27,6 +28,33 @@ def due_by_time(accelerator, minutes: float, last_save: float) -> bool:
         return False
     due = torch.tensor(float(time.monotonic() - last_save >= minutes * 60), device=accelerator.device)
     return bool(accelerator.reduce(due, "max")) if accelerator.num_processes > 1 else bool(due)
+
+
+class TrainingRate:
+    """train/tokens_per_s: the tokens of a logging window over its training time. A checkpoint saved (and evaluated)
+    inside the window pauses the clock, and the window keeps the tokens trained before it."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.start, self.tokens = clock(), 0
+
+    def add(self, tokens: int) -> None:
+        self.tokens += tokens
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        began = self.clock()
+        try:
+            yield
+        finally:
+            self.start += self.clock() - began
+
+    def take(self) -> float:
+        """The window's rate; a new window begins."""
+        now = self.clock()
+        rate = self.tokens / max(now - self.start, 1e-9)
+        self.start, self.tokens = now, 0
+        return rate
 
 
 def crossed(milestones: Sequence[int], before: int, now: int) -> list[int]:

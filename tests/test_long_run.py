@@ -310,3 +310,20 @@ def test_the_compiled_feature_pass_gives_eager_features_and_decoding_stays_eager
     finally:
         _compiled.pop(target, None)
         torch._dynamo.reset()
+
+
+def test_the_logged_rate_leaves_checkpoints_out_but_keeps_the_tokens_trained_before_them():
+    from drafter_train.run_progress import TrainingRate
+
+    now = [0.0]
+    rate = TrainingRate(clock=lambda: now[0])
+    now[0] = 1.0
+    rate.add(100)  # a step of 1 s
+    with rate.paused():
+        now[0] = 5.0  # a checkpoint and its evaluation: 4 s
+    now[0] = 6.0
+    rate.add(100)  # another step of 1 s
+    assert rate.take() == pytest.approx(100.0)  # 200 tokens in 2 s of training: not 200 / 6 s, nor 200 / 1 s
+    now[0] = 8.0
+    rate.add(50)
+    assert rate.take() == pytest.approx(25.0)  # a new window

@@ -50,7 +50,7 @@ from drafter_train.targets import eos_token_ids, load_target, model_vocab_size
 from drafter_train.tracking import RunLogger, log_with
 from drafter_train.run_progress import (
     check_same_tokenizer, crossed, due_by_time, expected_tokens, machine_kind, progress_record, same_data,
-    say_what_changed, this_machine,
+    say_what_changed, this_machine, TrainingRate,
 )
 
 
@@ -242,7 +242,7 @@ def train(cfg: TrainJobConfig) -> dict:
     bar = tqdm(total=expected_tokens(state, tcfg.max_steps), initial=state.tokens_seen, unit="tok", unit_scale=True,
                desc=f"train {run_name}", disable=not accelerator.is_main_process)
     last = None
-    window_start, window_tokens = time.perf_counter(), 0
+    rate = TrainingRate()
     clock = last_save = time.monotonic()  # train_seconds leaves out checkpoints and their evaluations
     while state.step < tcfg.max_steps:
         micro = next_micro_batches(data, stream, response_key, cfg, tokenizer.pad_token_id, accelerator.device, kind)
@@ -253,25 +253,23 @@ def train(cfg: TrainJobConfig) -> dict:
         state.step += 1
         state.tokens_seen += step_tokens
         state.train_seconds += time.monotonic() - clock
-        window_tokens += step_tokens
+        rate.add(step_tokens)
         bar.total = expected_tokens(state, tcfg.max_steps)
         bar.update(step_tokens)
         if every_n_steps(state.step, tcfg.log_every, tcfg.max_steps):
-            elapsed = time.perf_counter() - window_start
             logger.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
-                        "train/tokens_per_s": window_tokens / elapsed, "train/tokens_seen": state.tokens_seen},
-                       state.step)
+                        "train/tokens_per_s": rate.take(), "train/tokens_seen": state.tokens_seen}, state.step)
             bar.set_postfix(step=f"{state.step}/{tcfg.max_steps}", loss=f"{loss_value:.4f}")
-            window_start, window_tokens = time.perf_counter(), 0
         evaluated = every_n_steps(state.step, tcfg.save_every, tcfg.max_steps)
         snapshots = crossed(tcfg.snapshot_tokens, state.tokens_seen - step_tokens, state.tokens_seen)
         timed = due_by_time(accelerator, tcfg.save_every_minutes, last_save)
         if evaluated or snapshots or timed:
             progress = progress_record(state, cfg, accelerator, identity, this_machine(accelerator, tcfg))
-            metrics = save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optimizer, scheduler,
-                                        stream, state, checkpoint_eval if evaluated else None, progress, snapshots)
+            with rate.paused():  # saving, evaluating: not training
+                metrics = save_and_evaluate(accelerator, cfg, run_dir, drafter, kind, tokenizer, optimizer, scheduler,
+                                            stream, state, checkpoint_eval if evaluated else None, progress, snapshots)
             last = metrics if evaluated else last
-            last_save, window_start = time.monotonic(), time.perf_counter()  # saving, evaluating: not training
+            last_save = time.monotonic()
         clock = time.monotonic()
     bar.close()
     logger.finish()
