@@ -25,6 +25,7 @@ from benchmarks import learning_curve as lc
 from benchmarks.common import command_line, write_result
 from drafter_train.checkpoint import PROGRESS, snapshot_dirs
 from drafter_train.errors import ConfigError
+from drafter_train.io import write_atomic
 from drafter_train.targets import model_name
 
 COLUMNS = [*lc.COLUMNS, "machine kinds", "eval s"]
@@ -41,12 +42,20 @@ def snapshot_point(snapshot: Path, args) -> dict:
     """One snapshot decoded on dev and test (kept evaluations reused when decoded as asked): a learning_curve point,
     with its machine kinds and evaluation seconds."""
     progress = json.loads((snapshot / PROGRESS).read_text())
+    chains, timing = [snapshot / "dev-chain.json", snapshot / "test-chain.json"], snapshot / "eval_seconds.json"
+    stamps = lambda: [f.stat().st_mtime_ns if f.is_file() else None for f in chains]  # noqa: E731
+    before = stamps()
     began = time.perf_counter()
-    dev = lc.evaluate(snapshot / "drafter", "dev", args, snapshot / "dev-chain.json")
-    test = lc.evaluate(snapshot / "drafter", "test", args, snapshot / "test-chain.json")
+    dev = lc.evaluate(snapshot / "drafter", "dev", args, chains[0])
+    test = lc.evaluate(snapshot / "drafter", "test", args, chains[1])
+    seconds = round(time.perf_counter() - began, 1)
+    if stamps() == before and timing.is_file():  # both kept: when they were decoded
+        seconds = json.loads(timing.read_text())["eval_s"]
+    else:
+        write_atomic(timing, json.dumps({"eval_s": seconds}) + "\n")
     return {"variant": args.variant, "snapshot": snapshot.name, "response_tokens": progress["tokens_seen"],
             "records": progress["records_seen"], "steps": progress["step"], "train_s": progress["train_seconds"],
-            "machine_kinds": progress["machine_kinds"], "eval_s": round(time.perf_counter() - began, 1),
+            "machine_kinds": progress["machine_kinds"], "eval_s": seconds,
             "dev": lc._figures(dev), "test": lc._figures(test), "eval": lc.eval_settings(args),
             "machine": test["machine"]}
 
@@ -86,6 +95,9 @@ def write(points: list[dict], run: Path, args, command: str) -> Path:
     notes = [f"Snapshots of one drafter-train run ({run}, data {config.train.data_dir}, train.response="
              f"{config.train.response}), not one run per point: response tokens are those trained on when the snapshot "
              f"was taken (repeats counted); train s is the run's training wall time to it, on the machine kinds named. "
+             f"A snapshot holds the weights at its step, at the learning rate of the run's {config.train.lr_schedule} "
+             f"schedule over {config.train.max_steps} steps then: not decayed as a run that ended there would be, so "
+             f"early points understate what their tokens could give. "
              f"Decoded as benchmarks.learning_curve decodes its points: our decoder, greedy, the drafter's top-1 "
              f"tokens as a chain of {args.draft_len}, {args.max_new_tokens} new tokens per prompt, the target in "
              f"{args.eval_dtype}; acceptance i = P(draft i accepted | drafts before it accepted)."]

@@ -327,3 +327,28 @@ def test_the_logged_rate_leaves_checkpoints_out_but_keeps_the_tokens_trained_bef
     now[0] = 8.0
     rate.add(50)
     assert rate.take() == pytest.approx(25.0)  # a new window
+
+
+def test_a_rerun_of_the_curve_keeps_the_seconds_its_snapshots_were_decoded_in(snapshot_run, tmp_path, monkeypatch):
+    import time
+
+    from benchmarks import learning_curve as lc
+    from benchmarks import long_run
+
+    figures = {"tau": 1.5, "acceptance_rate": 0.3, "speedup": 1.0, "per_position_acceptance": [0.4, 0.2, 0.1],
+               "machine": {"cpu": "Test CPU"}}
+
+    def evaluate(drafter, split, args, output):  # decodes once (0.3 s), then reuses what it wrote
+        if not output.is_file():
+            time.sleep(0.3)
+            output.write_text("{}")
+        return figures
+
+    monkeypatch.setattr(lc, "evaluate", evaluate)
+    run = tmp_path / "run"
+    shutil.copytree(snapshot_run, run, symlinks=True)
+    seconds = []
+    for _ in range(2):
+        long_run.main(["--run", str(run), "--results-dir", str(tmp_path), "--result-name", "lr"])
+        seconds.append([row[-1] for row in json.loads((tmp_path / "lr.json").read_text())["rows"]])
+    assert seconds[0] == seconds[1] and min(seconds[0]) >= 0.6  # not the rerun's ~0 s
