@@ -144,8 +144,8 @@ class LongRunConfig(PipelineConfig):
     max_seq_len: int = 2048  # a conversation ends before the first turn whose prompt exceeds it; training cuts here
     checkpoints: str = "checkpoints"
     run: str = "long-run-smollm2"
-    steps: int = 2000  # of 8 conversations, ~8.4k tokens a step: about one pass, 10M near step 1,200 (docs/train.md)
-    save_every: int = 500  # evaluated checkpoints (dev split), which pick `best`
+    steps: int = 7600  # of 2 conversations, ~2.1k tokens a step: about one pass, 10M near step 4,800 (docs/train.md)
+    save_every: int = 2000  # evaluated checkpoints (dev split), which pick `best`
     save_every_minutes: float = 10.0  # plus unevaluated ones every this many minutes of wall time
     snapshot_tokens: list[int] = field(default_factory=lambda: [1_000_000, 2_000_000, 4_000_000, 8_000_000,
                                                                 10_000_000])
