@@ -77,3 +77,13 @@ def make_optimizer(model: torch.nn.Module, tcfg, partitioned: bool) -> torch.opt
     if adamw:
         inner.append(torch.optim.AdamW(adamw, lr=tcfg.lr, weight_decay=tcfg.weight_decay))
     return Stepped(*inner)
+
+
+def logged_lrs(optimizer: torch.optim.Optimizer, lrs: list[float]) -> dict[str, float]:
+    """The schedule's current lrs (scheduler.get_last_lr(), one per param group) as logged: `train/lr` is train.lr's
+    (AdamW's groups), `train/muon_lr` train.muon_lr's where Muon trains the weight matrices."""
+    muon = ["ns_steps" in group for group in optimizer.param_groups]
+    logged = {"train/lr": next((lr for lr, m in zip(lrs, muon) if not m), None),
+              "train/muon_lr": next((lr for lr, m in zip(lrs, muon) if m), None)}
+    return {k: v for k, v in logged.items() if v is not None}
+

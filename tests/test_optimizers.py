@@ -12,7 +12,7 @@ import torch
 from transformers import get_scheduler
 
 from drafter_train.errors import ConfigError
-from drafter_train.optimizers import make_optimizer, muon_parameters
+from drafter_train.optimizers import logged_lrs, make_optimizer, muon_parameters
 
 SETTINGS = SimpleNamespace(optimizer="muon", lr=1e-3, weight_decay=0.0, muon_lr=0.02, muon_weight_decay=0.1)
 
@@ -74,6 +74,19 @@ def test_one_optimizer_steps_as_muon_and_adamw_side_by_side_under_one_schedule()
     # each group follows the schedule from its own base lr
     lrs = scheduler.get_last_lr()
     assert lrs[0] == pytest.approx(schedules[0].get_last_lr()[0]) and lrs[-1] == pytest.approx(schedules[1].get_last_lr()[0])
+
+
+def test_the_logged_lr_is_train_lr_and_muon_lr_is_logged_beside_it():
+    """train/lr once logged Muon's lr (0.02 here) as if it were train.lr: each is logged under its own name."""
+    model = Drafterish()
+    optimizer = make_optimizer(model, SETTINGS, partitioned=False)
+    scheduler = get_scheduler("cosine", optimizer, 0, 4)
+    scheduler.step()
+    factor = scheduler.get_last_lr()[0] / SETTINGS.muon_lr
+    logged = logged_lrs(optimizer, scheduler.get_last_lr())
+    assert logged == {"train/lr": pytest.approx(SETTINGS.lr * factor), "train/muon_lr": pytest.approx(0.02 * factor)}
+    adamw = make_optimizer(model, SimpleNamespace(**{**vars(SETTINGS), "optimizer": "adamw"}), partitioned=False)
+    assert logged_lrs(adamw, [SETTINGS.lr]) == {"train/lr": SETTINGS.lr}
 
 
 def test_its_state_dict_resumes_the_same_steps():

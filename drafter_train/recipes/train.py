@@ -38,7 +38,7 @@ from drafter_train.distributed import (
     uses_deepspeed, uses_fsdp,
 )
 from drafter_train.devices import default_device
-from drafter_train.optimizers import make_optimizer
+from drafter_train.optimizers import logged_lrs, make_optimizer
 from drafter_train.drafters.common.conditioned import compile_feature_pass
 from drafter_train.drafters.common.loading import load_drafter
 from drafter_train.decoding.lookup import check_corpus
@@ -257,7 +257,7 @@ def train(cfg: TrainJobConfig) -> dict:
         bar.total = expected_tokens(state, tcfg.max_steps)
         bar.update(step_tokens)
         if every_n_steps(state.step, tcfg.log_every, tcfg.max_steps):
-            logger.log({"train/loss": loss_value, "train/lr": scheduler.get_last_lr()[0],
+            logger.log({"train/loss": loss_value, **logged_lrs(optimizer, scheduler.get_last_lr()),
                         "train/tokens_per_s": rate.take(), "train/tokens_seen": state.tokens_seen}, state.step)
             bar.set_postfix(step=f"{state.step}/{tcfg.max_steps}", loss=f"{loss_value:.4f}")
         evaluated = every_n_steps(state.step, tcfg.save_every, tcfg.max_steps)
