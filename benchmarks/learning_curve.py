@@ -17,7 +17,10 @@ number of training response tokens), a drafter is trained on the first records o
 fewest that hold that many response tokens, so every point shares one datagen folder and one feature cache, which
 grows with the points) for `--epochs` passes over them, then decoded by our speculative decoder as a
 chain of its top-1 tokens (`--draft-len`) on the dev split (for choosing) and on the test split (for reporting),
-greedy. Points beyond the data are reported as not reached. Each finished point's figures are kept in
+greedy. A variant with peer=TRAINER:SETTINGS (e.g. peer=speculators:defaults-bf16, benchmarks/peer_trainers.py's
+SETTINGS, its venv from scripts/setup_peers.sh) trains its points with that peer trainer on the same records, epochs,
+draft vocabulary and feature layers instead, decoded the same way: the best peer beside the recipe at equal data.
+Points beyond the data are reported as not reached. Each finished point's figures are kept in
 <out>/<run>/point.json, so a rerun skips it (grow the data with drafter-datagen and rerun for more points).
 
 With two points or more, the first-position acceptance is fitted as a + b * log10(tokens) (least squares) and the
@@ -160,7 +163,8 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
                     point[split] = _figures(json.loads(chain.read_text()))
             return point  # else decoded otherwise than asked: decoded again, the training kept (trained.json)
     epochs = float(_last_value(overrides, "epochs", args.epochs))
-    overrides = [o for o in overrides if not o.startswith("epochs=")]
+    peer = _last_value(overrides, "peer")
+    overrides = [o for o in overrides if not o.startswith(("epochs=", "peer="))]
     if args.response == "reference":
         overrides = ["train.response=reference", *overrides]
     steps = max(int(-(-epochs * records // _batch(recipe, overrides))), 1)
@@ -169,7 +173,14 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
     began = time.perf_counter()
     trained = run_dir / "trained.json"  # the training's wall seconds once it ended: a rerun decodes, never retrains
     kept = json.loads(trained.read_text()) if trained.is_file() else {}
-    if kept.get("steps") == steps:
+    drafter = run_dir / f"step-{steps}" / "drafter"
+    if peer:
+        if not kept:
+            kept = train_peer(peer, records, epochs, run_dir, args)
+            trained.write_text(json.dumps(kept) + "\n")
+        steps, seconds, drafter = kept["steps"], kept["train_s"], Path(kept["drafter"])
+        began = time.perf_counter()
+    elif kept.get("steps") == steps:
         seconds = kept["train_s"]
     else:
         train(compose_config("train", [
@@ -182,17 +193,65 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
         run_dir.mkdir(parents=True, exist_ok=True)
         trained.write_text(json.dumps({"steps": steps, "train_s": seconds}) + "\n")
         began = time.perf_counter()
-    drafter = run_dir / f"step-{steps}" / "drafter"
     dev = evaluate(drafter, "dev", args, run_dir / "dev-chain.json") if "dev" in args.splits else None
     test = evaluate(drafter, "test", args, run_dir / "test-chain.json")
     args.pace.record(steps, seconds, time.perf_counter() - began)
     point = {"variant": variant, "recipe": recipe, "overrides": overrides, "records": records, "steps": steps,
+             **({"peer": peer, "tokens_seen": kept["tokens_seen"]} if peer else {}),
              "train_s": seconds, "response_tokens": args.tokens_in(records), "dev": dev and _figures(dev),
              "test": _figures(test), "eval_dtype": args.eval_dtype, "eval": eval_settings(args),
              "machine": test["machine"]}
     run_dir.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(point, indent=2) + "\n")
     return point
+
+
+def train_peer(peer: str, records: int, epochs: float, run_dir: Path, args) -> dict:
+    """A peer trainer's point (a variant's peer=TRAINER:SETTINGS, benchmarks/peer_trainers.py's SETTINGS), trained in
+    its own venv (benchmarks/peers) on the point's records, the same first ones of --data ours trains on, as its rows
+    cut at the recipe's train.max_seq_len (its tokens packed a step too), with the recipe's draft vocabulary and
+    feature layers, for `epochs` passes. Returns what trained.json keeps: its drafter folder, optimizer steps,
+    seconds (its feature extraction included) and response tokens seen."""
+    from transformers import AutoConfig
+
+    from benchmarks.peer_trainers import SETTINGS
+    from benchmarks.peers import check_venv, train_modelopt, train_speculators, write_rows
+    from drafter_train.engines.vllm_cpu import local_target
+    from drafter_train.features import default_layers
+
+    trainer, name = check_peer(peer, epochs)
+    adapters = {"speculators": (train_speculators, "total_seq_len"), "modelopt": (train_modelopt, "seq_len")}
+    check_venv(trainer)
+    cfg = compose_config("train", args.recipe)
+    target_dir = local_target(cfg.target.path, cfg.target.cache_dir)
+    layers = list(cfg.drafter.target_layers or default_layers(AutoConfig.from_pretrained(target_dir).num_hidden_layers))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    data, rows = load_distill_dataset(args.data), run_dir / "rows.jsonl"
+    seen = write_rows((data[i] for i in range(records)), rows, cfg.train.max_seq_len, None,
+                      RESPONSE_COLUMNS[args.response])
+    train_fn, packing = adapters[trainer]
+    settings = dict(SETTINGS[(trainer, name)], epochs=int(epochs), draft_vocab_size=cfg.drafter.draft_vocab_size,
+                    **{packing: cfg.train.max_seq_len})
+    info = train_fn(Path(target_dir), rows, layers, run_dir / trainer, settings)
+    return {"peer": peer, "drafter": str(run_dir / trainer / "drafter"), "steps": info["optimizer_steps"],
+            "train_s": info["train_wall_s"] + (info.get("features_wall_s") or 0.0), "tokens_seen": seen * int(epochs)}
+
+
+PEERS = ("speculators", "modelopt")
+
+
+def check_peer(peer: str, epochs: float) -> tuple[str, str]:
+    """A variant's peer=TRAINER:SETTINGS, refused in one line unless peer_trainers has those settings for that
+    trainer and the passes are whole."""
+    from benchmarks.peer_trainers import SETTINGS
+
+    trainer, _, name = peer.partition(":")
+    if trainer not in PEERS or (trainer, name) not in SETTINGS:
+        known = ", ".join(f"{t}:{n}" for t, n in SETTINGS if t in PEERS)
+        raise ConfigError(f"peer={peer}: not a peer trainer's settings ({known})")
+    if epochs != int(epochs):
+        raise ConfigError(f"peer={peer}: the peers train whole passes, not epochs={epochs:g}")
+    return trainer, name
 
 
 class Pace:
@@ -278,8 +337,8 @@ ABLATION_COLUMNS = [*COLUMNS, "tokens seen", "dev diff vs baseline", "2 SE of di
 
 
 def ablation_row(point: dict, baseline: dict) -> list:
-    seen = round(point["response_tokens"] * point["steps"] * _batch(point["recipe"], point["overrides"])
-                 / point["records"])
+    seen = point.get("tokens_seen") or round(point["response_tokens"] * point["steps"]
+                                             * _batch(point["recipe"], point["overrides"]) / point["records"])
     if not (point["dev"] and baseline["dev"]):
         return [*row(point), seen, None, None]
     (a, n), (b, m) = [(p["dev"]["per_position_acceptance"][0], p["dev"].get("per_position_tested", [0])[0])
@@ -306,9 +365,15 @@ def fit_notes(points: list[dict], aims: Sequence[float] = AIMS) -> str:
 
 def _epochs(points: list[dict], args) -> str:
     """The passes the points made: --epochs, or the variants' own epochs=N."""
-    counts = sorted({round(p["steps"] * _batch(p["recipe"], p["overrides"]) / p["records"], 1) for p in points}
-                    or {args.epochs})
+    counts = sorted({round(_passes(p), 1) for p in points} or {args.epochs})
     return " / ".join(f"{c:g}" for c in counts) + (" epochs" if counts != [1] else " epoch")
+
+
+def _passes(point: dict) -> float:
+    """The passes a point made over its records (a peer's: its tokens seen over the records')."""
+    if point.get("peer"):
+        return point["tokens_seen"] / point["response_tokens"]
+    return point["steps"] * _batch(point["recipe"], point["overrides"]) / point["records"]
 
 
 BEYOND_TOKENS = 1e12  # a fit that needs more than this (a trillion response tokens) says only "not in sight"
@@ -342,7 +407,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                         "options (e.g. served_qwen:ar, the AR drafter cut from the 0.5B; served_qwen:eagle3); default: "
                         "the main job's EAGLE-3 recipe")
     parser.add_argument("--variant", action="append", help="NAME=OVERRIDES (drafter-train options added to the "
-                        "recipe, space-separated; epochs=N sets the variant's passes); repeatable; default: "
+                        "recipe, space-separated; epochs=N sets the variant's passes; peer=TRAINER:SETTINGS trains "
+                        "the point with a peer trainer instead, e.g. peer=speculators:defaults-bf16, "
+                        "benchmarks/peer_trainers.py); repeatable; default: "
                         "main-job= (the recipe as it is; with --recipe P:S, P-S=, so its points are kept apart "
                         "from the main job's)")
     parser.add_argument("--epochs", type=float, default=6, help="passes over each point's records (the main job: "
@@ -386,11 +453,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args.title_target = model_name(composed.target.path)
     args.kind_name = KIND_NAMES.get(composed.drafter.kind, composed.drafter.kind)
     args.pace = Pace(args.deadline)
+    variants = parse_variants(args.variant, args.recipe_name)
+    for overrides in variants.values():  # before any data loads
+        if _last_value(overrides, "peer"):
+            check_peer(_last_value(overrides, "peer"), float(_last_value(overrides, "epochs", args.epochs)))
     column = RESPONSE_COLUMNS[args.response]
     lengths = [len(r) for r in load_distill_dataset(args.data)[column]]
     args.tokens_in = lambda records: sum(lengths[:records])
     points, missing, late = [], [], []
-    variants = parse_variants(args.variant, args.recipe_name)
     for variant, overrides in variants.items():
         for tokens in args.points:
             records = records_for(lengths, tokens)

@@ -287,3 +287,68 @@ def test_an_ablation_row_gives_its_dev_difference_from_the_baseline_with_two_sta
     row = lc.ablation_row(other, base)
     assert row[-3] == 600_000 and row[-2] == pytest.approx(0.06)
     assert row[-1] == pytest.approx(2 * (0.30 * 0.70 / 900 + 0.36 * 0.64 / 900) ** 0.5)
+
+
+class Records:
+    """A datagen folder's dataset as learning_curve reads it: columns by name, records by index."""
+
+    def __init__(self, **columns):
+        self.columns = columns
+
+    def __getitem__(self, key):
+        if isinstance(key, str):
+            return self.columns[key]
+        return {name: values[key] for name, values in self.columns.items()}
+
+
+def test_a_peer_variant_trains_the_same_records_with_the_peer_and_decodes_its_drafter_the_same_way(tmp_path,
+                                                                                                    monkeypatch):
+    import benchmarks.peers as peers
+    import drafter_train.engines.vllm_cpu as vllm_cpu
+
+    data = Records(prompt_ids=[[1, 2]] * 1000, response_ids=[[]] * 1000,
+                   reference_ids=[[3 + i % 5] * 100 for i in range(1000)])
+    monkeypatch.setattr(lc, "load_distill_dataset", lambda path: data)
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"model_type": "llama", "num_hidden_layers": 30}))
+    monkeypatch.setattr(vllm_cpu, "local_target", lambda path, cache_dir=None: str(target))
+    monkeypatch.setattr(peers, "check_venv", lambda name: None)
+    calls, decoded = [], []
+
+    def fake_speculators(target_dir, rows, layers, out, settings, timeout=None):
+        calls.append((target_dir, [json.loads(line) for line in rows.read_text().splitlines()], layers, settings))
+        (out / "drafter").mkdir(parents=True)
+        return {"optimizer_steps": 77, "train_wall_s": 10.0, "features_wall_s": 2.5}
+
+    def fake_eval(cfg):
+        decoded.append(cfg.drafter.path)
+        return {"tau": 1.3, "acceptance_rate": 0.3, "per_position_acceptance": [0.3], "speedup": 1.0,
+                "machine": MACHINE}
+
+    monkeypatch.setattr(peers, "train_speculators", fake_speculators)
+    monkeypatch.setattr(lc, "train", lambda cfg: None)
+    monkeypatch.setattr(lc, "run_eval_job", fake_eval)
+    argv = ["--data", "d", "--response", "reference", "--points", "20000", "--out", str(tmp_path / "runs"),
+            "--results-dir", str(tmp_path / "results"), "--variant", "main-job=",
+            "--variant", "speculators=peer=speculators:defaults-bf16"]
+    lc.main(argv)
+    # the point's 200 records (100 reference tokens each), as rows: prompt masked, answer learned
+    (target_dir, rows, layers, settings), = calls
+    assert target_dir == target and layers == [2, 15, 27]
+    assert len(rows) == 200 and rows[7] == {"input_ids": [1, 2] + [5] * 100, "loss_mask": [0, 0] + [1] * 100}
+    assert settings["epochs"] == 6 and settings["draft_vocab_size"] == 4096 and settings["total_seq_len"] == 512
+    assert settings["hidden_states_dtype"] == "bfloat16" and settings["optimizer"] == "muon"  # the peer's own
+    peer_folder = str(tmp_path / "runs" / "speculators-r200" / "speculators" / "drafter")
+    assert decoded[-2:] == [peer_folder, peer_folder]  # dev and test, as ours are decoded
+    result = json.loads((tmp_path / "results" / "learning_curve.json").read_text())
+    assert [r[:5] for r in result["rows"]] == [["main-job", 20000, 200, 150, result["rows"][0][4]],
+                                                ["speculators", 20000, 200, 77, 12]]
+    assert result["rows"][1][-3] == 120000  # tokens seen: 6 passes over 20k
+    lc.main(argv)  # a rerun trains nothing again
+    assert len(calls) == 1
+    monkeypatch.setattr(lc, "load_distill_dataset", None)  # refused before any data loads
+    with pytest.raises(lc.ConfigError, match="peer=speculators:nope: not a peer trainer's settings"):
+        lc.main([*argv[:-1], "bad=peer=speculators:nope"])
+    with pytest.raises(lc.ConfigError, match="whole passes"):
+        lc.main([*argv[:-1], "bad=peer=speculators:defaults epochs=1.5"])
