@@ -479,6 +479,17 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
           sorted(set(late)))
 
 
+def how_generated(data: str) -> str:
+    """How drafter-datagen made the target's answers in `data` (its datagen.json): greedy, or sampled at a
+    temperature, and how many a prompt."""
+    manifest = Path(data) / "datagen.json"
+    generation = json.loads(manifest.read_text()).get("generation", {}) if manifest.is_file() else {}
+    temperature = generation.get("temperature", 0.0)
+    sampled = f"sampled at temperature {temperature:g}" if temperature else "greedy"
+    per_prompt = generation.get("samples_per_prompt", 1)
+    return sampled + (f", {per_prompt} a prompt" if per_prompt > 1 else "")
+
+
 def write(points: list[dict], missing: list[int], lengths: list[int], args, command: str,
           late: Sequence[int] = ()) -> None:
     notes = [f"Our decoder, greedy, the drafter's top-1 tokens as a chain of {args.draft_len}, {args.max_new_tokens} new "
@@ -506,7 +517,8 @@ def write(points: list[dict], missing: list[int], lengths: list[int], args, comm
     curve = len(variants) <= 1
     reference = args.response == "reference"
     source = " (trained on the source's answers)" if reference else ""
-    answers = "the source's own answers (ShareGPT's, not the target's)" if reference else "the target's own answers"
+    answers = ("the source's own answers (ShareGPT's, not the target's)" if reference else
+               f"the target's own answers ({how_generated(args.data)})")
     on = args.title_target
     kind = args.kind_name
     write_result(args.result_name, title=(f"{kind[0].upper() + kind[1:]}'s acceptance against training data on {on}"

@@ -352,3 +352,12 @@ def test_a_peer_variant_trains_the_same_records_with_the_peer_and_decodes_its_dr
         lc.main([*argv[:-1], "bad=peer=speculators:nope"])
     with pytest.raises(lc.ConfigError, match="whole passes"):
         lc.main([*argv[:-1], "bad=peer=speculators:defaults epochs=1.5"])
+
+
+def test_the_question_says_how_the_targets_answers_were_made(tmp_path):
+    """Greedy answers and sampled ones are different data: a result names which it was trained on."""
+    assert lc.how_generated(str(tmp_path)) == "greedy"  # no manifest: datagen's default
+    (tmp_path / "datagen.json").write_text(json.dumps({"generation": {"temperature": 0.8, "samples_per_prompt": 2}}))
+    assert lc.how_generated(str(tmp_path)) == "sampled at temperature 0.8, 2 a prompt"
+    (tmp_path / "datagen.json").write_text(json.dumps({"generation": {"temperature": 0.0}}))
+    assert lc.how_generated(str(tmp_path)) == "greedy"
