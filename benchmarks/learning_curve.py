@@ -214,7 +214,7 @@ def train_peer(peer: str, records: int, epochs: float, run_dir: Path, args) -> d
     seconds (its feature extraction included) and response tokens seen."""
     from transformers import AutoConfig
 
-    from benchmarks.peer_trainers import SETTINGS
+    from benchmarks.peers import SETTINGS
     from benchmarks.peers import check_venv, train_modelopt, train_speculators, write_rows
     from drafter_train.engines.vllm_cpu import local_target
     from drafter_train.features import default_layers
@@ -243,7 +243,7 @@ PEERS = ("speculators", "modelopt")
 def check_peer(peer: str, epochs: float) -> tuple[str, str]:
     """A variant's peer=TRAINER:SETTINGS, refused in one line unless peer_trainers has those settings for that
     trainer and the passes are whole."""
-    from benchmarks.peer_trainers import SETTINGS
+    from benchmarks.peers import SETTINGS
 
     trainer, _, name = peer.partition(":")
     if trainer not in PEERS or (trainer, name) not in SETTINGS:

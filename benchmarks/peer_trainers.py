@@ -22,50 +22,7 @@ from pathlib import Path
 from benchmarks.common import RESULTS_DIR, add_prompt_args, command_line, describe_machine
 from drafter_train.config import RESPONSE_COLUMNS
 from drafter_train.io import write_atomic
-from benchmarks.peers import VENVS, check_venv, train_modelopt, train_speculators, trains, write_rows
-
-# Each trainer's own recommended settings, and the matched ones (ours' recipe, expressed in each trainer's terms).
-# Ours' rows name ttt_decay 0.8 where they were measured with it: drafter-train's default until the ablations below
-# made it 1.0 (chosen on the dev split: --prompts dev, peer_trainers_dev.json).
-_OURS_MATCHED = {"loss": "fkl", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True, "norm_output": True,
-                 "ttt_decay": 0.8}
-# ablations of ours toward speculators' defaults, one difference added at a time (--trainers ours --settings ...):
-# its packing of 512 tokens a step makes ~4.5x our optimizer steps at batch 8; its warmup is 1 % of the steps
-_STEPS = dict(_OURS_MATCHED, batch_size=2, warmup_steps=1)
-_MUON = dict(_STEPS, optimizer="muon")
-# and speculators' ttt_decay 1.0 (every unrolled step's loss weighted alike), drafter-train's default since it won
-_DECAY1 = dict(_MUON, ttt_decay=1.0)
-# and train.mixed_precision=auto: bf16 autocast for the drafter and the target's online forward where a bf16 matmul
-# measures >= 1.5x float32 (this Xeon's AMX: ~6x), the same recipe in less wall
-_AUTO = dict(_DECAY1, mixed_precision="auto")
-_SPECULATORS = {"optimizer": "muon", "lr": 1e-3, "ttt_steps": 3, "norm_before_fc": True, "norm_output": True,
-                "loss_fn": "kl_div", "ttt_decay": 1.0}
-
-SETTINGS = {
-    ("ours", "defaults"): dict(_OURS_MATCHED, lr=5e-4, norm_output=False),
-    ("ours", "matched"): _OURS_MATCHED,
-    ("ours", "steps"): _STEPS,
-    ("ours", "steps-lr2e-3"): dict(_STEPS, lr=2e-3),
-    ("ours", "steps-muon"): _MUON,
-    ("ours", "steps-muon-decay1"): _DECAY1,
-    # and speculators' linear decay of the lr (ours: cosine), the next difference at 50k tokens
-    ("ours", "steps-muon-decay1-linear"): dict(_DECAY1, lr_schedule="linear"),
-    ("ours", "steps-muon-decay1-auto"): _AUTO,
-    ("ours", "steps-muon-decay1-auto-linear"): dict(_AUTO, lr_schedule="linear"),
-    # and the target's features extracted once before training (drafter.features=offline), as speculators does
-    ("ours", "steps-muon-decay1-auto-linear-offline"): dict(_AUTO, lr_schedule="linear", features="offline"),
-    ("speculators", "defaults"): _SPECULATORS,
-    # its defaults with its own training precision, bf16 autocast (hidden_states_dtype; float32 above), the hidden
-    # states extracted under bf16 autocast too: the peer of ours' mixed_precision=auto on a CPU with fast bf16
-    ("speculators", "defaults-bf16"): dict(_SPECULATORS, hidden_states_dtype="bfloat16"),
-    ("speculators", "matched"): dict(_SPECULATORS, optimizer="adamw", ttt_decay=0.8, scheduler="cosine"),
-    # ModelOpt: EAGLE3_DEFAULT_CFG (an 8B-sized draft layer, YaRN injected at export) and its example's lr 1e-4;
-    # matched: the draft layer shaped like the target's, lr 1e-3, batch 8, the rope it trained with
-    ("modelopt", "defaults"): {"lr": 1e-4, "batch_size": 1, "ttt_steps": 3, "ttt_decay": 0.8, "match_target": False,
-                               "inject_yarn": True},
-    ("modelopt", "matched"): {"lr": 1e-3, "batch_size": 8, "ttt_steps": 3, "ttt_decay": 0.8, "match_target": True,
-                              "inject_yarn": False},
-}
+from benchmarks.peers import SETTINGS, VENVS, check_venv, train_modelopt, train_speculators, trains, write_rows
 
 
 def subset_store(source: Path, out: Path, indices: list[int]) -> None:
