@@ -17,7 +17,7 @@ number of training response tokens), a drafter is trained on the first records o
 fewest that hold that many response tokens, so every point shares one datagen folder and one feature cache, which
 grows with the points) for `--epochs` passes over them, then decoded by our speculative decoder as a
 chain of its top-1 tokens (`--draft-len`) on the dev split (for choosing) and on the test split (for reporting),
-greedy. A variant with peer=TRAINER:SETTINGS (e.g. peer=speculators:defaults-bf16, benchmarks/peer_trainers.py's
+greedy. A variant with peer=TRAINER:SETTINGS (e.g. peer=speculators:defaults-bf16, benchmarks.peers'
 SETTINGS, its venv from scripts/setup_peers.sh) trains its points with that peer trainer on the same records, epochs,
 draft vocabulary and feature layers instead, decoded the same way: the best peer beside the recipe at equal data.
 Points beyond the data are reported as not reached. Each finished point's figures are kept in
@@ -207,47 +207,41 @@ def run_point(variant: str, overrides: list[str], records: int, args) -> dict:
 
 
 def train_peer(peer: str, records: int, epochs: float, run_dir: Path, args) -> dict:
-    """A peer trainer's point (a variant's peer=TRAINER:SETTINGS, benchmarks/peer_trainers.py's SETTINGS), trained in
+    """A peer trainer's point (a variant's peer=TRAINER:SETTINGS, benchmarks.peers' SETTINGS), trained in
     its own venv (benchmarks/peers) on the point's records, the same first ones of --data ours trains on, as its rows
     cut at the recipe's train.max_seq_len (its tokens packed a step too), with the recipe's draft vocabulary and
     feature layers, for `epochs` passes. Returns what trained.json keeps: its drafter folder, optimizer steps,
     seconds (its feature extraction included) and response tokens seen."""
     from transformers import AutoConfig
 
-    from benchmarks.peers import SETTINGS
-    from benchmarks.peers import check_venv, train_modelopt, train_speculators, write_rows
+    from benchmarks import peers
     from drafter_train.engines.vllm_cpu import local_target
     from drafter_train.features import default_layers
 
     trainer, name = check_peer(peer, epochs)
-    adapters = {"speculators": (train_speculators, "total_seq_len"), "modelopt": (train_modelopt, "seq_len")}
-    check_venv(trainer)
+    peers.check_venv(trainer)
     cfg = compose_config("train", args.recipe)
     target_dir = local_target(cfg.target.path, cfg.target.cache_dir)
     layers = list(cfg.drafter.target_layers or default_layers(AutoConfig.from_pretrained(target_dir).num_hidden_layers))
     run_dir.mkdir(parents=True, exist_ok=True)
     data, rows = load_distill_dataset(args.data), run_dir / "rows.jsonl"
-    seen = write_rows((data[i] for i in range(records)), rows, cfg.train.max_seq_len, None,
-                      RESPONSE_COLUMNS[args.response])
-    train_fn, packing = adapters[trainer]
-    settings = dict(SETTINGS[(trainer, name)], epochs=int(epochs), draft_vocab_size=cfg.drafter.draft_vocab_size,
-                    **{packing: cfg.train.max_seq_len})
-    info = train_fn(Path(target_dir), rows, layers, run_dir / trainer, settings)
+    seen = peers.write_rows((data[i] for i in range(records)), rows, cfg.train.max_seq_len, None,
+                            RESPONSE_COLUMNS[args.response])
+    info = peers.train_peer(trainer, Path(target_dir), rows, layers, run_dir,
+                            dict(peers.SETTINGS[(trainer, name)], epochs=int(epochs)), cfg.drafter.draft_vocab_size,
+                            cfg.train.max_seq_len)
     return {"peer": peer, "drafter": str(run_dir / trainer / "drafter"), "steps": info["optimizer_steps"],
             "train_s": info["train_wall_s"] + (info.get("features_wall_s") or 0.0), "tokens_seen": seen * int(epochs)}
 
 
-PEERS = ("speculators", "modelopt")
-
-
 def check_peer(peer: str, epochs: float) -> tuple[str, str]:
-    """A variant's peer=TRAINER:SETTINGS, refused in one line unless peer_trainers has those settings for that
+    """A variant's peer=TRAINER:SETTINGS, refused in one line unless benchmarks.peers has those settings for a peer
     trainer and the passes are whole."""
-    from benchmarks.peers import SETTINGS
+    from benchmarks.peers import PACKING, SETTINGS
 
     trainer, _, name = peer.partition(":")
-    if trainer not in PEERS or (trainer, name) not in SETTINGS:
-        known = ", ".join(f"{t}:{n}" for t, n in SETTINGS if t in PEERS)
+    if trainer not in PACKING or (trainer, name) not in SETTINGS:
+        known = ", ".join(f"{t}:{n}" for t, n in SETTINGS if t in PACKING)
         raise ConfigError(f"peer={peer}: not a peer trainer's settings ({known})")
     if epochs != int(epochs):
         raise ConfigError(f"peer={peer}: the peers train whole passes, not epochs={epochs:g}")
@@ -409,7 +403,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser.add_argument("--variant", action="append", help="NAME=OVERRIDES (drafter-train options added to the "
                         "recipe, space-separated; epochs=N sets the variant's passes; peer=TRAINER:SETTINGS trains "
                         "the point with a peer trainer instead, e.g. peer=speculators:defaults-bf16, "
-                        "benchmarks/peer_trainers.py); repeatable; default: "
+                        "benchmarks.peers.SETTINGS); repeatable; default: "
                         "main-job= (the recipe as it is; with --recipe P:S, P-S=, so its points are kept apart "
                         "from the main job's)")
     parser.add_argument("--epochs", type=float, default=6, help="passes over each point's records (the main job: "
@@ -454,9 +448,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     args.kind_name = KIND_NAMES.get(composed.drafter.kind, composed.drafter.kind)
     args.pace = Pace(args.deadline)
     variants = parse_variants(args.variant, args.recipe_name)
-    for overrides in variants.values():  # before any data loads
-        if _last_value(overrides, "peer"):
-            check_peer(_last_value(overrides, "peer"), float(_last_value(overrides, "epochs", args.epochs)))
+    for peer, overrides in ((_last_value(o, "peer"), o) for o in variants.values()):  # before any data loads
+        if peer:
+            check_peer(peer, float(_last_value(overrides, "epochs", args.epochs)))
     column = RESPONSE_COLUMNS[args.response]
     lengths = [len(r) for r in load_distill_dataset(args.data)[column]]
     args.tokens_in = lambda records: sum(lengths[:records])

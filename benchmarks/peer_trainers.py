@@ -22,7 +22,8 @@ from pathlib import Path
 from benchmarks.common import RESULTS_DIR, add_prompt_args, command_line, describe_machine
 from drafter_train.config import RESPONSE_COLUMNS
 from drafter_train.io import write_atomic
-from benchmarks.peers import SETTINGS, VENVS, check_venv, train_modelopt, train_speculators, trains, write_rows
+from benchmarks import peers
+from benchmarks.peers import PACKING, SETTINGS, VENVS, check_venv, trains, write_rows
 
 
 def subset_store(source: Path, out: Path, indices: list[int]) -> None:
@@ -135,13 +136,9 @@ def train_peer(trainer: str, args, target_dir: str, rows: Path, subset: Path, re
     """One trainer at one set of settings on the rows: its drafter folder, and optimizer steps / train wall."""
     if trainer == "ours":
         return train_ours(args, args.target, subset, settings, out, records)
-    if trainer == "speculators":
-        peer = dict(settings, draft_vocab_size=args.draft_vocab_size, total_seq_len=args.max_seq_len)
-        info = train_speculators(Path(target_dir), rows, args.layers, out / "speculators", peer)
-        return drafter_folder(trainer, out), info
-    if trainer == "modelopt":
-        peer = dict(settings, draft_vocab_size=args.draft_vocab_size, seq_len=args.max_seq_len)
-        info = train_modelopt(Path(target_dir), rows, args.layers, out / "modelopt", peer)
+    if trainer in PACKING:
+        info = peers.train_peer(trainer, Path(target_dir), rows, args.layers, out, settings, args.draft_vocab_size,
+                                args.max_seq_len)
         return drafter_folder(trainer, out), info
     raise SystemExit(f"peer_trainers: no adapter for {trainer!r} (ours, speculators, modelopt)")
 

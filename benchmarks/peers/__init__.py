@@ -78,6 +78,20 @@ def train_modelopt(target: Path, rows: Path, layers: list[int], out: Path, setti
     return _run("modelopt", target, rows, layers, out, settings, timeout)
 
 
+# each peer's option that caps a row's tokens (and packs a step's): peer_trainers' --max-seq-len, a learning curve's
+# train.max_seq_len
+PACKING = {"speculators": "total_seq_len", "modelopt": "seq_len"}
+
+
+def train_peer(trainer: str, target: Path, rows: Path, layers: list[int], out: Path, settings: dict,
+               draft_vocab_size: int, seq_len: int) -> dict:
+    """One peer trainer (a PACKING name) on `rows` with its `settings` plus the draft vocabulary and row length every
+    comparison shares: OUT/<trainer>/drafter, and its train_info."""
+    run = {"speculators": train_speculators, "modelopt": train_modelopt}[trainer]
+    return run(target, rows, layers, out / trainer,
+               dict(settings, draft_vocab_size=draft_vocab_size, **{PACKING[trainer]: seq_len}))
+
+
 def _run(peer: str, target: Path, rows: Path, layer_ids: list[int], out: Path, settings: dict,
          timeout: Optional[float]) -> dict:
     args = [str(peer_python(peer)), "-P", str(HERE / f"{peer}_train.py"), "--target", str(target),
